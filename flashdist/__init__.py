@@ -1,0 +1,13 @@
+"""flashdist: FlashOptim (arXiv:2602.23349) optimizers for sharded training with FSDP2 and DeepSpeed.
+
+Per parameter, FlashAdamW holds a bf16 parameter, an int8 correction ``rho`` (24-bit master weights), the
+bf16 gradient and both Adam moments as 8-bit codes with a bf16 scale per 32 values: 7.125 bytes, against
+16 for AdamW with fp32 master weights.
+"""
+
+from .memory import bytes_per_param, memory_report
+from .optim import FlashAdam, FlashAdamW, FlashOptimizer
+
+__version__ = "0.1.0"
+
+__all__ = ["FlashAdam", "FlashAdamW", "FlashOptimizer", "bytes_per_param", "memory_report", "__version__"]

@@ -1,0 +1,60 @@
+"""Everything flashdist knows about DTensor / FSDP2 lives here; the rest works on plain local tensors.
+
+FSDP2 (``fully_shard``) turns each parameter into a DTensor sharded on dim 0 (``Shard(0)`` over a 1-D
+mesh, or ``(Replicate(), Shard(0))`` for HSDP). Because quantization groups never cross a row, the step
+on each rank's local rows is exactly the step on those rows of the full tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # torch >= 2.5 exposes DTensor publicly
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+except ImportError:  # pragma: no cover - torch built without distributed
+    DTensor = None  # type: ignore[assignment]
+
+
+def is_dtensor(t: torch.Tensor) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def local(t: torch.Tensor | None) -> torch.Tensor | None:
+    """The tensor this rank stores (the tensor itself when it is not a DTensor)."""
+    if t is not None and is_dtensor(t):
+        return t._local_tensor  # to_local() without autograd bookkeeping on the hot path
+    return t
+
+
+def global_shape(t: torch.Tensor) -> torch.Size:
+    return t.shape  # a DTensor reports its global shape
+
+
+def check_placements(p: torch.Tensor, name: str) -> None:
+    """Refuse layouts whose local shard is not a set of whole rows of the global tensor."""
+    if not is_dtensor(p):
+        return
+    for placement in p.placements:
+        if isinstance(placement, Replicate):
+            continue
+        if isinstance(placement, Shard) and placement.dim == 0:
+            continue
+        raise ValueError(
+            f"flashdist: parameter {name} has placements {tuple(p.placements)} on mesh "
+            f"{p.device_mesh}; only Shard(0) (FSDP2) and Replicate() (HSDP) keep whole rows on each rank, "
+            "which the row-aligned quantized state needs. Shard this parameter on dim 0 (fully_shard) or "
+            "keep it out of tensor parallelism."
+        )
+    if sum(isinstance(pl, Shard) for pl in p.placements) > 1:
+        raise ValueError(f"flashdist: parameter {name} is sharded on dim 0 by more than one mesh dim "
+                         f"({tuple(p.placements)}); use one Shard(0) mesh dim (FSDP2 or HSDP).")
+
+
+def state_like(p: torch.Tensor, local_state: torch.Tensor, global_shape_: tuple[int, ...]) -> torch.Tensor:
+    """Wrap a local state tensor as a DTensor with ``p``'s mesh and placements and its true global shape,
+    so that dcp.save writes it and a resharding dcp.load finds it (uneven shards need shape= and stride=)."""
+    if not is_dtensor(p):
+        return local_state
+    stride = torch.empty(global_shape_, device="meta").stride()
+    return DTensor.from_local(local_state, p.device_mesh, p.placements, run_check=False,
+                              shape=torch.Size(global_shape_), stride=stride)

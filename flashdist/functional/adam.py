@@ -1,0 +1,74 @@
+"""Functional FlashAdam(W) step on lists of plain local tensors: the layer under the optimizer classes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .._compat import HAS_TRITON
+from ..kernels import reference
+from ..kernels.scalars import AdamScalars
+
+BACKENDS = ("auto", "triton", "reference")
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """``auto``: the Triton kernel for CUDA tensors when triton is importable, else the eager reference."""
+    if backend not in BACKENDS:
+        raise ValueError(f"flashdist: backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if (device.type == "cuda" and HAS_TRITON) else "reference"
+    if backend == "triton" and not HAS_TRITON:
+        raise RuntimeError("flashdist: backend='triton' needs the triton package (pip install triton)")
+    return backend
+
+
+def flash_adam(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    exp_avg_scales: Sequence[torch.Tensor] | None,
+    exp_avg_sq_scales: Sequence[torch.Tensor] | None,
+    rhos: Sequence[torch.Tensor] | None,
+    *,
+    cols: Sequence[int] | None,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    decoupled: bool,
+    companded: bool = True,
+    skipped: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> None:
+    """One Adam (``decoupled=False``, L2 weight decay) or AdamW step, in place, on local tensors.
+
+    All tensors of one call share one layout: quantized moments (int8 ``exp_avgs`` / uint8 ``exp_avg_sqs``
+    codes with bf16 ``*_scales`` of shape (rows, ceil(cols/32)), ``cols[i]`` the row length) when
+    ``exp_avg_scales`` is given, fp32 moments otherwise; a rho correction for every parameter when ``rhos``
+    is given. ``step`` is the 1-based step count of every tensor in the call. ``skipped`` (a one-element
+    int32 tensor on the parameters' device) counts the groups left unchanged because their gradient held a
+    NaN or an Inf.
+    """
+    if not params:
+        return
+    scalars = AdamScalars.make(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step,
+                               decoupled=decoupled)
+    if resolve_backend(backend, params[0].device) == "triton":
+        from ..kernels.triton.adam import adam_step_multi
+
+        adam_step_multi(params, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales, rhos,
+                        cols=cols, scalars=scalars, companded=companded, skipped=skipped)
+        return
+    for i, p in enumerate(params):
+        reference.adam_step_(
+            p, grads[i], exp_avgs[i], exp_avg_sqs[i],
+            exp_avg_scales[i] if exp_avg_scales is not None else None,
+            exp_avg_sq_scales[i] if exp_avg_sq_scales is not None else None,
+            rhos[i] if rhos is not None else None,
+            cols=cols[i] if cols is not None else None, scalars=scalars, companded=companded, skipped=skipped,
+        )

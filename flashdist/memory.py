@@ -1,0 +1,74 @@
+"""Bytes per parameter: the analytic budget (the paper's Table 1) and what an optimizer really holds."""
+
+from __future__ import annotations
+
+import torch
+
+from . import distributed as D
+from .quant.codes import GROUP
+
+SCALE_BYTES = 2.0 / GROUP  # one bf16 scale per group of 32 values
+
+_KINDS = {
+    # kind: (master, rho, grad, moments); a moment is fp32 (4) or an 8-bit code plus its group scale
+    "adamw": (4, 0, 4, (4, 4)),
+    "flash_adamw": (2, 1, 2, (1 + SCALE_BYTES, 1 + SCALE_BYTES)),
+    "sgd": (4, 0, 4, (4,)),
+    "flash_sgd": (2, 1, 2, (1 + SCALE_BYTES,)),
+}
+_ALIASES = {"adamw_ref": "adamw", "sgd_ref": "sgd", "adam": "adamw", "flash_adam": "flash_adamw"}
+
+
+def bytes_per_param(kind: str, gradient_release: bool = False) -> dict[str, float]:
+    """Analytic bytes per parameter held by training with ``kind`` (one of adamw, flash_adamw, sgd,
+    flash_sgd): master weight, rho ("ecc"), gradient (0 with gradient release), each moment, total."""
+    key = _ALIASES.get(kind, kind)
+    if key not in _KINDS:
+        raise ValueError(f"flashdist: unknown optimizer kind {kind!r}; expected one of {sorted(_KINDS)}")
+    master, rho, grad, moments = _KINDS[key]
+    parts = {"master": float(master), "ecc": float(rho), "grad": 0.0 if gradient_release else float(grad)}
+    for name, b in zip(("m", "v"), moments):
+        parts[name] = b
+    parts["total"] = round(sum(parts.values()), 4)
+    return parts
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    t = D.local(t)
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+@torch.no_grad()
+def memory_report(optimizer: torch.optim.Optimizer, *, include_grads: bool = True) -> dict[str, float]:
+    """MEASURED bytes held for the optimizer's parameters on this rank, summed from the real local tensors:
+    ``params``, ``grads`` (those that exist now), ``rho``, ``codes``, ``scales``, ``fp32_moments``,
+    ``other`` (any other tensor state), their ``total`` and ``bytes_per_param`` (total / local numel)."""
+    out = dict.fromkeys(("params", "grads", "rho", "codes", "scales", "fp32_moments", "other"), 0)
+    numel = 0
+    seen: set[int] = set()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            numel += D.local(p).numel()
+            out["params"] += _nbytes(p)
+            if include_grads and p.grad is not None:
+                out["grads"] += _nbytes(p.grad)
+            for key, value in optimizer.state.get(p, {}).items():
+                if not isinstance(value, torch.Tensor) or key == "step":
+                    continue
+                if key == "rho":
+                    out["rho"] += _nbytes(value)
+                elif key.endswith("_codes"):
+                    out["codes"] += _nbytes(value)
+                elif key.endswith("_scales"):
+                    out["scales"] += _nbytes(value)
+                elif value.dtype == torch.float32 and key.startswith("exp_avg") or key == "momentum_buffer":
+                    out["fp32_moments"] += _nbytes(value)
+                else:
+                    out["other"] += _nbytes(value)
+    out["total"] = sum(out.values())
+    out["numel"] = numel
+    out["bytes_per_param"] = out["total"] / numel if numel else 0.0
+    return out

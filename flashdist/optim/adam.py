@@ -1,0 +1,81 @@
+"""FlashAdamW and FlashAdam."""
+
+from __future__ import annotations
+
+import torch
+
+from ..functional.adam import BACKENDS, flash_adam
+from .base import FlashOptimizer, check_number
+
+
+class FlashAdamW(FlashOptimizer):
+    """AdamW with 24-bit master weights and 8-bit companded moments (FlashOptim, arXiv:2602.23349, Alg. 4).
+
+    A drop-in ``torch.optim.AdamW`` (decoupled weight decay, torch's bias correction and eps convention).
+
+    Bytes per parameter held (bf16 parameters): the parameter (2) + rho (1, int8) + the bf16 gradient (2)
+    + the first moment (int8 code 1 + a bf16 scale per 32 values 1/16) + the second moment (uint8 1 + 1/16)
+    = 7.125; 5.125 with gradient release. ``master_weight_bits=32`` makes rho int16 (+1 byte); ``None``
+    drops rho (pure bf16 training: updates smaller than half a bf16 spacing are lost).
+
+    Args:
+        params: parameters or param groups, as for any torch optimizer; ``named_parameters()`` gives
+            error messages with parameter names. bf16/fp16/fp32, plain tensors or FSDP2 DTensors.
+        lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
+        master_weight_bits: 24 (int8 rho, default), 32 (int16 rho) or None. Only bf16/fp16 parameters
+            are split; fp32 parameters are their own master weight.
+        quantize_states: keep the moments as 8-bit codes (default) or as fp32.
+        companded: softsign (first moment) and sqrt (second moment) companding before 8-bit group
+            quantization (default); False is linear group absmax for both, the paper's ablation.
+        backend: "auto" (Triton kernel for CUDA tensors, eager torch otherwise), "triton" or "reference".
+
+    Caveats. Moments of 0-d and 1-d parameters stay fp32 (they are a tiny share of any model; their
+    FSDP2 shards cut anywhere, so no row-aligned group exists). A group of 32 values of one row whose
+    gradient holds a NaN or an Inf is skipped: its parameter, rho and moments stay as they were, and
+    ``optimizer.skipped`` (an int32 tensor on the parameters' device, no sync needed to keep counting)
+    counts the skipped groups. Layout options (master_weight_bits, quantize_states, companded) are fixed
+    for a parameter once the optimizer is built.
+    """
+
+    _moments = ("exp_avg", "exp_avg_sq")
+    _decoupled = True
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, *, master_weight_bits: int | None = 24, quantize_states: bool = True,
+                 companded: bool = True, backend: str = "auto"):
+        if backend not in BACKENDS:
+            raise ValueError(f"flashdist: backend must be one of {BACKENDS}, got {backend!r}")
+        self.backend = backend
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                        master_weight_bits=master_weight_bits, quantize_states=quantize_states,
+                        companded=companded)
+        super().__init__(params, defaults)
+
+    def _check_hyperparameters(self, group: dict) -> None:
+        check_number("lr", group["lr"], low=0.0)
+        betas = group["betas"]
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"flashdist: betas must be a pair of numbers, got {betas!r}")
+        check_number("betas[0]", betas[0], low=0.0, high=1.0, high_open=True)
+        check_number("betas[1]", betas[1], low=0.0, high=1.0, high_open=True)
+        check_number("eps", group["eps"], low=0.0)
+        check_number("weight_decay", group["weight_decay"], low=0.0)
+
+    def _step_bucket(self, group, params, step, skipped):
+        local_params, grads, (m, v), (ms, vs), rhos, cols = self._bucket_tensors(params)
+        beta1, beta2 = group["betas"]
+        flash_adam(local_params, grads, m, v, ms, vs, rhos, cols=cols, lr=float(group["lr"]), beta1=float(beta1),
+                   beta2=float(beta2), eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
+                   step=step, decoupled=self._decoupled, companded=group["companded"], skipped=skipped,
+                   backend=self.backend)
+
+
+class FlashAdam(FlashAdamW):
+    """Adam with L2 weight decay added to the gradient (``torch.optim.Adam``'s convention), with FlashAdamW's
+    memory layout: see :class:`FlashAdamW` for the byte budget, arguments and caveats."""
+
+    _decoupled = False
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, **kwargs):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **kwargs)

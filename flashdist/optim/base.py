@@ -1,0 +1,253 @@
+"""What every flashdist optimizer shares: parameter checks, state creation, layout, step bookkeeping."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from .. import distributed as D
+from ..quant import codes as Q
+from ..quant import rho as R
+
+SUPPORTED_PARAM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MASTER_WEIGHT_BITS = (24, 32, None)
+
+
+def param_name(group: dict, index: int, p: torch.Tensor) -> str:
+    """The parameter's name when the optimizer was given ``named_parameters()``, else its position."""
+    names = group.get("param_names")
+    where = f"'{names[index]}'" if names else f"param_groups[...]['params'][{index}]"
+    return f"{where} (shape {tuple(p.shape)}, {p.dtype})"
+
+
+def check_number(name: str, value: Any, *, low: float, high: float | None = None, high_open: bool = False):
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"flashdist: {name} must be a number, got a tensor of shape {tuple(value.shape)}")
+        value = value.item()
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
+        raise ValueError(f"flashdist: {name} must be a real number, got {value!r}")
+    if value < low or (high is not None and (value >= high if high_open else value > high)):
+        bound = f"[{low}, {high})" if high_open else (f"[{low}, {high}]" if high is not None else f">= {low}")
+        raise ValueError(f"flashdist: {name} must be in {bound}, got {value!r}")
+
+
+class FlashOptimizer(torch.optim.Optimizer):
+    """Base class. Subclasses set ``_moments`` (state names of their moments, e.g. ("exp_avg", "exp_avg_sq"))
+    and implement ``_check_hyperparameters`` and ``_step_bucket``."""
+
+    _moments: tuple[str, ...] = ()
+
+    def __init__(self, params, defaults: dict):
+        self.skipped = None  # int32 counter of skipped (non-finite) groups, on the parameters' device
+        super().__init__(params, defaults)
+
+    # ----- construction -------------------------------------------------------------------------------
+
+    def _check_hyperparameters(self, group: dict) -> None:
+        raise NotImplementedError
+
+    def _check_layout_options(self, group: dict) -> None:
+        if group["master_weight_bits"] not in MASTER_WEIGHT_BITS:
+            raise ValueError(f"flashdist: master_weight_bits must be 24, 32 or None, got "
+                             f"{group['master_weight_bits']!r}")
+        for key in ("quantize_states", "companded"):
+            if not isinstance(group[key], bool):
+                raise ValueError(f"flashdist: {key} must be True or False, got {group[key]!r}")
+
+    def add_param_group(self, param_group: dict) -> None:
+        # Validate everything first so that a bad group leaves the optimizer unchanged.
+        candidate = dict(param_group)
+        params = candidate["params"]
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        params = list(params)
+        if params and isinstance(params[0], tuple):  # named parameters
+            candidate["param_names"] = [n for n, _ in params]
+            params = [p for _, p in params]
+        for k, v in self.defaults.items():
+            candidate.setdefault(k, v)
+        self._check_hyperparameters(candidate)
+        self._check_layout_options(candidate)
+        for i, p in enumerate(params):
+            self._check_param(candidate, i, p)
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        for p in group["params"]:
+            self._init_state(p, group)
+
+    def _check_param(self, group: dict, index: int, p: torch.Tensor) -> None:
+        name = param_name(group, index, p)
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"flashdist: {name} is a {type(p).__name__}, not a tensor")
+        if p.dtype not in SUPPORTED_PARAM_DTYPES:
+            raise TypeError(f"flashdist: {name} has dtype {p.dtype}; flashdist optimizers take bfloat16, "
+                            "float16 or float32 parameters (cast the model, e.g. model.to(torch.bfloat16))")
+        if p.is_sparse:
+            raise TypeError(f"flashdist: {name} is sparse; flashdist optimizers need dense parameters")
+        if not D.local(p).is_contiguous():
+            raise ValueError(f"flashdist: {name} is not contiguous (strides {D.local(p).stride()}); the fused "
+                             "step works on contiguous storage: make it contiguous before building the optimizer")
+        D.check_placements(p, name)
+
+    def _init_state(self, p: torch.Tensor, group: dict) -> None:
+        """Create the whole state up front (every rank, every parameter) so that a checkpoint can be
+        saved before the first step and every rank writes the same keys (dcp.save)."""
+        state = self.state[p]
+        if state:
+            return
+        shape = D.global_shape(p)
+        lp = D.local(p)
+        state["step"] = torch.tensor(0.0)
+        layout = Q.quantized_layout(shape) if group["quantize_states"] else None
+        for name in self._moments:
+            if layout is None:
+                state[name] = D.state_like(p, torch.zeros_like(lp, dtype=torch.float32), tuple(shape))
+            else:
+                rows, cols, ngroups = layout
+                code_dtype = torch.uint8 if name.endswith("_sq") else torch.int8
+                state[f"{name}_codes"] = D.state_like(p, torch.zeros_like(lp, dtype=code_dtype), tuple(shape))
+                local_rows = lp.shape[0]
+                scales = torch.zeros((local_rows, ngroups), dtype=torch.bfloat16, device=lp.device)
+                state[f"{name}_scales"] = D.state_like(p, scales, (rows, ngroups))
+        if R.splits(p.dtype, group["master_weight_bits"]):
+            rho_dtype = R.rho_dtype(group["master_weight_bits"])
+            state["rho"] = D.state_like(p, torch.zeros_like(lp, dtype=rho_dtype), tuple(shape))
+
+    # ----- queries -------------------------------------------------------------------------------------
+
+    def _group_of(self, p: torch.Tensor) -> dict:
+        for group in self.param_groups:
+            if any(q is p for q in group["params"]):
+                return group
+        raise KeyError("flashdist: this tensor is not a parameter of the optimizer")
+
+    @torch.no_grad()
+    def master_weight(self, p: torch.Tensor) -> torch.Tensor:
+        """The fp32 master weight of ``p``: the bf16/fp16 parameter plus its rho correction (``p`` itself,
+        as fp32, when it has no rho: fp32 parameters or ``master_weight_bits=None``). For a DTensor
+        parameter the result is a DTensor with the same placements."""
+        self._group_of(p)
+        rho = self.state[p].get("rho")
+        if rho is None:
+            return p.detach().float()
+        master = R.merge(D.local(p).detach(), D.local(rho))
+        return D.state_like(p, master, tuple(D.global_shape(p)))
+
+    # ----- step ----------------------------------------------------------------------------------------
+
+    def _check_grads(self) -> list[list[tuple[int, torch.Tensor]]]:
+        """All checks that can fail, before anything changes. Returns (index, param) with a grad, per group."""
+        active = []
+        for group in self.param_groups:
+            self._check_hyperparameters(group)
+            with_grad = []
+            for i, p in enumerate(group["params"]):
+                g = p.grad
+                if g is None:
+                    continue
+                if g.is_sparse:
+                    raise RuntimeError(f"flashdist: {param_name(group, i, p)} has a sparse gradient; flashdist "
+                                       "optimizers need dense gradients (e.g. nn.Embedding(sparse=False))")
+                if g.shape != p.shape:
+                    raise RuntimeError(f"flashdist: {param_name(group, i, p)} has a gradient of shape "
+                                       f"{tuple(g.shape)}")
+                with_grad.append((i, p))
+            active.append(with_grad)
+        return active
+
+    def _skipped_counter(self, device: torch.device) -> torch.Tensor:
+        if self.skipped is None or self.skipped.device != device:
+            self.skipped = torch.zeros((), dtype=torch.int32, device=device)
+        return self.skipped
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        active = self._check_grads()
+        for group, with_grad in zip(self.param_groups, active):
+            if not with_grad:
+                continue
+            steps = [self.state[p]["step"] for _, p in with_grad]
+            torch._foreach_add_(steps, 1.0)
+            by_step: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+            for (_, p), t in zip(with_grad, torch.stack(steps).tolist()):
+                state = self.state[p]
+                key = (int(t), state.get("rho") is not None, f"{self._moments[0]}_codes" in state,
+                       D.local(p).device)
+                by_step[key].append(p)
+            for (t, _, _, device), ps in by_step.items():
+                self._step_bucket(group, ps, t, self._skipped_counter(device))
+        return loss
+
+    def _step_bucket(self, group: dict, params: list[torch.Tensor], step: int, skipped: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _bucket_tensors(self, params: list[torch.Tensor]):
+        """Local tensors of a bucket (one layout): params, grads, per-moment codes/values and scales, rho."""
+        states = [self.state[p] for p in params]
+        local_params = [D.local(p) for p in params]
+        grads = [D.local(p.grad) for p in params]
+        quantized = f"{self._moments[0]}_codes" in states[0]
+        moments, scales = [], []
+        for name in self._moments:
+            key = f"{name}_codes" if quantized else name
+            moments.append([D.local(s[key]) for s in states])
+            scales.append([D.local(s[f"{name}_scales"]) for s in states] if quantized else None)
+        rhos = [D.local(s["rho"]) for s in states] if "rho" in states[0] else None
+        cols = [Q.quantized_layout(D.global_shape(p))[1] for p in params] if quantized else None
+        return local_params, grads, moments, scales, rhos, cols
+
+    # ----- state dict ----------------------------------------------------------------------------------
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state dict saved by the same kind of optimizer, keeping int8/uint8/bf16 state in its dtype
+        (torch's Optimizer would cast it to the parameter dtype). Everything is checked before anything is
+        copied: a mismatch raises an error naming the parameter and leaves the optimizer unchanged."""
+        groups = state_dict.get("param_groups")
+        saved = state_dict.get("state")
+        if not isinstance(groups, list) or not isinstance(saved, dict):
+            raise ValueError("flashdist: load_state_dict expects a dict with 'state' and 'param_groups'")
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"flashdist: the state dict has {len(groups)} param groups, this optimizer has "
+                             f"{len(self.param_groups)}")
+        plan = []
+        for gi, (group, sgroup) in enumerate(zip(self.param_groups, groups)):
+            if len(sgroup["params"]) != len(group["params"]):
+                raise ValueError(f"flashdist: param group {gi} has {len(sgroup['params'])} parameters in the "
+                                 f"state dict and {len(group['params'])} here")
+            for key in ("master_weight_bits", "quantize_states", "companded"):
+                if key in sgroup and sgroup[key] != group[key]:
+                    raise ValueError(f"flashdist: param group {gi} was saved with {key}={sgroup[key]!r}, this "
+                                     f"optimizer has {key}={group[key]!r}; build the optimizer with the same "
+                                     "setting")
+            for i, (pid, p) in enumerate(zip(sgroup["params"], group["params"])):
+                if pid not in saved:
+                    continue
+                mine, theirs = self.state[p], saved[pid]
+                name = param_name(group, i, p)
+                if set(theirs) != set(mine):
+                    raise ValueError(f"flashdist: state of {name} has keys {sorted(theirs)}, expected "
+                                     f"{sorted(mine)}")
+                for key, value in theirs.items():
+                    ref = mine[key]
+                    value_shape = tuple(value.shape) if isinstance(value, torch.Tensor) else ()
+                    if key != "step" and (value_shape != tuple(ref.shape) or value.dtype != ref.dtype):
+                        raise ValueError(f"flashdist: state '{key}' of {name} is {getattr(value, 'dtype', None)} "
+                                         f"{value_shape}, expected {ref.dtype} {tuple(ref.shape)}")
+                plan.append((mine, theirs))
+        for mine, theirs in plan:
+            for key, value in theirs.items():
+                if key == "step":
+                    mine[key].fill_(float(value))
+                else:
+                    D.local(mine[key]).copy_(D.local(value))
+        for group, sgroup in zip(self.param_groups, groups):
+            for k, v in sgroup.items():
+                if k not in ("params", "param_names"):
+                    group[k] = v
