@@ -171,19 +171,23 @@ class FlashOptimizer(torch.optim.Optimizer):
                 loss = closure()
         active = self._check_grads()
         for group, with_grad in zip(self.param_groups, active):
-            if not with_grad:
-                continue
-            steps = [self.state[p]["step"] for _, p in with_grad]
-            torch._foreach_add_(steps, 1.0)
-            by_step: dict[tuple, list[torch.Tensor]] = defaultdict(list)
-            for (_, p), t in zip(with_grad, torch.stack(steps).tolist()):
-                state = self.state[p]
-                key = (int(t), state.get("rho") is not None, f"{self._moments[0]}_codes" in state,
-                       D.local(p).device)
-                by_step[key].append(p)
-            for (t, _, _, device), ps in by_step.items():
-                self._step_bucket(group, ps, t, self._skipped_counter(device))
+            self._step_params(group, [p for _, p in with_grad])
         return loss
+
+    def _step_params(self, group: dict, params: list[torch.Tensor]) -> None:
+        """Step these parameters of ``group`` (all have a gradient): bucket them by step count and layout,
+        one functional call per bucket."""
+        if not params:
+            return
+        steps = [self.state[p]["step"] for p in params]
+        torch._foreach_add_(steps, 1.0)
+        by_step: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+        for p, t in zip(params, torch.stack(steps).tolist()):
+            state = self.state[p]
+            key = (int(t), state.get("rho") is not None, f"{self._moments[0]}_codes" in state, D.local(p).device)
+            by_step[key].append(p)
+        for (t, _, _, device), ps in by_step.items():
+            self._step_bucket(group, ps, t, self._skipped_counter(device))
 
     def _step_bucket(self, group: dict, params: list[torch.Tensor], step: int, skipped: torch.Tensor) -> None:
         raise NotImplementedError
