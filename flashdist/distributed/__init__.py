@@ -30,24 +30,35 @@ def global_shape(t: torch.Tensor) -> torch.Size:
     return t.shape  # a DTensor reports its global shape
 
 
+def _is_row_shard(placement, ndim: int) -> bool:
+    # Exactly Shard on dim 0, however the dim is spelled: _StridedShard (FSDP2 over tensor parallelism; a
+    # Shard subclass in some torch versions) interleaves the rows of several ranks.
+    return type(placement) is Shard and ndim > 0 and placement.dim % ndim == 0
+
+
 def check_placements(p: torch.Tensor, name: str) -> None:
-    """Refuse layouts whose local shard is not a set of whole rows of the global tensor."""
+    """Refuse layouts whose local shard is not one contiguous block of whole rows of the global tensor.
+
+    Accepted: ``Shard(0)`` over a 1-D mesh (FSDP2), ``(Replicate(), Shard(0))`` over a 2-D mesh (HSDP), and
+    any mix of ``Replicate()`` with at most one ``Shard(0)``. Refused, naming the parameter and placement:
+    ``Shard(d)`` for d > 0 (FSDP2's ``shard_placement_fn``, tensor-parallel column shards), ``Partial``,
+    strided shards (FSDP2 over tensor parallelism) and more than one sharded mesh dim.
+    """
     if not is_dtensor(p):
         return
-    for placement in p.placements:
-        if isinstance(placement, Replicate):
-            continue
-        if isinstance(placement, Shard) and placement.dim == 0:
+    placements = tuple(p.placements)
+    where = f"parameter {name} has placements {placements} on mesh {p.device_mesh}"
+    for placement in placements:
+        if isinstance(placement, Replicate) or _is_row_shard(placement, p.ndim):
             continue
         raise ValueError(
-            f"flashdist: parameter {name} has placements {tuple(p.placements)} on mesh "
-            f"{p.device_mesh}; only Shard(0) (FSDP2) and Replicate() (HSDP) keep whole rows on each rank, "
-            "which the row-aligned quantized state needs. Shard this parameter on dim 0 (fully_shard) or "
-            "keep it out of tensor parallelism."
+            f"flashdist: {where}; only Shard(0) (FSDP2) and Replicate() (HSDP) keep whole rows on each rank, "
+            "which the row-aligned quantized state needs. Shard this parameter on dim 0 (fully_shard without "
+            "a shard_placement_fn) or keep it out of tensor parallelism."
         )
-    if sum(isinstance(pl, Shard) for pl in p.placements) > 1:
-        raise ValueError(f"flashdist: parameter {name} is sharded on dim 0 by more than one mesh dim "
-                         f"({tuple(p.placements)}); use one Shard(0) mesh dim (FSDP2 or HSDP).")
+    if sum(not isinstance(pl, Replicate) for pl in placements) > 1:
+        raise ValueError(f"flashdist: {where}; it is sharded on dim 0 by more than one mesh dim. Use one "
+                         "Shard(0) mesh dim (FSDP2 or HSDP).")
 
 
 def state_like(p: torch.Tensor, local_state: torch.Tensor, global_shape_: tuple[int, ...]) -> torch.Tensor:

@@ -54,15 +54,15 @@ def to_bf16_value(x: torch.Tensor) -> torch.Tensor:
 
 def grouped(x: torch.Tensor, cols: int) -> torch.Tensor:
     """View a tensor of ``rows * cols`` values as ``(rows, groups, 32)``, zero-padding each row's tail."""
-    x = x.reshape(-1, cols)
+    x = x.reshape(x.numel() // cols if cols else 0, cols)
     pad = (-cols) % GROUP
     if pad:
         x = torch.nn.functional.pad(x, (0, pad))
-    return x.reshape(x.shape[0], -1, GROUP)
+    return x.reshape(x.shape[0], x.shape[1] // GROUP, GROUP)
 
 
 def ungrouped(x: torch.Tensor, cols: int, shape) -> torch.Tensor:
-    return x.reshape(x.shape[0], -1)[:, :cols].reshape(shape)
+    return x.reshape(x.shape[0], x.shape[1] * x.shape[2])[:, :cols].reshape(shape)
 
 
 def _safe(s: torch.Tensor) -> torch.Tensor:

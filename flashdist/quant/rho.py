@@ -6,8 +6,10 @@ most half the spacing of ``theta'``'s format at ``theta'``; ``rho`` stores it in
 ``32767 * ...`` as int16 (32). Rebuilding: ``theta = theta' + rho * (ulp(theta') / 2) / 127``.
 
 Budget: 1 byte per parameter for 24-bit, 2 for 32-bit. Error of the rebuilt weight: at most half a rho
-step, ``ulp/2 / 254``, i.e. below ``2^-16`` relative to ``|theta|`` for bf16 + int8 (``2^-24`` for
-bf16 + int16; fp16 parameters have 3 more mantissa bits, so they do better still).
+step, ``(ulp/2) / 254``. For bf16 + int8 that is ``2^-16 * 128/127`` relative to ``|theta|`` at worst (just
+above a power of two; int8's 255 symmetric levels cannot cover ``[-ulp/2, ulp/2]`` in steps of exactly
+``ulp/256``), about ``2^-16.01``; ``2^-24 * 32768/32767`` for bf16 + int16; fp16 parameters have three
+more mantissa bits and do 8x better. Normal-range values only: subnormal parameters have a fixed spacing.
 """
 
 from __future__ import annotations

@@ -1,0 +1,126 @@
+"""Round-trip error bounds of the moment codes and of rho (eager definitions in flashdist.quant)."""
+
+import pytest
+import torch
+
+from flashdist.quant import codes as Q
+from flashdist.quant import rho as R
+
+SHAPES = [(1, 1), (3, 31), (2, 33), (4, 64), (5, 97)]
+
+
+def _moments(shape, seed=0, spread=4.0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.logspace(-spread, 0, shape[-1])[torch.randperm(shape[-1], generator=g)]
+    return x
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("companded", [True, False], ids=["companded", "linear"])
+def test_exp_avg_round_trip_bound(shape, companded):
+    m = _moments(shape)
+    cols = shape[1]
+    codes, scales = Q.quantize_exp_avg(m, cols, companded)
+    assert codes.dtype == torch.int8 and codes.shape == m.shape
+    assert scales.dtype == torch.bfloat16 and scales.shape == (shape[0], (cols + 31) // 32)
+    back = Q.dequantize_exp_avg(codes, scales, cols, companded)
+    s = scales.float().repeat_interleave(32, dim=1)[:, :cols]
+    # Linear: half a code step of the (bf16-rounded) scale. Companded: the inverse map x = y / (2 - |y|) has
+    # slope at most 2, so half a code step becomes at most one step (1/127) of the scale; plus bf16
+    # rounding of the scale itself (2^-8 relative).
+    step = 1.0 / 127 if companded else 0.5 / 127
+    bound = s * (step + 2.0**-8) + 1e-30
+    assert ((back - m).abs() <= bound).all()
+    # the group maximum is reproduced to within the scale's rounding
+    assert torch.allclose(back.abs().amax(), m.abs().amax(), rtol=2.0**-7)
+
+
+def test_companding_is_finer_near_zero():
+    m = _moments((8, 64), spread=3.0)
+    err = {c: (Q.dequantize_exp_avg(*Q.quantize_exp_avg(m, 64, c), 64, c) - m).abs() for c in (True, False)}
+    small = m.abs() < m.abs().amax(dim=1, keepdim=True) / 20
+    assert err[True][small].mean() < err[False][small].mean()
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("companded", [True, False], ids=["sqrt", "linear"])
+def test_exp_avg_sq_round_trip_bound(shape, companded):
+    v = _moments(shape).square()
+    cols = shape[1]
+    codes, scales = Q.quantize_exp_avg_sq(v, cols, companded)
+    assert codes.dtype == torch.uint8 and codes.shape == v.shape
+    back = Q.dequantize_exp_avg_sq(codes, scales, cols, companded)
+    s = scales.float().repeat_interleave(32, dim=1)[:, :cols]
+    if companded:  # sqrt(v) is within half a step of 1/255 of the scale (plus scale rounding)
+        err = (back.sqrt() - v.sqrt()).abs()
+    else:
+        err = (back - v).abs()
+    assert (err <= s * (0.5 / 255 + 2.0**-8) + 1e-30).all()
+    assert (back >= 0).all()
+
+
+def test_scales_keep_tiny_and_huge_moments():
+    """bf16 scales keep the moments of 1e-10 and 1e4 gradients (fp16 scales flush 1e-20 to zero and
+    overflow above 65504)."""
+    for g in (1e-10, 1e4):
+        m = torch.full((2, 64), g)
+        v = m.square()
+        back_m = Q.dequantize_exp_avg(*Q.quantize_exp_avg(m, 64, True), 64, True)
+        back_v = Q.dequantize_exp_avg_sq(*Q.quantize_exp_avg_sq(v, 64, True), 64, True)
+        assert torch.allclose(back_m, m, rtol=2.0**-7)
+        assert torch.allclose(back_v, v, rtol=2.0**-6)
+        assert (back_v > 0).all() and torch.isfinite(back_v).all()
+
+
+def test_zero_group_and_empty():
+    codes, scales = Q.quantize_exp_avg(torch.zeros(3, 40), 40, True)
+    assert (codes == 0).all() and (scales == 0).all()
+    assert (Q.dequantize_exp_avg(codes, scales, 40, True) == 0).all()
+    codes, scales = Q.quantize_exp_avg(torch.zeros(0, 40), 40, True)
+    assert codes.shape == (0, 40) and scales.shape == (0, 2)
+
+
+def test_layout_depends_on_global_shape_only():
+    assert Q.quantized_layout((10,)) is None
+    assert Q.quantized_layout(()) is None
+    assert Q.quantized_layout((7, 3, 5)) == (7, 15, 1)
+    assert Q.quantized_layout((3, 65)) == (3, 65, 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("bits", [24, 32])
+def test_rho_reconstruction_bound(dtype, bits):
+    g = torch.Generator().manual_seed(1)
+    decades = (-30, 30) if dtype == torch.bfloat16 else (-4, 4)  # the format's normal range
+    sign = torch.randint(0, 2, (50_000,), generator=g) * 2.0 - 1.0
+    theta = sign * (1 + torch.rand(50_000, generator=g)) * torch.logspace(*decades, 50_000)
+    low, rho = R.split(theta, dtype, R.rho_dtype(bits))
+    assert low.dtype == dtype and rho.dtype == R.rho_dtype(bits)
+    back = R.merge(low, rho)
+    rel = ((back - theta).abs() / theta.abs()).max().item()
+    mant = 8 if dtype == torch.bfloat16 else 11  # significand bits of the parameter format
+    rho_bits = 8 if bits == 24 else 16
+    # error <= half a rho step, (ulp/2) / (2 * rho_max), relative to |theta| >= 2^e with ulp = 2^(e+1-mant):
+    # 2^-(mant + rho_bits) * 2^(rho_bits-1) / rho_max, plus one fp32 rounding of the sum
+    rho_max = 127 if bits == 24 else 32767
+    bound = 2.0 ** -(mant + rho_bits) * 2 ** (rho_bits - 1) / rho_max + 2.0**-24
+    assert rel <= bound, (rel, bound)
+    if dtype == torch.bfloat16 and bits == 24:
+        assert rel <= 2.0**-16 * 128 / 127 + 2.0**-24
+    # rho improves on the plain low-precision value by about 2^(rho_bits - 1)
+    plain = ((low.float() - theta).abs() / theta.abs()).max().item()
+    assert rel < plain / 50
+
+
+def test_rho_at_binade_edges_and_subnormals():
+    x = torch.tensor([1.0 - 2**-12, 1.0 + 2**-12, 2.0**-126 * 1.5, 3e-40, -2.0**-130, 0.0, 1e38])
+    low, rho = R.split(x, torch.bfloat16, torch.int8)
+    back = R.merge(low, rho)
+    assert (rho.abs() <= 127).all()
+    assert torch.isfinite(back).all()
+    assert ((back - x).abs() <= R.half_ulp(low.float(), torch.bfloat16) / 127).all()
+
+
+def test_rho_overflowed_param_gets_zero():
+    low, rho = R.split(torch.tensor([1e39, -1e39, 70000.0]), torch.float16, torch.int8)
+    assert rho.tolist()[:2] == [0, 0]
