@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Creates .venv (once) with torch, triton, pytest and flashdist (editable). Safe to run again.
+# CPU machines: torch==2.13.0 is pinned because an unpinned torch pulls a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${FLASHDIST_VENV:-.venv}
+if [ ! -x "$VENV/bin/python" ]; then
+  python3 -m venv "$VENV"
+fi
+PY="$VENV/bin/python"
+if ! "$PY" -c "import torch, triton, pytest, safetensors" 2>/dev/null; then
+  "$PY" -m pip install -q --upgrade pip
+  "$PY" -m pip install -q "torch==${FLASHDIST_TORCH:-2.13.0}" triton pytest safetensors matplotlib
+fi
+"$PY" -m pip install -q --no-deps --no-build-isolation -e . 2>/dev/null || "$PY" -m pip install -q --no-deps -e .
+echo "$PY"
