@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..checkpoint.state import FORMATS
 from ..functional.adam import BACKENDS, flash_adam
 from .base import FlashOptimizer, check_number
 
@@ -28,6 +29,9 @@ class FlashAdamW(FlashOptimizer):
         companded: softsign (first moment) and sqrt (second moment) companding before 8-bit group
             quantization (default); False is linear group absmax for both, the paper's ablation.
         backend: "auto" (Triton kernel for CUDA tensors, eager torch otherwise), "triton" or "reference".
+        state_dict_format: "portable" (default: fp32 ``exp_avg``/``exp_avg_sq`` as torch.optim.AdamW, plus
+            ``rho``; loads at any world size and into AdamW) or "compressed" (codes, scales and rho: 2.125
+            bytes + rho per parameter, resharded exactly by torch.distributed.checkpoint).
 
     Caveats. Moments of 0-d and 1-d parameters stay fp32 (they are a tiny share of any model; their
     FSDP2 shards cut anywhere, so no row-aligned group exists). A group of 32 values of one row whose
@@ -42,10 +46,13 @@ class FlashAdamW(FlashOptimizer):
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, master_weight_bits: int | None = 24, quantize_states: bool = True,
-                 companded: bool = True, backend: str = "auto"):
+                 companded: bool = True, backend: str = "auto", state_dict_format: str = "portable"):
         if backend not in BACKENDS:
             raise ValueError(f"flashdist: backend must be one of {BACKENDS}, got {backend!r}")
+        if state_dict_format not in FORMATS:
+            raise ValueError(f"flashdist: state_dict_format must be one of {FORMATS}, got {state_dict_format!r}")
         self.backend = backend
+        self.state_dict_format = state_dict_format
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         master_weight_bits=master_weight_bits, quantize_states=quantize_states,
                         companded=companded)

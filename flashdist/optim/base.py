@@ -209,49 +209,21 @@ class FlashOptimizer(torch.optim.Optimizer):
 
     # ----- state dict ----------------------------------------------------------------------------------
 
+    def state_dict(self) -> dict:
+        """torch's state dict in this optimizer's ``state_dict_format``: "portable" (default; fp32 moments
+        under torch.optim.AdamW's names, plus rho) or "compressed" (codes, scales, rho). See
+        flashdist.checkpoint.state."""
+        from ..checkpoint.state import export_state_dict
+
+        return export_state_dict(self, super().state_dict(), self.state_dict_format)
+
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load a state dict saved by the same kind of optimizer, keeping int8/uint8/bf16 state in its dtype
-        (torch's Optimizer would cast it to the parameter dtype). Everything is checked before anything is
-        copied: a mismatch raises an error naming the parameter and leaves the optimizer unchanged."""
-        groups = state_dict.get("param_groups")
-        saved = state_dict.get("state")
-        if not isinstance(groups, list) or not isinstance(saved, dict):
-            raise ValueError("flashdist: load_state_dict expects a dict with 'state' and 'param_groups'")
-        if len(groups) != len(self.param_groups):
-            raise ValueError(f"flashdist: the state dict has {len(groups)} param groups, this optimizer has "
-                             f"{len(self.param_groups)}")
-        plan = []
-        for gi, (group, sgroup) in enumerate(zip(self.param_groups, groups)):
-            if len(sgroup["params"]) != len(group["params"]):
-                raise ValueError(f"flashdist: param group {gi} has {len(sgroup['params'])} parameters in the "
-                                 f"state dict and {len(group['params'])} here")
-            for key in ("master_weight_bits", "quantize_states", "companded"):
-                if key in sgroup and sgroup[key] != group[key]:
-                    raise ValueError(f"flashdist: param group {gi} was saved with {key}={sgroup[key]!r}, this "
-                                     f"optimizer has {key}={group[key]!r}; build the optimizer with the same "
-                                     "setting")
-            for i, (pid, p) in enumerate(zip(sgroup["params"], group["params"])):
-                if pid not in saved:
-                    continue
-                mine, theirs = self.state[p], saved[pid]
-                name = param_name(group, i, p)
-                if set(theirs) != set(mine):
-                    raise ValueError(f"flashdist: state of {name} has keys {sorted(theirs)}, expected "
-                                     f"{sorted(mine)}")
-                for key, value in theirs.items():
-                    ref = mine[key]
-                    value_shape = tuple(value.shape) if isinstance(value, torch.Tensor) else ()
-                    if key != "step" and (value_shape != tuple(ref.shape) or value.dtype != ref.dtype):
-                        raise ValueError(f"flashdist: state '{key}' of {name} is {getattr(value, 'dtype', None)} "
-                                         f"{value_shape}, expected {ref.dtype} {tuple(ref.shape)}")
-                plan.append((mine, theirs))
-        for mine, theirs in plan:
-            for key, value in theirs.items():
-                if key == "step":
-                    mine[key].fill_(float(value))
-                else:
-                    D.local(mine[key]).copy_(D.local(value))
-        for group, sgroup in zip(self.param_groups, groups):
-            for k, v in sgroup.items():
-                if k not in ("params", "param_names"):
-                    group[k] = v
+        """Load a portable, compressed or torch.optim.AdamW state dict, keeping int8/uint8/bf16 state in its
+        dtype (torch's Optimizer would cast it to the parameter dtype). Shapes, dtypes, format version and
+        master_weight_bits are checked for every parameter before anything is copied: a mismatch raises an
+        error naming the parameter and leaves the optimizer unchanged. A state dict without rho (e.g.
+        torch.optim.AdamW's) keeps the current rho: set the fp32 weights with
+        flashdist.load_fp32_state_dict."""
+        from ..checkpoint.state import load_state_dict
+
+        load_state_dict(self, state_dict)

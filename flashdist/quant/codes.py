@@ -14,10 +14,12 @@ Codes.
 Scales are bfloat16 group absmax values: 2 bytes per 32 values, like fp16, but with fp32's exponent
 range. fp16 scales flush the moments of gradients below ~1e-8 to zero (the second moment of a 1e-10
 gradient is 1e-20, far under fp16's 6e-8 smallest subnormal) and overflow for gradients above ~256
-(v = 65536+). A bf16 scale keeps both ends; its 8-bit mantissa costs nothing because the value is
-normalised by the ROUNDED scale and clamped, so the largest value of a group maps to within 2^-8 of the
-end of the code range. Rounding is half away from zero, written out so the Triton kernel can match it
-bit for bit.
+(v = 65536+). A bf16 scale keeps both ends. Codes are computed against the EXACT fp32 absmax, so a
+group's largest value always gets the end code (127 / 255); the stored scale is that absmax rounded to
+bf16, so dequantized values carry at most 2^-8 relative scale error on top of the code step. This makes
+quantization idempotent: quantize(dequantize(codes, scale)) gives back the same codes and scale, which is
+what lets the portable (fp32) checkpoint format round-trip exactly. Rounding is half away from zero,
+written out so the Triton kernel can match it bit for bit.
 """
 
 from __future__ import annotations
@@ -72,8 +74,9 @@ def _safe(s: torch.Tensor) -> torch.Tensor:
 def quantize_exp_avg(m: torch.Tensor, cols: int, companded: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 first moment -> (int8 codes of m's shape, bf16 scales (rows, groups))."""
     mg = grouped(m.float(), cols)
-    scale = to_bf16_value(mg.abs().amax(dim=-1, keepdim=True)) if mg.numel() else mg.new_zeros(mg.shape[:-1] + (1,))
-    y = (mg / _safe(scale)).clamp(-1.0, 1.0)
+    absmax = mg.abs().amax(dim=-1, keepdim=True) if mg.numel() else mg.new_zeros(mg.shape[:-1] + (1,))
+    scale = to_bf16_value(absmax)
+    y = (mg / _safe(absmax)).clamp(-1.0, 1.0)
     if companded:
         y = (2.0 * y) / (1.0 + y.abs())
     codes = round_half_away(y * 127.0).to(torch.int8)
@@ -91,8 +94,9 @@ def quantize_exp_avg_sq(v: torch.Tensor, cols: int, companded: bool, *, is_sqrt:
     """fp32 second moment -> (uint8 codes, bf16 scales). With ``is_sqrt`` the input is already sqrt(v)."""
     u = v.float() if (is_sqrt or not companded) else v.float().sqrt()
     ug = grouped(u, cols)
-    scale = to_bf16_value(ug.amax(dim=-1, keepdim=True)) if ug.numel() else ug.new_zeros(ug.shape[:-1] + (1,))
-    y = (ug / _safe(scale)).clamp(0.0, 1.0)
+    absmax = ug.amax(dim=-1, keepdim=True) if ug.numel() else ug.new_zeros(ug.shape[:-1] + (1,))
+    scale = to_bf16_value(absmax)
+    y = (ug / _safe(absmax)).clamp(0.0, 1.0)
     codes = round_half_away(y * 255.0).to(torch.uint8)
     return ungrouped(codes, cols, v.shape), scale.squeeze(-1).to(torch.bfloat16)
 

@@ -1,0 +1,189 @@
+"""Optimizer state-dict formats: portable (default) and compressed, versioned, validated on load.
+
+Portable: per parameter ``step``, each moment dequantized to fp32 under torch.optim's name and the
+parameter's shape (``exp_avg``, ``exp_avg_sq``), and ``rho``. It loads into torch.optim.AdamW, into
+flashdist at any world size (loading re-quantizes the local rows; row-aligned groups make that the same as
+re-quantizing the full tensor), and a torch.optim.AdamW state dict loads into flashdist. Re-quantizing an
+unchanged state gives back the same codes and scales.
+
+Compressed (``state_dict_format="compressed"``): the codes, scales and rho themselves, 2.125 + rho bytes
+per parameter; under FSDP2 they are DTensors with the parameter's placements and true global shapes, so
+torch.distributed.checkpoint reshards them exactly.
+
+Each param group of a saved state dict carries ``flashdist_format`` and ``flashdist_version``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import distributed as D
+from ..quant import codes as Q
+
+FORMAT_VERSION = 1
+FORMATS = ("portable", "compressed")
+LAYOUT_KEYS = ("master_weight_bits", "quantize_states", "companded")
+_META_KEYS = ("flashdist_format", "flashdist_version")
+
+
+def _is_second_moment(name: str) -> bool:
+    return name.endswith("_sq")
+
+
+def dequantize_moment(name: str, codes: torch.Tensor, scales: torch.Tensor, cols: int, companded: bool):
+    if _is_second_moment(name):
+        return Q.dequantize_exp_avg_sq(codes, scales, cols, companded)
+    return Q.dequantize_exp_avg(codes, scales, cols, companded)
+
+
+def quantize_moment(name: str, values: torch.Tensor, cols: int, companded: bool):
+    if _is_second_moment(name):
+        return Q.quantize_exp_avg_sq(values, cols, companded)
+    return Q.quantize_exp_avg(values, cols, companded)
+
+
+def _params_in_order(opt):
+    for group in opt.param_groups:
+        for p in group["params"]:
+            yield group, p
+
+
+def export_state_dict(opt, sd: dict, fmt: str) -> dict:
+    """Rewrite ``sd`` (torch's ``Optimizer.state_dict()`` of a flashdist optimizer) into format ``fmt``."""
+    if fmt not in FORMATS:
+        raise ValueError(f"flashdist: state_dict_format must be one of {FORMATS}, got {fmt!r}")
+    for sgroup in sd["param_groups"]:
+        sgroup["flashdist_format"] = fmt
+        sgroup["flashdist_version"] = FORMAT_VERSION
+    if fmt == "compressed":
+        return sd
+    for index, (group, p) in enumerate(_params_in_order(opt)):
+        entry = sd["state"].get(index)
+        if entry is None or f"{opt._moments[0]}_codes" not in entry:
+            continue
+        entry = sd["state"][index] = dict(entry)  # torch's state_dict() shares the live per-param dicts
+        cols = Q.quantized_layout(D.global_shape(p))[1]
+        for name in opt._moments:
+            codes, scales = entry.pop(f"{name}_codes"), entry.pop(f"{name}_scales")
+            values = dequantize_moment(name, D.local(codes), D.local(scales), cols, group["companded"])
+            entry[name] = D.state_like(p, values, tuple(D.global_shape(p)))
+    return sd
+
+
+def _local_for(value, mine: torch.Tensor) -> torch.Tensor:
+    """The part of a loaded tensor that this rank holds for state tensor ``mine``."""
+    if D.is_dtensor(value):
+        if D.is_dtensor(mine) and (value.device_mesh != mine.device_mesh or value.placements != mine.placements):
+            value = value.redistribute(mine.device_mesh, mine.placements)  # a state dict sharded differently
+        elif not D.is_dtensor(mine):
+            value = value.full_tensor()
+        return D.local(value)
+    if D.is_dtensor(mine):  # a full (unsharded) tensor loaded into a sharded optimizer
+        return D.local_rows(value, mine)
+    return value
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(f"flashdist: {message}")
+
+
+def _plan_param(opt, group, p, name, saved: dict) -> list:
+    """Validate one parameter's saved state; return a list of (destination local tensor, source) copies."""
+    mine = opt.state[p]
+    quantized = f"{opt._moments[0]}_codes" in mine
+    shape = tuple(D.global_shape(p))
+    ops = []
+    keys = set(saved)
+    compressed_keys = {f"{m}_{s}" for m in opt._moments for s in ("codes", "scales")}
+    portable_keys = set(opt._moments)
+    extra = keys - compressed_keys - portable_keys - {"step", "rho"}
+    _check(not extra, f"state of {name} has unexpected keys {sorted(extra)} (expected {sorted(mine)}); "
+                      "was it saved by another optimizer (e.g. AdamW with amsgrad)?")
+    _check("step" in saved, f"state of {name} has no 'step'")
+    if keys & compressed_keys:
+        _check(quantized, f"state of {name} is compressed (codes and scales) but this optimizer keeps its "
+                          "moments in fp32 (quantize_states=False or a 1-d parameter); build it with the settings "
+                          "the checkpoint was saved with, or save it in the portable format")
+        _check(compressed_keys <= keys, f"state of {name} lacks {sorted(compressed_keys - keys)}")
+        for key in sorted(compressed_keys):
+            value = saved[key]
+            _check(isinstance(value, torch.Tensor), f"state '{key}' of {name} is not a tensor")
+            _check(tuple(value.shape) == tuple(mine[key].shape) and value.dtype == mine[key].dtype,
+                   f"state '{key}' of {name} is {value.dtype} {tuple(value.shape)}, expected "
+                   f"{mine[key].dtype} {tuple(mine[key].shape)}")
+            ops.append(("copy", D.local(mine[key]), value, mine[key]))
+    else:
+        _check(portable_keys <= keys, f"state of {name} lacks {sorted(portable_keys - keys)} "
+                                      f"(has {sorted(keys)})")
+        for m in opt._moments:
+            value = saved[m]
+            _check(isinstance(value, torch.Tensor) and value.is_floating_point(),
+                   f"state '{m}' of {name} must be a floating-point tensor")
+            _check(tuple(value.shape) == shape, f"state '{m}' of {name} has shape {tuple(value.shape)}, "
+                                                f"the parameter has {shape}")
+            if quantized:
+                ops.append(("quantize", m, value, mine))
+            else:
+                ops.append(("copy", D.local(mine[m]), value, mine[m]))
+    if "rho" in saved:
+        value = saved["rho"]
+        _check("rho" in mine, f"state of {name} has 'rho' but this optimizer keeps no rho for it "
+                              f"(master_weight_bits={group['master_weight_bits']}, {p.dtype})")
+        _check(isinstance(value, torch.Tensor) and value.dtype == mine["rho"].dtype and tuple(value.shape) == shape,
+               f"state 'rho' of {name} is {getattr(value, 'dtype', type(value))} "
+               f"{tuple(getattr(value, 'shape', ()))}, expected {mine['rho'].dtype} {shape}")
+        ops.append(("copy", D.local(mine["rho"]), value, mine["rho"]))
+    step = saved["step"]
+    _check(isinstance(step, (int, float)) or (isinstance(step, torch.Tensor) and step.numel() == 1),
+           f"state 'step' of {name} must be a number")
+    ops.append(("step", mine["step"], step, None))
+    return ops
+
+
+def load_state_dict(opt, sd: dict) -> None:
+    """Load ``sd`` (portable, compressed or torch.optim.AdamW's) into ``opt``; all checks run first."""
+    from ..optim.base import param_name
+
+    _check(isinstance(sd, dict) and isinstance(sd.get("param_groups"), list) and isinstance(sd.get("state"), dict),
+           "load_state_dict expects a dict with 'state' and 'param_groups'")
+    groups, saved = sd["param_groups"], sd["state"]
+    _check(len(groups) == len(opt.param_groups),
+           f"the state dict has {len(groups)} param groups, this optimizer has {len(opt.param_groups)}")
+    plan = []
+    index = 0
+    for gi, (group, sgroup) in enumerate(zip(opt.param_groups, groups)):
+        version = sgroup.get("flashdist_version", FORMAT_VERSION)
+        _check(isinstance(version, int) and version <= FORMAT_VERSION,
+               f"param group {gi} was saved in state-dict format version {version!r}; this flashdist reads "
+               f"versions up to {FORMAT_VERSION}: upgrade flashdist")
+        _check(len(sgroup["params"]) == len(group["params"]),
+               f"param group {gi} has {len(sgroup['params'])} parameters in the state dict and "
+               f"{len(group['params'])} here: is this checkpoint from another model?")
+        if "flashdist_format" in sgroup:
+            for key in ("master_weight_bits",):
+                _check(sgroup.get(key, group[key]) == group[key],
+                       f"param group {gi} was saved with {key}={sgroup.get(key)!r}, this optimizer has "
+                       f"{key}={group[key]!r}; build the optimizer with the same setting")
+        for i, (pid, p) in enumerate(zip(sgroup["params"], group["params"])):
+            if pid in saved:
+                plan.extend((op, group) for op in _plan_param(opt, group, p, param_name(group, i, p), saved[pid]))
+            index += 1
+    # Everything checked: apply.
+    for (kind, dest, value, mine), group in plan:
+        if kind == "copy":
+            dest.copy_(_local_for(value, mine))
+        elif kind == "step":
+            dest.fill_(float(value))
+        else:  # re-quantize a portable moment under this optimizer's sharding
+            name, state = dest, mine
+            codes, scales = D.local(state[f"{name}_codes"]), D.local(state[f"{name}_scales"])
+            local_values = _local_for(value, state[f"{name}_codes"]).to(codes.device, torch.float32)
+            cols = Q.quantized_layout(tuple(state[f"{name}_codes"].shape))[1]
+            new_codes, new_scales = quantize_moment(name, local_values, cols, group["companded"])
+            codes.copy_(new_codes)
+            scales.copy_(new_scales)
+    for group, sgroup in zip(opt.param_groups, groups):
+        for k, v in sgroup.items():
+            if k not in ("params", "param_names") + _META_KEYS + LAYOUT_KEYS:
+                group[k] = v

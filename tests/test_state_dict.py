@@ -1,0 +1,165 @@
+"""State-dict formats in one process: portable and compressed round trips, AdamW interop, validation."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+
+from flashdist import FlashAdamW
+from flashdist.checkpoint.state import FORMAT_VERSION
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 40), torch.nn.GELU(), torch.nn.Linear(40, 70),
+                               torch.nn.LayerNorm(70), torch.nn.Linear(70, 4)).to(torch.bfloat16)
+
+
+X = torch.randn(32, 16, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+
+
+def _train(model, opt, n):
+    for _ in range(n):
+        opt.zero_grad()
+        model(X.to(model[0].weight.dtype)).float().square().mean().backward()
+        opt.step()
+
+
+def _trained(fmt, steps=3, **kw):
+    model = _model()
+    opt = FlashAdamW(model.parameters(), lr=1e-2, state_dict_format=fmt, **kw)
+    _train(model, opt, steps)
+    return model, opt
+
+
+def _state_equal(opt_a, model_a, opt_b, model_b):
+    for p, q in zip(model_a.parameters(), model_b.parameters()):
+        assert torch.equal(p, q)
+        assert opt_a.state[p].keys() == opt_b.state[q].keys()
+        for key in opt_a.state[p]:
+            assert torch.equal(opt_a.state[p][key], opt_b.state[q][key]), key
+
+
+@pytest.mark.parametrize("fmt", ["portable", "compressed"])
+def test_round_trip_then_identical_steps(fmt):
+    model, opt = _trained(fmt)
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    model2 = copy.deepcopy(model)
+    opt2 = FlashAdamW(model2.parameters(), lr=1e-2, state_dict_format=fmt)
+    buf.seek(0)
+    opt2.load_state_dict(torch.load(buf, weights_only=True))
+    _state_equal(opt, model, opt2, model2)
+    _train(model, opt, 3)
+    _train(model2, opt2, 3)
+    _state_equal(opt, model, opt2, model2)
+
+
+def test_portable_layout_is_adamw_like():
+    model, opt = _trained("portable")
+    sd = opt.state_dict()
+    w = model[0].weight
+    entry = sd["state"][0]
+    assert set(entry) == {"step", "exp_avg", "exp_avg_sq", "rho"}
+    assert entry["exp_avg"].dtype == torch.float32 and entry["exp_avg"].shape == w.shape
+    assert entry["rho"].dtype == torch.int8
+    assert sd["param_groups"][0]["flashdist_format"] == "portable"
+    assert sd["param_groups"][0]["flashdist_version"] == FORMAT_VERSION
+    # the live state is untouched by state_dict()
+    assert "exp_avg_codes" in opt.state[w]
+
+
+def test_compressed_layout():
+    model, opt = _trained("compressed")
+    entry = opt.state_dict()["state"][0]
+    assert set(entry) == {"step", "exp_avg_codes", "exp_avg_scales", "exp_avg_sq_codes", "exp_avg_sq_scales", "rho"}
+    assert entry["exp_avg_codes"].dtype == torch.int8 and entry["exp_avg_sq_scales"].dtype == torch.bfloat16
+
+
+def test_requantizing_unchanged_state_gives_same_codes():
+    model, opt = _trained("portable", steps=5)
+    before = {id(p): {k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()}
+    opt.load_state_dict(opt.state_dict())
+    for p in model.parameters():
+        for k, v in opt.state[p].items():
+            assert torch.equal(v, before[id(p)][k]), k
+
+
+def test_compressed_and_portable_load_into_each_other():
+    model, opt = _trained("compressed")
+    model2 = copy.deepcopy(model)
+    opt2 = FlashAdamW(model2.parameters(), lr=1e-2, state_dict_format="portable")
+    opt2.load_state_dict(opt.state_dict())
+    _state_equal(opt, model, opt2, model2)
+    opt.load_state_dict(opt2.state_dict())
+    _state_equal(opt, model, opt2, model2)
+
+
+def test_portable_loads_into_torch_adamw():
+    model, opt = _trained("portable")
+    ref = copy.deepcopy(model).float()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        q.data.copy_(opt.master_weight(p))
+    adamw = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    adamw.load_state_dict(opt.state_dict())
+    st = adamw.state[ref[0].weight]
+    assert st["exp_avg"].shape == ref[0].weight.shape and float(st["step"]) == 3
+    _train(ref, adamw, 1)  # AdamW steps from the loaded moments
+
+
+def test_adamw_state_dict_loads_into_flash():
+    torch.manual_seed(0)
+    ref = _model().float()
+    adamw = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    _train(ref, adamw, 3)
+    model = _model().to(torch.bfloat16)
+    opt = FlashAdamW(model.parameters(), lr=1e-2)
+    opt.load_state_dict(adamw.state_dict())
+    w = model[0].weight
+    back = opt.state_dict()["state"][0]["exp_avg"]
+    exact = adamw.state[ref[0].weight]["exp_avg"]
+    assert torch.allclose(back, exact, atol=exact.abs().amax() / 100)
+    assert float(opt.state[w]["step"]) == 3
+
+
+def test_newer_version_is_refused_and_nothing_changes():
+    model, opt = _trained("compressed")
+    sd = copy.deepcopy(opt.state_dict())
+    snapshot = copy.deepcopy(opt.state_dict())
+    sd["param_groups"][0]["flashdist_version"] = FORMAT_VERSION + 1
+    sd["state"][0]["exp_avg_codes"].zero_()
+    with pytest.raises(ValueError, match="version"):
+        opt.load_state_dict(sd)
+    after = opt.state_dict()
+    for pid, st in snapshot["state"].items():
+        for k, v in st.items():
+            assert torch.equal(after["state"][pid][k], v)
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda sd: sd["state"][2].__setitem__("exp_avg_codes", sd["state"][2]["exp_avg_codes"].float()), "exp_avg_codes"),
+    (lambda sd: sd["state"][0].__setitem__("rho", sd["state"][0]["rho"].to(torch.int16)), "rho"),
+    (lambda sd: sd["state"][0].pop("exp_avg_scales"), "exp_avg_scales"),
+    (lambda sd: sd["state"][0].__setitem__("max_exp_avg_sq", torch.zeros(1)), "unexpected"),
+    (lambda sd: sd["param_groups"].append(copy.deepcopy(sd["param_groups"][0])), "param groups"),
+    (lambda sd: sd["param_groups"][0]["params"].pop(), "parameters"),
+    (lambda sd: sd["param_groups"][0].__setitem__("master_weight_bits", 32), "master_weight_bits"),
+], ids=["codes-dtype", "rho-dtype", "missing-scales", "extra-key", "groups", "params", "bits"])
+def test_mismatches_name_the_parameter_and_change_nothing(mutate, match):
+    model, opt = _trained("compressed")
+    named = FlashAdamW(model.named_parameters(), lr=1e-2, state_dict_format="compressed")
+    named.load_state_dict(opt.state_dict())
+    sd = copy.deepcopy(named.state_dict())
+    snapshot = copy.deepcopy(sd)
+    mutate(sd)
+    with pytest.raises(ValueError, match=match) as err:
+        named.load_state_dict(sd)
+    if "state" in match or match in ("exp_avg_codes", "rho", "exp_avg_scales"):
+        assert "'0." in str(err.value) or "'2." in str(err.value)  # the parameter's name
+    after = named.state_dict()
+    for pid, st in snapshot["state"].items():
+        for k, v in st.items():
+            assert torch.equal(after["state"][pid][k], v)
