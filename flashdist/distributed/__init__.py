@@ -61,6 +61,21 @@ def check_placements(p: torch.Tensor, name: str) -> None:
                          "Shard(0) mesh dim (FSDP2 or HSDP).")
 
 
+def grad_layout_problem(p: torch.Tensor, grad: torch.Tensor) -> str | None:
+    """Why ``grad``'s local tensor is not the gradient of ``p``'s local rows, or None when it is. A gradient
+    whose placements differ from the parameter's (``Partial`` after tensor parallelism, a replicated grad
+    of a sharded parameter) would be stepped as if it were the local rows: refuse it instead. No collective."""
+    if is_dtensor(p) != is_dtensor(grad):
+        kinds = ("a DTensor", "a plain tensor")
+        return (f"is {kinds[not is_dtensor(p)]} but its gradient is {kinds[not is_dtensor(grad)]}; give it a "
+                "gradient of the same kind and layout")
+    if is_dtensor(p) and (grad.placements != p.placements or grad.device_mesh != p.device_mesh):
+        return (f"has placements {tuple(p.placements)} but its gradient has {tuple(grad.placements)} on mesh "
+                f"{grad.device_mesh}; reduce or redistribute the gradient to the parameter's placements "
+                "(grad.redistribute(p.device_mesh, p.placements)) before the step")
+    return None
+
+
 def state_like(p: torch.Tensor, local_state: torch.Tensor, global_shape_: tuple[int, ...]) -> torch.Tensor:
     """Wrap a local state tensor as a DTensor with ``p``'s mesh and placements and its true global shape,
     so that dcp.save writes it and a resharding dcp.load finds it (uneven shards need shape= and stride=)."""
@@ -69,3 +84,25 @@ def state_like(p: torch.Tensor, local_state: torch.Tensor, global_shape_: tuple[
     stride = torch.empty(global_shape_, device="meta").stride()
     return DTensor.from_local(local_state, p.device_mesh, p.placements, run_check=False,
                               shape=torch.Size(global_shape_), stride=stride)
+
+
+def local_rows(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """This rank's part of an unsharded tensor ``full``, laid out like the DTensor ``like``; no communication.
+
+    DTensor's ``Shard`` splits with ``torch.chunk`` (ranks past the last chunk hold an empty shard), so
+    splitting the same way here gives exactly the rows a resharding load would place on this rank."""
+    if not is_dtensor(like):
+        return full
+    t = full
+    coordinate = like.device_mesh.get_coordinate()
+    for mesh_dim, placement in enumerate(like.placements):
+        if isinstance(placement, Shard):
+            pieces = torch.chunk(t, like.device_mesh.size(mesh_dim), dim=0)
+            index = coordinate[mesh_dim]
+            t = pieces[index] if index < len(pieces) else t[:0]
+    return t
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor (an all-gather for a DTensor: every rank must call this, in the same order)."""
+    return t.full_tensor() if is_dtensor(t) else t

@@ -1,28 +1,36 @@
 """Weight splitting: an fp32 master weight kept as a bf16/fp16 parameter plus an integer correction ``rho``.
 
-``theta' = round_to_nearest(theta)`` is the parameter the model computes with. The rounding error is at
-most half the spacing of ``theta'``'s format at ``theta'``; ``rho`` stores it in units of that half-spacing:
-``rho = round(127 * (theta - theta') / (ulp(theta') / 2))`` as int8 (``master_weight_bits=24``), or
-``32767 * ...`` as int16 (32). Rebuilding: ``theta = theta' + rho * (ulp(theta') / 2) / 127``.
+``theta'`` is the parameter the model computes with: ``theta`` rounded to the nearest bf16/fp16 value.
+``h = ulp(theta') / 2`` is half the format's spacing there (toward zero from a power of two, the
+spacing is half as wide and ``h`` is taken on that side), so ``|theta - theta'| <= h``. rho stores that
+error in steps of ``h / 2^(k-1)``: ``rho = round((theta - theta') / h * 2^(k-1))`` with ``k`` = 8 bits
+(int8, ``master_weight_bits=24``) or 16 (int16, 32). Rebuilding: ``theta = theta' + rho * h / 2^(k-1)``.
 
-Budget: 1 byte per parameter for 24-bit, 2 for 32-bit. Error of the rebuilt weight: at most half a rho
-step, ``(ulp/2) / 254``. For bf16 + int8 that is ``2^-16 * 128/127`` relative to ``|theta|`` at worst (just
-above a power of two; int8's 255 symmetric levels cannot cover ``[-ulp/2, ulp/2]`` in steps of exactly
-``ulp/256``), about ``2^-16.01``; ``2^-24 * 32768/32767`` for bf16 + int16; fp16 parameters have three
-more mantissa bits and do 8x better. Normal-range values only: subnormal parameters have a fixed spacing.
+All of it is exact fp32 arithmetic (``h`` and the step are powers of two), so the eager code here and the
+Triton kernel agree bit for bit. Two's-complement ints hold one more negative value than positive, so the
+error range ``[-h, h]`` is covered as ``[-2^(k-1), 2^(k-1) - 1]``: when the error rounds to ``+2^(k-1)``
+(``theta`` within half a step of the midpoint above ``theta'``) the split takes the next value up as
+``theta'`` and a rho of about ``-2^(k-1)``. Hence:
+
+- error of the rebuilt weight at most half a step, ``h / 2^k``: ``2^-16`` relative to ``|theta|`` for
+  bf16 + int8 (bf16 has 8 significant bits: ``h <= 2^-8 |theta|``), ``2^-19`` for fp16 + int8;
+  ``2^-24`` for bf16 + int16 (plus one fp32 rounding of the sum there). Normal-range values; subnormal
+  parameters have a fixed absolute spacing.
+- the parameter is ``theta`` rounded to nearest, except in those half-step windows next to a midpoint,
+  where it is the other neighbour (at most one ulp away, as round-to-nearest allows at the midpoint).
+- ``split(merge(p, rho))`` gives back ``(p, rho)`` for 24-bit, so an fp32 export re-imports exactly.
+
+Budget: 1 byte per parameter for 24-bit, 2 for 32-bit.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..kernels.scalars import f32
-
 # format -> (number of explicit mantissa bits, smallest normal biased fp32 exponent of the format)
 _FORMATS = {torch.bfloat16: (7, 1), torch.float16: (10, 127 - 14)}
 RHO_DTYPES = {24: torch.int8, 32: torch.int16}
-RHO_MAX = {torch.int8: 127, torch.int16: 32767}
-RHO_INV = {dt: f32(1.0 / lim) for dt, lim in RHO_MAX.items()}
+RHO_STEPS = {torch.int8: 128.0, torch.int16: 32768.0}  # 2^(k-1): steps per h
 
 
 def splits(param_dtype: torch.dtype, master_weight_bits: int | None) -> bool:
@@ -35,27 +43,47 @@ def rho_dtype(master_weight_bits: int) -> torch.dtype:
 
 
 def half_ulp(x: torch.Tensor, param_dtype: torch.dtype) -> torch.Tensor:
-    """Half the spacing of ``param_dtype`` at each fp32 value ``x`` (which must be exactly representable)."""
+    """Half the spacing of ``param_dtype`` at each fp32 value ``x`` (exactly representable), away from zero."""
     mbits, min_exp = _FORMATS[param_dtype]
     exp = ((x.view(torch.int32) >> 23) & 0xFF).clamp_min(min_exp)
     return (exp << 23).view(torch.float32) * (2.0 ** -(mbits + 1))
 
 
+def rho_unit(tp: torch.Tensor, toward_zero: torch.Tensor, param_dtype: torch.dtype) -> torch.Tensor:
+    """``h``, the half-spacing that rho counts in: at a power of two the spacing toward zero is half the
+    spacing away from zero, and using it there keeps the error below ``2^-16 |theta|`` on both sides."""
+    _, min_exp = _FORMATS[param_dtype]
+    bits = tp.view(torch.int32)
+    pow2 = ((bits & 0x7FFFFF) == 0) & (((bits >> 23) & 0xFF) > min_exp)
+    h = half_ulp(tp, param_dtype)
+    return torch.where(pow2 & toward_zero, h * 0.5, h)
+
+
 def merge(param: torch.Tensor, rho: torch.Tensor) -> torch.Tensor:
     """fp32 master weight from the low-precision parameter and its correction."""
     tp = param.float()
-    return tp + (rho.float() * half_ulp(tp, param.dtype)) * RHO_INV[rho.dtype]
+    r = rho.float()
+    toward_zero = ((r < 0) & (tp > 0)) | ((r > 0) & (tp < 0))
+    return tp + (r * rho_unit(tp, toward_zero, param.dtype)) * (1.0 / RHO_STEPS[rho.dtype])
+
+
+def _round_half_away(q: torch.Tensor) -> torch.Tensor:
+    return torch.floor(q.abs() + 0.5).copysign(q)
+
+
+def _code(theta: torch.Tensor, tp: torch.Tensor, param_dtype: torch.dtype, steps: float):
+    err = theta - tp
+    h = rho_unit(tp, ((err < 0) & (tp > 0)) | ((err > 0) & (tp < 0)), param_dtype)
+    return _round_half_away(err / h * steps), h
 
 
 def split(theta: torch.Tensor, param_dtype: torch.dtype, rho_dtype: torch.dtype):
     """fp32 master weight -> (parameter in ``param_dtype``, rho)."""
-    low = theta.to(param_dtype)
-    tp = low.float()
-    return low, round_rho((theta - tp) / half_ulp(tp, param_dtype) * float(RHO_MAX[rho_dtype]), rho_dtype)
-
-
-def round_rho(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Round half away from zero and clamp; an overflowed parameter (inf) gets rho 0."""
-    lim = float(RHO_MAX[dtype])
-    q = torch.where(torch.isfinite(q), q, torch.zeros_like(q))
-    return torch.floor(q.abs() + 0.5).copysign(q).clamp(-lim, lim).to(dtype)
+    steps = RHO_STEPS[rho_dtype]
+    tp = theta.to(param_dtype).float()
+    r, h = _code(theta, tp, param_dtype, steps)
+    up = r >= steps  # past the last positive code: use the next value up, and a negative rho
+    tp = torch.where(up, tp + 2.0 * h, tp)
+    r = torch.where(up, _code(theta, tp, param_dtype, steps)[0], r)
+    r = torch.where(torch.isfinite(r), r, torch.zeros_like(r))  # an overflowed parameter (inf) gets rho 0
+    return tp.to(param_dtype), r.clamp(-steps, steps - 1).to(rho_dtype)

@@ -1,0 +1,255 @@
+"""flashdist.checkpoint in one process: atomic DCP save/load, fp32 export/import, refusal of bad input."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import flashdist
+from flashdist import FlashAdamW, checkpoint
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def _model(seed=0, width=40):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.GELU(), torch.nn.Linear(width, 70),
+                               torch.nn.LayerNorm(70), torch.nn.Linear(70, 4)).to(torch.bfloat16)
+
+
+X = torch.randn(32, 16, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+
+
+def _train(model, opt, n):
+    for _ in range(n):
+        opt.zero_grad()
+        model(X).float().square().mean().backward()
+        opt.step()
+
+
+def _snapshot(model, opt):
+    out = {f"p.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    for i, p in enumerate(model.parameters()):
+        for k, v in opt.state[p].items():
+            out[f"s.{i}.{k}"] = v.clone()
+    return out
+
+
+def _equal(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("fmt", ["portable", "compressed"])
+def test_save_load_resume_exact(tmp_path, fmt):
+    model = _model()
+    opt = FlashAdamW(model.parameters(), lr=1e-2, state_dict_format=fmt)
+    _train(model, opt, 3)
+    checkpoint.save(tmp_path / "ck", model, opt, extra={"step": 3, "note": "hello", "rng": torch.arange(4)})
+    assert not (tmp_path / "ck.tmp").exists()
+    model2 = _model(seed=5)
+    opt2 = FlashAdamW(model2.parameters(), lr=1e-2, state_dict_format=fmt)
+    extra = checkpoint.load(tmp_path / "ck", model2, opt2)
+    assert extra["step"] == 3 and extra["note"] == "hello" and torch.equal(extra["rng"], torch.arange(4))
+    _equal(_snapshot(model, opt), _snapshot(model2, opt2))
+    _train(model, opt, 2)
+    _train(model2, opt2, 2)
+    _equal(_snapshot(model, opt), _snapshot(model2, opt2))
+
+
+def test_never_stepped_and_no_grad_params(tmp_path):
+    model = _model()
+    opt = FlashAdamW(model.parameters())
+    checkpoint.save(tmp_path / "ck", model, opt)
+    model2 = _model(seed=3)
+    opt2 = FlashAdamW(model2.parameters())
+    checkpoint.load(tmp_path / "ck", model2, opt2)
+    _equal(_snapshot(model, opt), _snapshot(model2, opt2))
+
+
+def test_second_save_replaces_first(tmp_path):
+    model = _model()
+    opt = FlashAdamW(model.parameters(), lr=1e-2)
+    checkpoint.save(tmp_path / "ck", model, opt, extra={"n": 1})
+    _train(model, opt, 1)
+    checkpoint.save(tmp_path / "ck", model, opt, extra={"n": 2})
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+    fresh = _model()
+    assert checkpoint.load(tmp_path / "ck", fresh, FlashAdamW(fresh.parameters()))["n"] == 2
+
+
+def test_fp32_export_and_import(tmp_path):
+    safetensors = pytest.importorskip("safetensors.torch", reason="safetensors is part of the [test] extra")
+    model = _model()
+    opt = FlashAdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, 3)
+    sd = flashdist.export_fp32_state_dict(model, opt)
+    assert set(sd) == set(model.state_dict())
+    w = model[0].weight
+    assert sd["0.weight"].dtype == torch.float32 and torch.equal(sd["0.weight"], opt.master_weight(w))
+    assert not torch.equal(sd["0.weight"], w.float())  # rho carries information beyond bf16
+    safetensors.save_file(sd, tmp_path / "w.safetensors")
+    fp32_model = _model(seed=9).float()
+    fp32_model.load_state_dict(safetensors.load_file(tmp_path / "w.safetensors"))
+    assert torch.equal(fp32_model[0].weight, sd["0.weight"])
+    # and back: a fresh bf16 model + optimizer starts from the same 24-bit master weights
+    model2 = _model(seed=4)
+    opt2 = FlashAdamW(model2.parameters(), lr=1e-2)
+    flashdist.load_fp32_state_dict(model2, opt2, sd)
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p, q)
+        assert torch.equal(opt.master_weight(p), opt2.master_weight(q))
+
+
+def test_fp32_import_rejects_mismatch_and_changes_nothing():
+    model = _model()
+    opt = FlashAdamW(model.parameters())
+    before = _snapshot(model, opt)
+    sd = {k: v.float() for k, v in _model(seed=2).state_dict().items()}
+    bad = dict(sd)
+    bad.pop("0.bias")
+    with pytest.raises(ValueError, match="missing.*0.bias"):
+        flashdist.load_fp32_state_dict(model, opt, bad)
+    bad = dict(sd, **{"2.weight": torch.zeros(70, 41)})
+    with pytest.raises(ValueError, match="'2.weight'.*shape"):
+        flashdist.load_fp32_state_dict(model, opt, bad)
+    _equal(before, _snapshot(model, opt))
+
+
+def _saved(tmp_path, **kw):
+    model = _model()
+    opt = FlashAdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, 2)
+    checkpoint.save(tmp_path / "ck", model, opt, **kw)
+    return tmp_path / "ck"
+
+
+def _expect_refusal(path, match, *, width=40):
+    model = _model(seed=7, width=width)
+    opt = FlashAdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, 1)
+    before = _snapshot(model, opt)
+    with pytest.raises(checkpoint.CheckpointError, match=match):
+        checkpoint.load(path, model, opt)
+    _equal(before, _snapshot(model, opt))
+
+
+def test_other_model_is_refused(tmp_path):
+    path = _saved(tmp_path)
+    _expect_refusal(path, r"other shapes.*model\.0\.weight", width=48)
+
+    class Bigger(torch.nn.Sequential):
+        pass
+
+    model = Bigger(*_model(), torch.nn.Linear(4, 4)).to(torch.bfloat16)
+    opt = FlashAdamW(model.parameters())
+    with pytest.raises(checkpoint.CheckpointError, match=r"missing from the checkpoint.*model\.5\.weight"):
+        checkpoint.load(path, model, opt)
+    smaller = torch.nn.Sequential(*list(_model())[:3]).to(torch.bfloat16)
+    with pytest.raises(checkpoint.CheckpointError, match=r"not in this model.*model\.3\.weight"):
+        checkpoint.load(path, smaller, FlashAdamW(smaller.parameters()))
+
+
+def test_missing_and_truncated_files_are_refused(tmp_path):
+    path = _saved(tmp_path)
+    shard = next(p for p in path.iterdir() if p.suffix == ".distcp")
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    _expect_refusal(path, "could not read checkpoint")
+    shard.unlink()
+    _expect_refusal(path, "could not read checkpoint")
+    (path / ".metadata").write_bytes(b"\x80\x04truncated")
+    _expect_refusal(path, "not a valid DCP metadata")
+    _expect_refusal(tmp_path / "nowhere", "no checkpoint")
+
+
+class _Exploit:
+    def __reduce__(self):
+        return (os.system, ("touch pwned",))
+
+
+def test_malicious_pickles_are_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path = _saved(tmp_path, extra={"x": 1})
+    # 1) a metadata file that would run a command when unpickled
+    meta = (path / ".metadata").read_bytes()
+    (path / ".metadata").write_bytes(pickle.dumps(_Exploit()))
+    _expect_refusal(path, "refusing to load posix.system|refusing to load os.system|not a valid DCP metadata")
+    assert not (tmp_path / "pwned").exists()
+    (path / ".metadata").write_bytes(meta)
+    # 2) a non-tensor entry whose bytes would run a command (DCP itself reads these with weights_only=False)
+    shard = next(p for p in path.iterdir() if p.suffix == ".distcp")
+    blob = shard.read_bytes()
+    import io
+
+    good = io.BytesIO()
+    torch.save(1, good)
+    evil = io.BytesIO()
+    torch.save(_Exploit(), evil)
+    assert good.getvalue() in blob
+    if len(evil.getvalue()) == len(good.getvalue()):  # same length: swap in place
+        shard.write_bytes(blob.replace(good.getvalue(), evil.getvalue()))
+    else:
+        pytest.skip("cannot splice a same-length malicious entry into this DCP file layout")
+    model = _model()
+    opt = FlashAdamW(model.parameters())
+    with pytest.raises(checkpoint.CheckpointError):
+        checkpoint.load(path, model, opt)
+    assert not (tmp_path / "pwned").exists()
+
+
+KILL_SCRIPT = textwrap.dedent("""
+    import os, signal, sys, time, torch
+    import torch.distributed.checkpoint as dcp
+    import flashdist
+    from flashdist import checkpoint
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 256)).to(torch.bfloat16)
+    opt = flashdist.FlashAdamW(model.parameters())
+    path = sys.argv[1]
+    if sys.argv[2] == "first":
+        checkpoint.save(path, model, opt, extra={"n": 1})
+        sys.exit(0)
+    # second save: SIGKILL ourselves in the middle of writing the shard files
+    real = dcp.FileSystemWriter.write_data
+    def dying(self, plan, planner):
+        fut = real(self, plan, planner)
+        os.kill(os.getpid(), signal.SIGKILL)
+    dcp.FileSystemWriter.write_data = dying
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    checkpoint.save(path, model, opt, extra={"n": 2})
+""")
+
+
+@pytest.mark.parametrize("moment", ["writing", "between-renames"])
+def test_killed_during_save_leaves_previous_checkpoint(tmp_path, moment):
+    script = tmp_path / "kill.py"
+    script.write_text(KILL_SCRIPT)
+    path = tmp_path / "ck"
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    subprocess.run([sys.executable, str(script), str(path), "first"], check=True, env=env)
+    if moment == "writing":
+        proc = subprocess.run([sys.executable, str(script), str(path), "second"], env=env)
+        assert proc.returncode == -signal.SIGKILL
+        assert (path / ".metadata").exists()
+    else:  # the instant after PATH was moved to PATH.old and before PATH.tmp took its place
+        os.replace(path, path.with_name("ck.old"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 256)).to(torch.bfloat16)
+    expected = [p.detach().clone() for p in model.parameters()]
+    loaded = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 256)).to(torch.bfloat16)
+    opt = FlashAdamW(loaded.parameters())
+    assert checkpoint.load(path, loaded, opt)["n"] == 1
+    for p, e in zip(loaded.parameters(), expected):
+        assert torch.equal(p, e)
