@@ -91,6 +91,13 @@ def _check(cond: bool, message: str) -> None:
 def _plan_param(opt, group, p, name, saved: dict) -> list:
     """Validate one parameter's saved state; return a list of (destination local tensor, source) copies."""
     mine = opt.state[p]
+    if any(isinstance(v, dict) and not v for v in saved.values()):
+        # torch.distributed.checkpoint.state_dict rebuilds a FLATTENED optimizer state dict from the keys of
+        # the live optimizer state (exp_avg_codes, ...), so the portable keys (exp_avg, ...) never arrive.
+        raise ValueError(f"flashdist: the state of {name} came through flatten_optimizer_state_dict=True, which "
+                         "can only carry the compressed format (torch rebuilds it from the live state's keys). "
+                         "Build the optimizer with state_dict_format='compressed' (it reshards exactly across "
+                         "world sizes too), or save without flatten_optimizer_state_dict.")
     quantized = f"{opt._moments[0]}_codes" in mine
     shape = tuple(D.global_shape(p))
     ops = []
