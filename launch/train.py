@@ -1,0 +1,271 @@
+"""Train a byte-level GPT on the Python standard library's sources with FSDP2 and FlashAdamW (or AdamW).
+
+    torchrun --nproc_per_node=2 launch/train.py --steps 200 --ckpt-dir runs/ckpt --ckpt-every 100
+    torchrun --nproc_per_node=2 launch/train.py --steps 300 --ckpt-dir runs/ckpt --resume
+
+CPU + gloo by default (one thread per rank), CUDA + NCCL when GPUs are present. Without torchrun it runs
+in one process without FSDP2. ``--optimizer adamw`` is torch.optim.AdamW with fp32 master weights (fp32
+parameters, bf16 compute through FSDP2's MixedPrecisionPolicy); ``flash`` is FlashAdamW on bf16
+parameters. Writes ``summary.json``, ``log.jsonl`` and ``loss.png`` into ``--out-dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from data import VOCAB, batch, load_corpus  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+
+import flashdist  # noqa: E402
+from flashdist import checkpoint  # noqa: E402
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--optimizer", choices=["flash", "adamw"], default="flash")
+    ap.add_argument("--master-weight-bits", choices=["24", "32", "none"], default="24",
+                    help="FlashAdamW: rho bits (none = plain bf16 weights)")
+    ap.add_argument("--no-companding", action="store_true", help="FlashAdamW: linear 8-bit moments (ablation)")
+    ap.add_argument("--no-quantize-states", action="store_true", help="FlashAdamW: fp32 moments")
+    ap.add_argument("--state-dict-format", choices=["portable", "compressed"], default="portable")
+    ap.add_argument("--grad-release", action="store_true", help="step each parameter during backward")
+    ap.add_argument("--steps", type=int, default=200, help="length of the run (the LR schedule's horizon)")
+    ap.add_argument("--stop-at", type=int, default=None, help="stop early at this step (resume later)")
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--min-lr-ratio", type=float, default=0.1)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--weight-decay", type=float, default=0.1)
+    ap.add_argument("--clip", type=float, default=1.0, help="global grad-norm clip (0: off; off with release)")
+    ap.add_argument("--batch-size", type=int, default=16, help="sequences per rank per step")
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--d-model", type=int, default=128)
+    ap.add_argument("--n-layer", type=int, default=4)
+    ap.add_argument("--n-head", type=int, default=4)
+    ap.add_argument("--corpus-mb", type=float, default=None, help="cap the training bytes (default: all)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--log-every", type=int, default=10)
+    ap.add_argument("--eval-every", type=int, default=50)
+    ap.add_argument("--eval-batches", type=int, default=8)
+    ap.add_argument("--ckpt-dir", default=None, help="checkpoints go to CKPT_DIR/latest")
+    ap.add_argument("--ckpt-every", type=int, default=0)
+    ap.add_argument("--resume", action="store_true", help="continue from CKPT_DIR/latest")
+    ap.add_argument("--out-dir", default=None, help="default: runs/<optimizer>-seed<seed>")
+    ap.add_argument("--compute-dtype", choices=["auto", "bf16", "fp32"], default="auto",
+                    help="FSDP2 compute dtype; auto: bf16 on CUDA, fp32 on CPU (CPUs without bf16 matrix units "
+                         "run bf16 matmuls ~10x slower). Parameters stay bf16 for FlashAdamW either way.")
+    ap.add_argument("--no-fsdp", action="store_true", help="plain single-process model even under torchrun")
+    args = ap.parse_args(argv)
+    if args.grad_release and args.clip:
+        ap.error("--grad-release steps during backward, before a global gradient norm exists: use --clip 0")
+    if args.resume and not args.ckpt_dir:
+        ap.error("--resume needs --ckpt-dir")
+    if args.optimizer == "adamw" and (args.grad_release or args.no_companding or args.master_weight_bits != "24"):
+        ap.error("--grad-release, --no-companding and --master-weight-bits are FlashAdamW options")
+    return args
+
+
+class Run:
+    """Process-group, device and logging plumbing."""
+
+    def __init__(self):
+        self.distributed = "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) >= 1 and "MASTER_ADDR" in os.environ
+        self.cuda = torch.cuda.is_available()
+        if self.distributed:
+            local = int(os.environ.get("LOCAL_RANK", 0))
+            if self.cuda:
+                torch.cuda.set_device(local)
+            dist.init_process_group("nccl" if self.cuda else "gloo")
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world = dist.get_world_size() if self.distributed else 1
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
+        if not self.cuda:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world))
+
+    def print(self, *a):
+        if self.rank == 0:
+            print(*a, flush=True)
+
+    def mean(self, value: float) -> float:
+        if not self.distributed:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return t.item() / self.world
+
+    def memory_gib(self) -> float:
+        if self.cuda:
+            return torch.cuda.max_memory_allocated() / 2**30
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+    def close(self):
+        if self.distributed:
+            dist.destroy_process_group()
+
+
+def build(args, run: Run):
+    cfg = GPTConfig(vocab=VOCAB, seq_len=args.seq_len, d_model=args.d_model, n_layer=args.n_layer, n_head=args.n_head)
+    torch.manual_seed(args.seed)
+    model = GPT(cfg).to(run.device)
+    if args.optimizer == "flash":
+        model = model.to(torch.bfloat16)
+    if run.distributed and not args.no_fsdp:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        compute = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(
+            args.compute_dtype, torch.bfloat16 if run.cuda else torch.float32)
+        mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+        for block in model.blocks:
+            fully_shard(block, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and n != "pos"]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2 or n == "pos"]
+    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if args.optimizer == "adamw":
+        opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), foreach=True)
+    else:
+        bits = None if args.master_weight_bits == "none" else int(args.master_weight_bits)
+        opt = flashdist.FlashAdamW(groups, lr=args.lr, betas=(0.9, 0.95), master_weight_bits=bits,
+                                   companded=not args.no_companding, quantize_states=not args.no_quantize_states,
+                                   state_dict_format=args.state_dict_format)
+    min_ratio = args.min_lr_ratio
+
+    def schedule(step):
+        if step < args.warmup:
+            return (step + 1) / args.warmup
+        progress = min(1.0, (step - args.warmup) / max(1, args.steps - args.warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    return model, opt, sched
+
+
+@torch.no_grad()
+def evaluate(model, val, args, run: Run) -> float:
+    g = torch.Generator().manual_seed(10_000 + run.rank)
+    losses = []
+    for _ in range(args.eval_batches):
+        x, y = batch(val, args.batch_size, args.seq_len, g)
+        losses.append(model(x.to(run.device), y.to(run.device)).item())
+    return run.mean(sum(losses) / len(losses))
+
+
+def plot(log: list[dict], path: Path, title: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4))
+    steps = [r["step"] for r in log if "loss" in r]
+    ax.plot(steps, [r["loss"] for r in log if "loss" in r], label="train", lw=1)
+    ev = [r for r in log if "val_loss" in r]
+    ax.plot([r["step"] for r in ev], [r["val_loss"] for r in ev], "o-", label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/byte)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    run = Run()
+    out = Path(args.out_dir or f"runs/{args.optimizer}-seed{args.seed}")
+    if run.rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    train, val, corpus = load_corpus(int(args.corpus_mb * 2**20) if args.corpus_mb else None)
+    model, opt, sched = build(args, run)
+    release = flashdist.enable_gradient_release(model, opt) if args.grad_release else None
+    n_params = sum(p.numel() for p in model.parameters())
+    start, log = 0, []
+    ckpt = Path(args.ckpt_dir) / "latest" if args.ckpt_dir else None
+    if args.resume:
+        extra = checkpoint.load(ckpt, model, opt)
+        sched.load_state_dict(extra["scheduler"])
+        start, log = int(extra["step"]), json.loads(extra["log"])
+        run.print(f"resumed from {ckpt} at step {start}")
+    run.print(f"flashdist {flashdist.__version__} | torch {torch.__version__} | {run.world} rank(s) on "
+              f"{run.device.type} | {n_params / 1e6:.2f} M params | corpus {corpus['train_bytes'] / 2**20:.1f} MiB "
+              f"train / {corpus['val_bytes'] / 2**20:.1f} MiB val from {corpus['root']}")
+    tokens_per_step = args.batch_size * args.seq_len * run.world
+    report = None
+    t0, tokens = time.perf_counter(), 0
+    end = min(args.steps, args.stop_at or args.steps)
+    for step in range(start, end):
+        g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + run.rank)
+        x, y = batch(train, args.batch_size, args.seq_len, g)
+        loss = model(x.to(run.device), y.to(run.device))
+        loss.backward()
+        if args.clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        if report is None or step == end - 1:
+            report = flashdist.memory_report(opt)  # with the gradients still held (none under release)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        tokens += tokens_per_step
+        row = {"step": step + 1, "loss": run.mean(loss.item()), "lr": sched.get_last_lr()[0]}
+        if (step + 1) % args.eval_every == 0 or step + 1 == end:
+            row["val_loss"] = evaluate(model, val, args, run)
+        log.append(row)
+        if (step + 1) % args.log_every == 0 or "val_loss" in row:
+            dt = time.perf_counter() - t0
+            run.print(f"step {step + 1:5d} | loss {row['loss']:.4f}"
+                      + (f" | val {row['val_loss']:.4f}" if "val_loss" in row else "")
+                      + f" | {tokens / dt:,.0f} tok/s | mem {run.memory_gib():.2f} GiB"
+                      + f" | {report['bytes_per_param']:.2f} B/param")
+        if ckpt and args.ckpt_every and ((step + 1) % args.ckpt_every == 0 or step + 1 == end):
+            checkpoint.save(ckpt, model, opt, extra={"step": step + 1, "scheduler": sched.state_dict(),
+                                                     "log": json.dumps(log)})
+            run.print(f"saved {ckpt} at step {step + 1}")
+    elapsed = time.perf_counter() - t0
+    if release is not None:
+        release.remove()
+    last_val = next((r["val_loss"] for r in reversed(log) if "val_loss" in r), float("nan"))
+    summary = {
+        "optimizer": args.optimizer, "master_weight_bits": args.master_weight_bits,
+        "companded": not args.no_companding, "grad_release": args.grad_release, "seed": args.seed,
+        "world_size": run.world, "device": run.device.type, "params": n_params, "steps": end,
+        "resumed_from": start, "final_train_loss": log[-1]["loss"] if log else None, "final_val_loss": last_val,
+        "tokens_per_s": tokens / elapsed if elapsed else None, "peak_mem_gib": run.memory_gib(),
+        "bytes_per_param": report["bytes_per_param"] if report else None, "memory_report": report,
+        "checkpoint": str(ckpt) if ckpt else None, "corpus": corpus, "torch": torch.__version__,
+    }
+    if run.rank == 0:
+        (out / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        png = out / "loss.png"
+        summary["plot"] = str(png) if plot(log, png, f"{args.optimizer} ({run.world} ranks)") else None
+        rows = [("optimizer", args.optimizer + ("" if args.optimizer == "adamw" else f" ({args.master_weight_bits}-bit)")),
+                ("ranks x device", f"{run.world} x {run.device.type}"), ("parameters", f"{n_params:,}"),
+                ("steps", f"{start} -> {end}"), ("final train loss", f"{summary['final_train_loss']:.4f}"),
+                ("final val loss", f"{last_val:.4f}"),
+                ("bytes/param held (measured, rank 0)", f"{summary['bytes_per_param']:.3f}"),
+                ("throughput", f"{summary['tokens_per_s']:,.0f} tok/s"), ("checkpoint", summary["checkpoint"]),
+                ("loss plot", summary["plot"]), ("summary", str(out / "summary.json"))]
+        width = max(len(k) for k, _ in rows)
+        print("\n".join(f"  {k:<{width}}  {v}" for k, v in rows), flush=True)
+    run.close()
+    return summary
+
+
+if __name__ == "__main__":
+    main()
