@@ -37,8 +37,13 @@ Incompatible, and refused where flashdist can see it:
   form that works: FSDP2 keeps the unsharded gradients and reduces once, so release steps once per
   parameter with the accumulated gradient (and saves no gradient memory during accumulation).
 - Global gradient clipping: the norm over all gradients is unknown until the last one exists, and by
-  then the others were applied. flashdist cannot see a call to ``torch.nn.utils.clip_grad_norm_``
-  (it finds no gradients, returns 0 and changes nothing): remove clipping when enabling release.
+  then the others were applied. While release is active, ``torch.nn.utils.clip_grad_norm_`` and
+  ``clip_grad_value_`` called on any released parameter raise a RuntimeError (flashdist wraps the two
+  functions in ``torch.nn.utils`` while a release handle is active, and restores them on ``remove()``).
+  A reference bound before release was enabled (``from torch.nn.utils import clip_grad_norm_``) escapes
+  the check: it finds no gradient and does nothing.
+- DistributedDataParallel and FSDP1 (``FullyShardedDataParallel``) reduce gradients after the hooks
+  have fired: ``enable_gradient_release`` refuses a model that contains either. Use FSDP2.
 - ``torch.amp.GradScaler``: the hooks would step with scaled gradients before the scaler unscales them.
   ``scaler.step(optimizer)`` raises a RuntimeError; by then the first backward has already updated the
   parameters with scaled gradients, so restart from a checkpoint after removing the scaler. (bf16
@@ -49,9 +54,50 @@ from __future__ import annotations
 
 import torch
 
+from . import distributed as D
 from .optim.base import FlashOptimizer
 
 __all__ = ["GradientRelease", "enable_gradient_release"]
+
+_CLIP_FUNCTIONS = ("clip_grad_norm_", "clip_grad_value_")
+_active: list["GradientRelease"] = []
+_originals: dict[str, object] = {}
+
+
+def _refusing(name: str, original):
+    def clip(parameters, *args, **kwargs):
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        for handle in _active:
+            for p in params:
+                if id(p) in handle._params:
+                    raise RuntimeError(
+                        f"flashdist: torch.nn.utils.{name} on parameter '{handle._params[id(p)][2]}', whose "
+                        "gradient release is active: each gradient was applied and freed during backward, "
+                        "before a global norm could exist. Remove clipping, or remove() the release handle.")
+        return original(params, *args, **kwargs)
+
+    clip.__wrapped__ = original
+    clip.__doc__ = original.__doc__
+    return clip
+
+
+def _install_clip_guards(handle: "GradientRelease") -> None:
+    if not _active:
+        utils = torch.nn.utils
+        for name in _CLIP_FUNCTIONS:
+            _originals[name] = getattr(utils, name)
+            setattr(utils, name, _refusing(name, _originals[name]))
+    _active.append(handle)
+
+
+def _remove_clip_guards(handle: "GradientRelease") -> None:
+    if handle in _active:
+        _active.remove(handle)
+    if not _active and _originals:
+        for name, original in _originals.items():
+            setattr(torch.nn.utils, name, original)
+        _originals.clear()
+
 
 # Attributes torch.amp.GradScaler sets on an optimizer with ``_step_supports_amp_scaling`` before calling
 # its step(); their presence in step() means a scaler is driving the optimizer.
@@ -69,6 +115,7 @@ class GradientRelease:
         if getattr(optimizer, "_gradient_release", None) is not None:
             raise RuntimeError("flashdist: gradient release is already enabled for this optimizer; call "
                                "remove() on its handle before enabling it again")
+        _refuse_late_reducing_wrappers(model)
         owner: dict[int, dict] = {}
         for group in optimizer.param_groups:
             for p in group["params"]:
@@ -94,6 +141,7 @@ class GradientRelease:
         # instead of unscaling the gradients that release has already consumed; _on_optimizer_step refuses.
         optimizer._step_supports_amp_scaling = True
         optimizer._gradient_release = self
+        _install_clip_guards(self)
 
     @property
     def active(self) -> bool:
@@ -105,6 +153,7 @@ class GradientRelease:
             handle.remove()
         self._handles = []
         self._stepped.clear()
+        _remove_clip_guards(self)
         opt = self._optimizer
         if getattr(opt, "_gradient_release", None) is self:
             opt._gradient_release = None
@@ -136,6 +185,9 @@ class GradientRelease:
         if grad.shape != p.shape:
             raise RuntimeError(f"flashdist: parameter '{name}' of shape {tuple(p.shape)} has a gradient of "
                                f"shape {tuple(grad.shape)}")
+        problem = D.grad_layout_problem(p, grad)
+        if problem:
+            raise RuntimeError(f"flashdist: parameter '{name}' {problem}")
         with torch.no_grad():
             self._optimizer._check_hyperparameters(group)
             self._optimizer._step_params(group, [p])
@@ -155,6 +207,22 @@ class GradientRelease:
         self._stepped.clear()
 
 
+def _refuse_late_reducing_wrappers(model: torch.nn.Module) -> None:
+    """DDP and FSDP1 reduce gradients after the post-accumulate-grad hooks of the original parameters have
+    fired: release would step each rank with its own unreduced gradient."""
+    wrappers = [torch.nn.parallel.DistributedDataParallel]
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        wrappers.append(FullyShardedDataParallel)
+    except ImportError:  # pragma: no cover - torch built without distributed
+        pass
+    for name, module in model.named_modules():
+        if isinstance(module, tuple(wrappers)):
+            where = f"'{name}'" if name else "the model"
+            raise TypeError(f"flashdist: {where} is wrapped in {type(module).__name__}, which reduces gradients "
+                            "after release would have stepped them; shard with FSDP2 (fully_shard) instead")
+
+
 def enable_gradient_release(model: torch.nn.Module, optimizer: FlashOptimizer) -> GradientRelease:
     """Step every trainable parameter of ``model`` held by ``optimizer`` as soon as its (reduced) gradient
     exists, and free that gradient: single process, or with ``model`` sharded by FSDP2's ``fully_shard``.
@@ -162,7 +230,7 @@ def enable_gradient_release(model: torch.nn.Module, optimizer: FlashOptimizer) -
     Returns a :class:`GradientRelease` handle; ``handle.remove()`` restores ordinary steps. Keep calling
     ``optimizer.step()`` once per iteration: it ends the iteration (a second backward before it raises,
     since accumulation cannot work under release). Gradient accumulation, global gradient clipping and
-    ``torch.amp.GradScaler`` are incompatible; see :mod:`flashdist.gradient_release` for what is refused
-    and what cannot be detected (``clip_grad_norm_`` finds no gradient and does nothing).
+    ``torch.amp.GradScaler`` are incompatible and refused with a clear error; see
+    :mod:`flashdist.gradient_release`.
     """
     return GradientRelease(model, optimizer)

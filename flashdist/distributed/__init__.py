@@ -105,4 +105,8 @@ def local_rows(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor (an all-gather for a DTensor: every rank must call this, in the same order)."""
-    return t.full_tensor() if is_dtensor(t) else t
+    if not is_dtensor(t):
+        return t
+    if t.dtype == torch.int16:  # gloo cannot all-gather int16 (rho of 32-bit master weights): widen
+        return t.to(torch.int32).full_tensor().to(torch.int16)
+    return t.full_tensor()

@@ -5,9 +5,10 @@
 each and returns the per-rank results as a list. A rank that raises makes ``run_ranks`` raise
 ``RankFailure`` with that rank's traceback; a run that exceeds ``timeout`` is killed and reported.
 
-Processes come from a forkserver that has already imported torch, FSDP2 and flashdist, so a rank starts
-in a fraction of a second instead of re-importing torch. ``fn`` and its arguments must be picklable
-(module-level functions); results travel back through ``torch.save``.
+Processes come from a forkserver that has already imported torch, FSDP2, DCP, flashdist and torch._dynamo
+(which fully_shard imports on first use), so a rank starts in a fraction of a second instead of seconds.
+``fn`` and its arguments must be picklable (module-level functions); results travel back through
+``torch.save``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-_PRELOAD = ["torch", "torch.distributed.fsdp", "torch.distributed.checkpoint", "flashdist"]
+_PRELOAD = ["torch", "torch._dynamo", "torch.distributed.fsdp", "torch.distributed.checkpoint", "flashdist"]
 _context: Any = None
 
 

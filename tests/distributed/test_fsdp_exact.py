@@ -4,19 +4,19 @@ weights, rho, codes and scales are compared bit for bit after several steps."""
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
-from common import (OPTIMIZERS, NoCollectives, assert_bitwise_equal, check_state_layout, global_grads,
-                    make_mixed_net, make_optimizer, set_grads, shard_mixed_net, snapshot)
 from harness import run_ranks
+from sharding_cases import (OPTIMIZERS, NoCollectives, assert_bitwise_equal, check_state_layout, global_grads,
+                            make_mixed_net, make_optimizer, set_grads, shard_mixed_net, single_threaded, snapshot)
+
+pytestmark = pytest.mark.slow  # multi-process
 
 STEPS = 4
 CONFIGS = tuple(OPTIMIZERS)
 
 
-@functools.lru_cache(maxsize=None)
+@single_threaded
 def single_process(config: str) -> tuple[dict[str, torch.Tensor], int]:
     model = make_mixed_net()
     optimizer = make_optimizer(model, config)
@@ -44,7 +44,7 @@ def _sharded_run(rank: int, world_size: int, mesh_shape: tuple[int, ...], config
             assert not seen.dtensor_ops, f"step() computed on DTensors, not local shards: {seen.dtensor_ops}"
         check_state_layout(model, optimizer)
         skipped = optimizer.skipped.clone()
-        dist.all_reduce(skipped)  # each rank counts the groups of its own rows
+        dist.all_reduce(skipped, group=mesh.get_group("shard"))  # each rank counts the groups of its rows
         out[config] = (snapshot(model, optimizer), int(skipped))
     return out if rank == 0 else None
 

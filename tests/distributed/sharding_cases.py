@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -9,6 +11,23 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from flashdist import FlashAdam, FlashAdamW
 from flashdist import distributed as D
+
+def single_threaded(fn):
+    """Run a single-process reference with one intra-op thread, as the ranks do: tiny tensors on a busy
+    two-core machine run ten times slower with a thread pool. Cached: every world size compares with it."""
+
+    @functools.lru_cache(maxsize=None)
+    @functools.wraps(fn)
+    def wrapper(*args):
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return fn(*args)
+        finally:
+            torch.set_num_threads(threads)
+
+    return wrapper
+
 
 # ----- a model with every awkward shape -----------------------------------------------------------------
 
@@ -105,7 +124,7 @@ def full(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor on every rank (a collective for a DTensor)."""
     if not D.is_dtensor(t):
         return t.detach().clone()
-    if t.dtype in (torch.int8, torch.uint8):  # gloo cannot gather 8-bit integers: widen, gather, narrow
+    if t.dtype == torch.int16:  # gloo cannot gather int16 (rho of 32-bit master weights): widen, gather, narrow
         wide = D.state_like(t, D.local(t).to(torch.int32), tuple(t.shape))
         return wide.full_tensor().to(t.dtype)
     return t.full_tensor()
