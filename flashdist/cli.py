@@ -1,0 +1,122 @@
+"""``flashdist``: inspect, convert and export sharded checkpoints. A thin layer over flashdist.checkpoint.convert.
+
+Exit status 0 on success; 1 with a one-line reason on stderr otherwise. Outputs are written to a
+temporary path and renamed into place; an existing output is replaced only with --force.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import warnings
+
+EXAMPLES = {
+    "inspect": "examples:\n  flashdist inspect runs/main/ckpt/latest\n  flashdist inspect model.pt --json",
+    "convert": ("examples:\n"
+                "  flashdist convert runs/ckpt/latest ckpt.pt --to torch              # DCP (any world size) -> one file\n"
+                "  flashdist convert ckpt.pt ckpt_dcp --to dcp --format compressed    # -> DCP, 8-bit optimizer state\n"
+                "  flashdist convert ds_ckpt/ ckpt_dcp --to dcp --from deepspeed      # DeepSpeed ZeRO -> DCP for FSDP2"),
+    "export": "example:\n  flashdist export runs/main/ckpt/latest model.safetensors",
+}
+
+
+class _Progress:
+    """A one-line progress bar on stderr (only when stderr is a terminal)."""
+
+    def __init__(self):
+        self.enabled = sys.stderr.isatty()
+        self.last = 0.0
+
+    def __call__(self, what: str, done: int, total: int) -> None:
+        if not self.enabled or total <= 0:
+            return
+        now = time.monotonic()
+        if done < total and now - self.last < 0.2:
+            return
+        self.last = now
+        width = 30
+        filled = int(width * done / total)
+        sys.stderr.write(f"\r{what:>16} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
+        if done >= total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="flashdist", description="Inspect, convert and export flashdist checkpoints "
+                                 "(DCP directories, torch files, safetensors files, DeepSpeed ZeRO directories).")
+    sub = ap.add_subparsers(dest="command", required=True)
+    fmt = argparse.RawDescriptionHelpFormatter
+    p = sub.add_parser("inspect", help="what a checkpoint is", epilog=EXAMPLES["inspect"], formatter_class=fmt,
+                       description="Kind, optimizer-state format and version, saved world size, parameter count, "
+                                   "dtypes, master_weight_bits, step and bytes on disk per parameter. Reads metadata "
+                                   "only where the format allows.")
+    p.add_argument("path")
+    p.add_argument("--json", action="store_true", help="print JSON (for scripts)")
+    p = sub.add_parser("convert", help="convert between formats", epilog=EXAMPLES["convert"], formatter_class=fmt,
+                       description="Read SRC (DCP directory of any world size, torch file, safetensors file or, with "
+                                   "--from deepspeed, a DeepSpeed ZeRO checkpoint directory) and write DST.")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--to", required=True, choices=["dcp", "torch", "safetensors"], help="output format")
+    p.add_argument("--format", choices=["portable", "compressed"], default=None,
+                   help="switch the optimizer-state format (compressed -> portable dequantizes; portable -> "
+                        "compressed quantizes row-aligned, loadable by FSDP2 at any world size)")
+    p.add_argument("--from", dest="src_kind", choices=["auto", "deepspeed"], default="auto",
+                   help="input kind (default: detected)")
+    p.add_argument("--force", action="store_true", help="replace DST if it exists")
+    p = sub.add_parser("export", help="fp32 master weights as safetensors", epilog=EXAMPLES["export"],
+                       formatter_class=fmt,
+                       description="Write the fp32 master weights (bf16/fp16 parameter + rho) of CKPT as a "
+                                   "safetensors file keyed by the model's FQNs, for inference.")
+    p.add_argument("ckpt")
+    p.add_argument("out")
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    return ap
+
+
+def _print_inspect(info: dict) -> None:
+    rows = [("path", info["path"]), ("kind", info["kind"]),
+            ("saved world size", info.get("saved_world_size") or "-"),
+            ("parameters", f"{info['parameters']:,} in {info['parameter_tensors']} tensors"),
+            ("model dtypes", ", ".join(f"{k} ({v:,})" for k, v in info["model_dtypes"].items()) or "-"),
+            ("optimizer state", f"{info['optimizer_format'] or '-'} (version {info.get('format_version') or '-'})"),
+            ("master_weight_bits", ", ".join(map(str, info.get("master_weight_bits") or [])) or "-"),
+            ("step", info.get("step", "-")),
+            ("bytes on disk", f"{info['bytes_on_disk']:,} ({info['bytes_per_param']:.3f} per parameter)"
+             if info.get("bytes_per_param") else f"{info['bytes_on_disk']:,}")]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+    from .checkpoint import convert as C
+    from .checkpoint.dcp import CheckpointError
+
+    progress = _Progress()
+    try:
+        if args.command == "inspect":
+            info = C.inspect(args.path)
+            print(json.dumps(info, indent=1, default=str)) if args.json else _print_inspect(info)
+        elif args.command == "convert":
+            if args.src_kind == "deepspeed" and C.detect(args.src) != "deepspeed":
+                raise CheckpointError(f"flashdist: {args.src} is not a DeepSpeed checkpoint directory")
+            out = C.convert(args.src, args.dst, to=args.to, fmt=args.format, force=args.force, progress=progress)
+            print(f"wrote {out}")
+        else:
+            out = C.export(args.ckpt, args.out, force=args.force, progress=progress)
+            print(f"wrote {out}")
+    except (CheckpointError, OSError, ImportError) as e:
+        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"flashdist {args.command}: {message.removeprefix('flashdist: ')}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
