@@ -225,3 +225,19 @@ def test_flattened_portable_load_is_refused_clearly(tmp_path):
     run_ranks(_dcp_flat_job, 2, path, "portable", True)
     with pytest.raises(AssertionError, match="state_dict_format='compressed'"):
         run_ranks(_dcp_flat_job, 2, path, "portable", False)
+
+
+def _never_stepped_save(rank, world, path):
+    model, opt = _build("compressed", True)
+    checkpoint.save(path, model, opt, extra={"step": 0})
+    return _gather(model, opt)
+
+
+def test_never_stepped_optimizer_2_to_3(tmp_path):
+    path = str(tmp_path / "ck")
+    saved = run_ranks(_never_stepped_save, 2, path)[0]
+    loaded, after = run_ranks(_resume_job, 3, path, "compressed")[0]
+    _assert_same(saved, loaded, "never-stepped 2 -> 3 loaded")
+    model, opt = _build("compressed", False)
+    _train(model, opt, 0, STEPS_AFTER)
+    _assert_same(_gather(model, opt), after, "never-stepped 2 -> 3 resumed")
