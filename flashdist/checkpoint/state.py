@@ -22,7 +22,7 @@ from ..quant import codes as Q
 
 FORMAT_VERSION = 1
 FORMATS = ("portable", "compressed")
-LAYOUT_KEYS = ("master_weight_bits", "quantize_states", "companded")
+LAYOUT_KEYS = ("master_weight_bits", "quantize_states", "companded", "flat_layout")
 _META_KEYS = ("flashdist_format", "flashdist_version")
 
 
@@ -57,12 +57,14 @@ def export_state_dict(opt, sd: dict, fmt: str) -> dict:
         sgroup["flashdist_version"] = FORMAT_VERSION
     if fmt == "compressed":
         return sd
+    from ..optim.base import state_layout
+
     for index, (group, p) in enumerate(_params_in_order(opt)):
         entry = sd["state"].get(index)
         if entry is None or f"{opt._moments[0]}_codes" not in entry:
             continue
         entry = sd["state"][index] = dict(entry)  # torch's state_dict() shares the live per-param dicts
-        cols = Q.quantized_layout(D.global_shape(p))[1]
+        cols = state_layout(D.global_shape(p), group.get("flat_layout", False))[1]
         for name in opt._moments:
             codes, scales = entry.pop(f"{name}_codes"), entry.pop(f"{name}_scales")
             values = dequantize_moment(name, D.local(codes), D.local(scales), cols, group["companded"])
@@ -150,7 +152,7 @@ def _plan_param(opt, group, p, name, saved: dict) -> list:
 
 def load_state_dict(opt, sd: dict) -> None:
     """Load ``sd`` (portable, compressed or torch.optim.AdamW's) into ``opt``; all checks run first."""
-    from ..optim.base import param_name
+    from ..optim.base import param_name, state_layout
 
     _check(isinstance(sd, dict) and isinstance(sd.get("param_groups"), list) and isinstance(sd.get("state"), dict),
            "load_state_dict expects a dict with 'state' and 'param_groups'")
@@ -174,6 +176,7 @@ def load_state_dict(opt, sd: dict) -> None:
                        f"{key}={group[key]!r}; build the optimizer with the same setting")
         for i, (pid, p) in enumerate(zip(sgroup["params"], group["params"])):
             if pid in saved:
+                opt._init_state(p, group)  # flat_layout groups create their state lazily
                 plan.extend((op, group) for op in _plan_param(opt, group, p, param_name(group, i, p), saved[pid]))
             index += 1
     # Everything checked: apply.
@@ -186,7 +189,7 @@ def load_state_dict(opt, sd: dict) -> None:
             name, state = dest, mine
             codes, scales = D.local(state[f"{name}_codes"]), D.local(state[f"{name}_scales"])
             local_values = _local_for(value, state[f"{name}_codes"]).to(codes.device, torch.float32)
-            cols = Q.quantized_layout(tuple(state[f"{name}_codes"].shape))[1]
+            cols = state_layout(tuple(state[f"{name}_codes"].shape), group.get("flat_layout", False))[1]
             new_codes, new_scales = quantize_moment(name, local_values, cols, group["companded"])
             codes.copy_(new_codes)
             scales.copy_(new_scales)

@@ -32,13 +32,19 @@ class FlashAdamW(FlashOptimizer):
         state_dict_format: "portable" (default: fp32 ``exp_avg``/``exp_avg_sq`` as torch.optim.AdamW, plus
             ``rho``; loads at any world size and into AdamW) or "compressed" (codes, scales and rho: 2.125
             bytes + rho per parameter, resharded exactly by torch.distributed.checkpoint).
+        flat_layout: quantize each tensor of the group as ONE row of ``numel`` values (groups of 32
+            consecutive values in storage order) instead of row-aligned groups, so 1-d tensors get 8-bit
+            moments too (scales of shape ``(1, ceil(numel / 32))``). Meant for DeepSpeed ZeRO, whose flat
+            1-d partitions concatenate many parameters (flashdist.integrations.deepspeed sets it); the state
+            of such a group is created at its first step, because ZeRO swaps the group's tensors for its
+            partitions after construction. Plain tensors only (not FSDP2 DTensors). Default False.
 
-    Caveats. Moments of 0-d and 1-d parameters stay fp32 (they are a tiny share of any model; their
-    FSDP2 shards cut anywhere, so no row-aligned group exists). A group of 32 values of one row whose
-    gradient holds a NaN or an Inf is skipped: its parameter, rho and moments stay as they were, and
-    ``optimizer.skipped`` (an int32 tensor on the parameters' device, no sync needed to keep counting)
-    counts the skipped groups. Layout options (master_weight_bits, quantize_states, companded) are fixed
-    for a parameter once the optimizer is built.
+    Caveats. Moments of 0-d and 1-d parameters stay fp32 outside flat_layout groups (they are a tiny
+    share of any model; their FSDP2 shards cut anywhere, so no row-aligned group exists). A group of 32
+    values of one row whose gradient holds a NaN or an Inf is skipped: its parameter, rho and moments stay
+    as they were, and ``optimizer.skipped`` (an int32 tensor on the parameters' device, no sync needed to
+    keep counting) counts the skipped groups. Layout options (master_weight_bits, quantize_states,
+    companded, flat_layout) are fixed for a parameter once the optimizer is built.
     """
 
     _moments = ("exp_avg", "exp_avg_sq")
@@ -46,7 +52,8 @@ class FlashAdamW(FlashOptimizer):
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, master_weight_bits: int | None = 24, quantize_states: bool = True,
-                 companded: bool = True, backend: str = "auto", state_dict_format: str = "portable"):
+                 companded: bool = True, backend: str = "auto", state_dict_format: str = "portable",
+                 flat_layout: bool = False):
         if backend not in BACKENDS:
             raise ValueError(f"flashdist: backend must be one of {BACKENDS}, got {backend!r}")
         if state_dict_format not in FORMATS:
@@ -55,7 +62,7 @@ class FlashAdamW(FlashOptimizer):
         self.state_dict_format = state_dict_format
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         master_weight_bits=master_weight_bits, quantize_states=quantize_states,
-                        companded=companded)
+                        companded=companded, flat_layout=flat_layout)
         super().__init__(params, defaults)
 
     def _check_hyperparameters(self, group: dict) -> None:
@@ -69,7 +76,7 @@ class FlashAdamW(FlashOptimizer):
         check_number("weight_decay", group["weight_decay"], low=0.0)
 
     def _step_bucket(self, group, params, step, skipped):
-        local_params, grads, (m, v), (ms, vs), rhos, cols = self._bucket_tensors(params)
+        local_params, grads, (m, v), (ms, vs), rhos, cols = self._bucket_tensors(params, group)
         beta1, beta2 = group["betas"]
         flash_adam(local_params, grads, m, v, ms, vs, rhos, cols=cols, lr=float(group["lr"]), beta1=float(beta1),
                    beta2=float(beta2), eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),

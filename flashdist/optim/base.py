@@ -15,6 +15,19 @@ SUPPORTED_PARAM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MASTER_WEIGHT_BITS = (24, 32, None)
 
 
+def state_layout(shape, flat_layout: bool = False) -> tuple[int, int, int] | None:
+    """``(rows, cols, groups_per_row)`` of the quantized moments of a parameter of this GLOBAL shape, or None
+    for fp32 moments. Row-aligned (flashdist.quant.codes.quantized_layout) by default; with ``flat_layout``
+    the tensor is ONE row of ``numel`` values, whatever its shape: groups of 32 consecutive values in storage
+    order (DeepSpeed's flat 1-D partitions)."""
+    if not flat_layout:
+        return Q.quantized_layout(shape)
+    numel = 1
+    for d in shape:
+        numel *= d
+    return 1, numel, (numel + Q.GROUP - 1) // Q.GROUP
+
+
 def param_name(group: dict, index: int, p: torch.Tensor) -> str:
     """The parameter's name when the optimizer was given ``named_parameters()``, else its position."""
     names = group.get("param_names")
@@ -56,6 +69,8 @@ class FlashOptimizer(torch.optim.Optimizer):
         for key in ("quantize_states", "companded"):
             if not isinstance(group[key], bool):
                 raise ValueError(f"flashdist: {key} must be True or False, got {group[key]!r}")
+        if not isinstance(group.get("flat_layout", False), bool):
+            raise ValueError(f"flashdist: flat_layout must be True or False, got {group['flat_layout']!r}")
 
     def add_param_group(self, param_group: dict) -> None:
         # Validate everything first so that a bad group leaves the optimizer unchanged.
@@ -75,6 +90,10 @@ class FlashOptimizer(torch.optim.Optimizer):
             self._check_param(candidate, i, p)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
+        if group.get("flat_layout", False):
+            # A wrapper (DeepSpeed ZeRO) replaces these tensors by its flat partitions after construction:
+            # their state is created by the first step (or load) that sees them.
+            return
         for p in group["params"]:
             self._init_state(p, group)
 
@@ -91,30 +110,64 @@ class FlashOptimizer(torch.optim.Optimizer):
             raise ValueError(f"flashdist: {name} is not contiguous (strides {D.local(p).stride()}); the fused "
                              "step works on contiguous storage: make it contiguous before building the optimizer")
         D.check_placements(p, name)
+        if group.get("flat_layout", False) and D.is_dtensor(p):
+            raise ValueError(f"flashdist: {name} is a DTensor in a flat_layout group; flat_layout is for DeepSpeed's "
+                             "flat 1-D partitions (plain tensors). FSDP2 parameters use the row-aligned layout: "
+                             "leave flat_layout=False")
 
     def _init_state(self, p: torch.Tensor, group: dict) -> None:
-        """Create the whole state up front (every rank, every parameter) so that a checkpoint can be
-        saved before the first step and every rank writes the same keys (dcp.save)."""
+        """Create the missing parts of ``p``'s state. Called for every parameter at construction (every rank,
+        every parameter, so that a checkpoint can be saved before the first step and every rank writes the same
+        keys: dcp.save), and by step and load for parameters that have none yet (``flat_layout`` groups).
+
+        It also adopts state that a loader wrote straight into ``self.state`` without ``load_state_dict``
+        (DeepSpeed's universal checkpoints: a plain-number ``step`` and float ``exp_avg``/``exp_avg_sq`` of
+        the parameter's shape): float moments where codes belong are quantized and dropped."""
         state = self.state[p]
-        if state:
-            return
-        shape = D.global_shape(p)
+        shape = tuple(D.global_shape(p))
         lp = D.local(p)
-        state["step"] = torch.tensor(0.0)
-        layout = Q.quantized_layout(shape) if group["quantize_states"] else None
+        step = state.get("step")
+        if not isinstance(step, torch.Tensor):
+            state["step"] = torch.tensor(float(step or 0.0))
+        layout = state_layout(shape, group.get("flat_layout", False)) if group["quantize_states"] else None
         for name in self._moments:
+            loaded = state.get(name)
+            if loaded is not None and tuple(loaded.shape) != shape:
+                raise ValueError(f"flashdist: state '{name}' of a parameter of shape {shape} has shape "
+                                 f"{tuple(loaded.shape)}: it was written for another parameter layout")
             if layout is None:
-                state[name] = D.state_like(p, torch.zeros_like(lp, dtype=torch.float32), tuple(shape))
-            else:
-                rows, cols, ngroups = layout
+                if loaded is None:
+                    state[name] = D.state_like(p, torch.zeros_like(lp, dtype=torch.float32), shape)
+                elif loaded.dtype != torch.float32:
+                    state[name] = loaded.float()
+                continue
+            rows, cols, ngroups = layout
+            if f"{name}_codes" not in state:
                 code_dtype = torch.uint8 if name.endswith("_sq") else torch.int8
-                state[f"{name}_codes"] = D.state_like(p, torch.zeros_like(lp, dtype=code_dtype), tuple(shape))
-                local_rows = lp.shape[0]
+                state[f"{name}_codes"] = D.state_like(p, torch.zeros_like(lp, dtype=code_dtype), shape)
+                local_rows = 1 if group.get("flat_layout", False) else lp.shape[0]
                 scales = torch.zeros((local_rows, ngroups), dtype=torch.bfloat16, device=lp.device)
                 state[f"{name}_scales"] = D.state_like(p, scales, (rows, ngroups))
-        if R.splits(p.dtype, group["master_weight_bits"]):
+            if loaded is not None:
+                from ..checkpoint.state import quantize_moment
+
+                codes, scales = quantize_moment(name, D.local(loaded).to(lp.device, torch.float32), cols,
+                                                group["companded"])
+                D.local(state[f"{name}_codes"]).copy_(codes)
+                D.local(state[f"{name}_scales"]).copy_(scales)
+                del state[name]
+        if R.splits(p.dtype, group["master_weight_bits"]) and "rho" not in state:
             rho_dtype = R.rho_dtype(group["master_weight_bits"])
-            state["rho"] = D.state_like(p, torch.zeros_like(lp, dtype=rho_dtype), tuple(shape))
+            state["rho"] = D.state_like(p, torch.zeros_like(lp, dtype=rho_dtype), shape)
+
+    def _state_ready(self, p: torch.Tensor, group: dict) -> bool:
+        """Cheap check, once per step: does ``p`` hold exactly the state its group's layout makes?"""
+        state = self.state.get(p)
+        if not state or not isinstance(state.get("step"), torch.Tensor):
+            return False
+        quantized = group["quantize_states"] and (group.get("flat_layout", False) or p.ndim >= 2)
+        size = 1 + len(self._moments) * (2 if quantized else 1)
+        return len(state) == size + R.splits(p.dtype, group["master_weight_bits"])
 
     # ----- queries -------------------------------------------------------------------------------------
 
@@ -154,6 +207,9 @@ class FlashOptimizer(torch.optim.Optimizer):
                 if g.shape != p.shape:
                     raise RuntimeError(f"flashdist: {param_name(group, i, p)} has a gradient of shape "
                                        f"{tuple(g.shape)}")
+                problem = D.grad_layout_problem(p, g)
+                if problem:
+                    raise RuntimeError(f"flashdist: {param_name(group, i, p)} {problem}")
                 with_grad.append((i, p))
             active.append(with_grad)
         return active
@@ -179,6 +235,9 @@ class FlashOptimizer(torch.optim.Optimizer):
         one functional call per bucket."""
         if not params:
             return
+        for p in params:
+            if not self._state_ready(p, group):
+                self._init_state(p, group)
         steps = [self.state[p]["step"] for p in params]
         torch._foreach_add_(steps, 1.0)
         by_step: dict[tuple, list[torch.Tensor]] = defaultdict(list)
@@ -192,8 +251,9 @@ class FlashOptimizer(torch.optim.Optimizer):
     def _step_bucket(self, group: dict, params: list[torch.Tensor], step: int, skipped: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def _bucket_tensors(self, params: list[torch.Tensor]):
-        """Local tensors of a bucket (one layout): params, grads, per-moment codes/values and scales, rho."""
+    def _bucket_tensors(self, params: list[torch.Tensor], group: dict | None = None):
+        """Local tensors of a bucket (one layout, all in ``group``): params, grads, per-moment codes/values and
+        scales, rho, and the row length of each."""
         states = [self.state[p] for p in params]
         local_params = [D.local(p) for p in params]
         grads = [D.local(p.grad) for p in params]
@@ -204,7 +264,10 @@ class FlashOptimizer(torch.optim.Optimizer):
             moments.append([D.local(s[key]) for s in states])
             scales.append([D.local(s[f"{name}_scales"]) for s in states] if quantized else None)
         rhos = [D.local(s["rho"]) for s in states] if "rho" in states[0] else None
-        cols = [Q.quantized_layout(D.global_shape(p))[1] for p in params] if quantized else None
+        if group is None:
+            group = self._group_of(params[0])
+        flat = group.get("flat_layout", False)
+        cols = [state_layout(D.global_shape(p), flat)[1] for p in params] if quantized else None
         return local_params, grads, moments, scales, rhos, cols
 
     # ----- state dict ----------------------------------------------------------------------------------

@@ -1,0 +1,538 @@
+"""DeepSpeed: flashdist optimizers named in the DeepSpeed JSON config, under ZeRO stages 1, 2 and 3.
+
+    from flashdist.integrations import deepspeed as fd_deepspeed
+    engine, optimizer, _, scheduler = fd_deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config="ds_config.json")
+
+with ``"optimizer": {"type": "FlashAdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}}`` in the config.
+DeepSpeed's JSON accepts only DeepSpeed's own optimizer names, so flashdist takes the optimizer section out of
+the config, checks it, and hands DeepSpeed a callable that builds the optimizer (``deepspeed.initialize(
+optimizer=callable)``, which DeepSpeed calls with the model parameters). The rest of the config is
+DeepSpeed's, unchanged, except that ``zero_allow_untested_optimizer`` is set (DeepSpeed asks for it for any
+optimizer it does not ship).
+
+What the optimizer sees. ZeRO hands the optimizer ONE flat 1-d partition per param group on each rank
+(several parameters concatenated, cut at arbitrary points) and calls ``step()`` once per group. flashdist
+builds the optimizer with ``flat_layout=True``: each partition's moments are 8-bit codes in groups of 32
+consecutive values of the partition, created at the first step. DeepSpeed's bf16 settings choose the mode:
+
+- default (``"bf16": {"enabled": true}``): DeepSpeed keeps fp32 master partitions. flashdist replaces the two
+  fp32 Adam moments (8 bytes per parameter, over the ZeRO world size) by 8-bit codes (2.125 bytes).
+- bf16 master weights (``"bf16": {"enabled": true, "bf16_master_weights_and_grads": true,
+  "bf16_optimizer_states": true}``): DeepSpeed's master partitions are bf16, and flashdist keeps an int8 rho
+  next to each, so the master weights keep 24-bit precision: 2 + 1 bytes instead of 4, and 2.125 bytes of
+  moments instead of 8.
+
+Checkpoints (see docs/deepspeed.md). ``engine.save_checkpoint`` / ``load_checkpoint`` round-trip exactly at
+the same world size: DeepSpeed stores the optimizer's portable state dict (fp32 ``exp_avg``/``exp_avg_sq`` of
+partition shape, and rho). To change the world size, :func:`to_universal` runs DeepSpeed's ds_to_universal on
+a copy whose master weights carry rho (DeepSpeed's converter drops every optimizer key but the moments and
+the masters), and :func:`load_checkpoint` loads the universal checkpoint and restores rho from the 24-bit
+masters. :func:`export_fp32_state_dict` is DeepSpeed's zero_to_fp32 with rho added back.
+"""
+
+from __future__ import annotations
+
+import copy
+import glob
+import inspect
+import json
+import os
+import shutil
+import tempfile
+from argparse import Namespace
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .._compat import HAS_DEEPSPEED
+from ..quant import rho as R
+
+_TYPE_PREFIX = "flashdist."
+# Set by this integration; a config may repeat the value but not change it.
+_FIXED_PARAMS = {"flat_layout": True}
+
+
+def _require_deepspeed():
+    if not HAS_DEEPSPEED:
+        raise ImportError("flashdist.integrations.deepspeed needs DeepSpeed: pip install deepspeed (on a machine "
+                          "without CUDA: DS_BUILD_OPS=0 pip install deepspeed, and run with DS_ACCELERATOR=cpu)")
+    import deepspeed
+
+    return deepspeed
+
+
+# ----- the optimizer section ---------------------------------------------------------------------------
+
+
+def optimizer_classes() -> dict[str, type]:
+    """The flashdist optimizers a DeepSpeed config can name, keyed by lower-case class name."""
+    from .. import optim
+
+    classes = {}
+    for name in optim.__all__:
+        cls = getattr(optim, name)
+        if isinstance(cls, type) and issubclass(cls, optim.FlashOptimizer) and cls is not optim.FlashOptimizer:
+            classes[name.lower()] = cls
+    return classes
+
+
+def _named_class(type_name: Any) -> type | None:
+    """The flashdist class a config's ``optimizer.type`` names; None for a name that is DeepSpeed's."""
+    if not isinstance(type_name, str):
+        return None
+    key = type_name.strip().lower()
+    explicit = key.startswith(_TYPE_PREFIX)
+    key = key[len(_TYPE_PREFIX):] if explicit else key
+    classes = optimizer_classes()
+    if key in classes:
+        return classes[key]
+    if explicit or key.startswith("flash"):
+        names = ", ".join(sorted(cls.__name__ for cls in classes.values()))
+        raise ValueError(f"flashdist: the DeepSpeed config asks for optimizer type {type_name!r}, which flashdist "
+                         f"does not have. flashdist optimizers: {names}")
+    return None
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """A flashdist optimizer taken out of a DeepSpeed config; DeepSpeed calls it with the model parameters."""
+
+    cls: type
+    """The optimizer class, e.g. flashdist.FlashAdamW."""
+    kwargs: dict = field(default_factory=dict)
+    """Keyword arguments of the class: the config's ``optimizer.params`` plus ``flat_layout=True``."""
+
+    def __call__(self, params) -> torch.optim.Optimizer:
+        return self.cls(params, **self.kwargs)
+
+
+def _optimizer_kwargs(cls: type, params: Any) -> dict:
+    if params is None:
+        params = {}
+    if not isinstance(params, dict):
+        raise ValueError(f"flashdist: optimizer.params in the DeepSpeed config must be an object, got {params!r}")
+    accepted = [name for name, p in inspect.signature(cls.__init__).parameters.items()
+                if name not in ("self", "params") and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    unknown = sorted(set(params) - set(accepted))
+    if unknown:
+        hint = " (FlashAdamW is AdamW; FlashAdam has Adam's L2 weight decay)" if "adam_w_mode" in unknown else ""
+        raise ValueError(f"flashdist: optimizer.params of {cls.__name__} in the DeepSpeed config has "
+                         f"{unknown}, which {cls.__name__} does not take{hint}. It takes: {', '.join(accepted)}")
+    kwargs = dict(params)
+    if isinstance(kwargs.get("betas"), list):
+        kwargs["betas"] = tuple(kwargs["betas"])
+    for key, value in _FIXED_PARAMS.items():
+        if key in kwargs and kwargs[key] != value:
+            raise ValueError(f"flashdist: optimizer.params.{key}={kwargs[key]!r} in the DeepSpeed config: under "
+                             f"DeepSpeed it is always {value!r} (ZeRO's flat partitions); remove it")
+        kwargs[key] = value
+    return kwargs
+
+
+def _check_combination(config: dict, cls: type) -> None:
+    """Settings with which a flashdist optimizer cannot run under DeepSpeed: errors before anything starts."""
+    zero = config.get("zero_optimization") or {}
+    stage = zero.get("stage", 0)
+    if stage not in (1, 2, 3):
+        raise ValueError(f"flashdist: {cls.__name__} under DeepSpeed needs ZeRO (zero_optimization.stage 1, 2 or 3), "
+                         f"the config has stage {stage!r}. Without ZeRO, use flashdist on the model directly "
+                         f"({cls.__name__}(model.parameters()) with a bf16 model keeps 24-bit master weights).")
+    offload = zero.get("offload_optimizer") or {}
+    if zero.get("cpu_offload") or (isinstance(offload, dict) and offload.get("device", "none") not in (None, "none")):
+        raise ValueError(f"flashdist: {cls.__name__} cannot run with zero_optimization.offload_optimizer (ZeRO-Offload "
+                         "steps on the CPU with DeepSpeedCPUAdam); remove offload_optimizer: flashdist's 8-bit "
+                         "moments are what saves the optimizer memory")
+    bf16 = config.get("bf16") or config.get("bfloat16") or {}
+    if bf16.get("bf16_master_weights_and_grads") and not bf16.get("bf16_optimizer_states"):
+        raise ValueError("flashdist: bf16.bf16_master_weights_and_grads needs bf16.bf16_optimizer_states: true as "
+                         "well (without it DeepSpeed requires ZeRO-Offload). flashdist keeps its own 8-bit moments "
+                         "either way; the setting only tells DeepSpeed the optimizer state is not fp32")
+    if config.get("zero_allow_untested_optimizer") is False:
+        raise ValueError("flashdist: the DeepSpeed config sets zero_allow_untested_optimizer: false; DeepSpeed "
+                         "needs it true for any optimizer it does not ship. Remove the setting.")
+
+
+def prepare_config(config: dict) -> tuple[dict, OptimizerSpec | None]:
+    """Split a DeepSpeed config (a dict) into the config DeepSpeed gets and the flashdist optimizer it names.
+
+    Returns ``(config, None)`` unchanged when the optimizer section is absent or names a DeepSpeed optimizer.
+    Otherwise the optimizer section is removed (DeepSpeed silently ignores it when an optimizer is passed, so
+    leaving it would be misleading), ``zero_allow_untested_optimizer`` is set, and the optimizer's type,
+    parameters and the combination with the rest of the config are checked: an unknown flashdist type, a bad
+    parameter or an impossible combination raises ``ValueError`` here, before DeepSpeed starts."""
+    if not isinstance(config, dict):
+        raise TypeError(f"flashdist: prepare_config takes the config as a dict, got {type(config).__name__} (read a "
+                        "JSON file with load_config)")
+    section = config.get("optimizer")
+    if not isinstance(section, dict):
+        return config, None
+    cls = _named_class(section.get("type"))
+    if cls is None:
+        return config, None
+    extra = sorted(set(section) - {"type", "params"})
+    if extra:
+        raise ValueError(f"flashdist: the optimizer section of the DeepSpeed config has {extra}; it takes only "
+                         "'type' and 'params'")
+    kwargs = _optimizer_kwargs(cls, section.get("params"))
+    _check_combination(config, cls)
+    try:  # every hyper-parameter check the class makes, on a stand-in parameter (flat layout: no state)
+        cls([torch.zeros(1, requires_grad=True)], **kwargs)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"flashdist: optimizer.params of {cls.__name__} in the DeepSpeed config: {e}") from e
+    out = {k: v for k, v in config.items() if k != "optimizer"}
+    out["zero_allow_untested_optimizer"] = True
+    return out, OptimizerSpec(cls, kwargs)
+
+
+def load_config(config) -> dict:
+    """A DeepSpeed config given as a dict (copied) or as the path of a JSON file."""
+    if isinstance(config, dict):
+        return copy.deepcopy(config)
+    if isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"flashdist: DeepSpeed config file {path!r} does not exist")
+        with open(path) as f:
+            text = f.read()
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            import hjson  # DeepSpeed reads configs with hjson too (comments, trailing commas)
+
+            return json.loads(json.dumps(hjson.loads(text)))
+    raise TypeError(f"flashdist: a DeepSpeed config is a dict or a path to a JSON file, got {type(config).__name__}")
+
+
+def initialize(*args, **kwargs):
+    """``deepspeed.initialize`` with flashdist optimizers in the config: same arguments, same return value
+    ``(engine, optimizer, training_dataloader, lr_scheduler)``.
+
+    The config (``config=``, ``config_params=`` or ``args.deepspeed_config``; a dict or a JSON path) may name
+    a flashdist optimizer, e.g. ``"optimizer": {"type": "FlashAdamW", "params": {"lr": 3e-4}}`` (also
+    ``"flashdist.FlashAdamW"``; any class of flashdist.optim); its ``params`` are the class's keyword arguments.
+    Any other config goes to DeepSpeed untouched. Raises ``ValueError`` before DeepSpeed starts for an unknown
+    flashdist type, a bad parameter, an impossible combination (no ZeRO, ZeRO-Offload,
+    bf16_master_weights_and_grads without bf16_optimizer_states), an ``optimizer=`` argument together with a
+    flashdist optimizer in the config, or a flashdist optimizer passed as ``optimizer=`` without
+    ``flat_layout=True`` (a callable that builds one is checked when DeepSpeed calls it). The flashdist optimizer
+    itself is ``engine.basic_optimizer``."""
+    deepspeed = _require_deepspeed()
+    bound = inspect.signature(deepspeed.initialize).bind(*args, **kwargs)
+    call = dict(bound.arguments)
+    _check_optimizer_argument(call.get("optimizer"))
+    if callable(call.get("optimizer")) and not isinstance(call["optimizer"], torch.optim.Optimizer):
+        call["optimizer"] = _CheckedCallable(call["optimizer"])
+    ds_args = call.get("args")
+    source = call.get("config")
+    if source is None:
+        source = call.get("config_params")
+    from_args = source is None and getattr(ds_args, "deepspeed_config", None) is not None
+    if from_args:
+        source = ds_args.deepspeed_config
+    if source is None:
+        return deepspeed.initialize(**call)
+    config, spec = prepare_config(load_config(source))
+    if spec is None:
+        return deepspeed.initialize(**call)
+    if call.get("optimizer") is not None:
+        raise ValueError(f"flashdist: the DeepSpeed config names {spec.cls.__name__} and an optimizer was passed "
+                         "as well; pass one of the two")
+    if from_args:
+        ds_args = copy.copy(ds_args)
+        ds_args.deepspeed_config = None
+        call["args"] = ds_args
+    call.pop("config_params", None)
+    call["config"] = config
+    call["optimizer"] = spec
+    return deepspeed.initialize(**call)
+
+
+def _check_optimizer_argument(optimizer) -> None:
+    """A flashdist optimizer built on the model parameters has row-layout state for tensors that ZeRO replaces
+    by its flat partitions right after: refuse it, saying what works."""
+    from ..optim.base import FlashOptimizer
+
+    if isinstance(optimizer, FlashOptimizer) and not all(g.get("flat_layout") for g in optimizer.param_groups):
+        raise ValueError(f"flashdist: a {type(optimizer).__name__} built on the model was passed to DeepSpeed; ZeRO "
+                         "swaps its parameters for flat partitions. Name it in the config's optimizer section, or "
+                         f"pass a callable: optimizer=lambda params: {type(optimizer).__name__}(params, "
+                         "flat_layout=True, ...)")
+
+
+class _CheckedCallable:
+    """A user's optimizer callable, with the check above applied to what it builds."""
+
+    def __init__(self, build):
+        self.build = build
+
+    def __call__(self, params):
+        optimizer = self.build(params)
+        _check_optimizer_argument(optimizer)
+        return optimizer
+
+
+# ----- live engine: universal-checkpoint load with rho -------------------------------------------------
+
+
+def _flash_optimizer(engine):
+    from ..optim.base import FlashOptimizer
+
+    basic = getattr(engine, "basic_optimizer", None)
+    if not isinstance(basic, FlashOptimizer):
+        raise TypeError(f"flashdist: this DeepSpeed engine's optimizer is {type(basic).__name__}, not a flashdist "
+                        "optimizer (build the engine with flashdist.integrations.deepspeed.initialize)")
+    return basic
+
+
+def master_partitions(engine) -> list[torch.Tensor]:
+    """This rank's flat master-weight partitions of a ZeRO engine: the tensors the optimizer steps (fp32, or
+    bf16 in bf16-master mode), one per param group (ZeRO 1/2) or sub-group (ZeRO 3)."""
+    zero = engine.optimizer
+    if engine.zero_optimization_stage() == 3:
+        return list(zero.fp32_partitioned_groups_flat)
+    for name in ("single_partition_of_fp32_groups", "fp32_groups_flat_partition"):  # ZeRO 1/2, BF16_Optimizer
+        if hasattr(zero, name):
+            return list(getattr(zero, name))
+    raise TypeError(f"flashdist: {type(zero).__name__} is not a DeepSpeed ZeRO optimizer")
+
+
+@torch.no_grad()
+def fp32_master_weights(engine) -> dict[str, torch.Tensor]:
+    """The full fp32 master weights of a live engine, keyed by the model's parameter names, on every rank (one
+    all-gather per parameter: every rank calls it): DeepSpeed's ``safe_get_full_fp32_param`` plus rho in
+    bf16-master mode. Parameters without a gradient are returned as they are, in fp32."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    opt = _flash_optimizer(engine)
+    masters = master_partitions(engine)
+    rho_dtype = next((opt.state[m]["rho"].dtype for m in masters if "rho" in opt.state.get(m, {})), None)
+    master_dtype = engine.optimizer.master_weights_and_grads_dtype
+    out = {}
+    for name, p in engine.module.named_parameters():
+        master = safe_get_full_fp32_param(p) if p.requires_grad else None
+        if master is None:
+            out[name] = p.detach().float().cpu()
+            continue
+        if rho_dtype is not None:
+            rho = safe_get_full_optimizer_state(p, "rho")
+            master = R.merge(master.to(master_dtype), rho.to(rho_dtype))
+        out[name] = master.float().cpu()
+    return out
+
+
+@torch.no_grad()
+def load_checkpoint(engine, load_dir: str, tag: str | None = None, **kwargs):
+    """``engine.load_checkpoint(load_dir, tag, **kwargs)``, returning what it returns, plus what DeepSpeed's
+    universal-checkpoint loader leaves out for flashdist.
+
+    DeepSpeed's loader writes the float moments and the master weights straight into the optimizer (flashdist
+    re-quantizes the moments, here or at the next step) and drops any other state. In bf16-master mode the
+    master partitions are bf16, so it would round the 24-bit masters of a checkpoint made by
+    :func:`to_universal` to bf16; this function splits them again into the bf16 master and rho, exactly. Every
+    rank calls it. For non-universal loads it is ``engine.load_checkpoint``."""
+    result = engine.load_checkpoint(load_dir, tag, **kwargs)
+    if not engine.load_universal_checkpoint() or not kwargs.get("load_optimizer_states", True):
+        return result
+    if kwargs.get("load_module_only", False) or result is None or result[0] is None:
+        return result
+    if tag is None:
+        with open(os.path.join(load_dir, "latest_universal")) as f:
+            tag = f.read().strip()
+    _restore_universal_masters(engine, os.path.join(load_dir, tag, "zero"))
+    return result
+
+
+def _read_universal(folder: str, name: str) -> torch.Tensor:
+    from deepspeed.checkpoint.constants import PARAM
+
+    value = torch.load(os.path.join(folder, name, "fp32.pt"), map_location="cpu", weights_only=False)
+    return value[PARAM] if isinstance(value, dict) else value
+
+
+def _restore_universal_masters(engine, folder: str) -> None:
+    opt = _flash_optimizer(engine)
+    zero = engine.optimizer
+    masters = master_partitions(engine)
+    stage3 = engine.zero_optimization_stage() == 3
+    if stage3:  # ZeRO-3: one flat master per sub-group; the optimizer's groups are empty outside step()
+        groups = [opt.param_groups[zero.sub_group_to_group_id[i]] for i in range(len(masters))]
+    else:
+        groups = opt.param_groups
+    for group, master in zip(groups, masters):
+        opt._init_state(master, group)  # re-quantize the loaded float moments; create rho
+    if not stage3:
+        from deepspeed.utils import lazy_init_hp_params_optimizer_state
+
+        # Point DeepSpeed's per-parameter views of the optimizer state (safe_get_full_optimizer_state) at the
+        # state as it is now, rather than at the float moments the loader wrote.
+        for lps, master in zip(zero.bit16_groups, masters):
+            lazy_init_hp_params_optimizer_state(lps, master, opt.state)
+    if not any("rho" in opt.state[m] for m in masters):
+        return
+    if stage3:
+        for i, master in enumerate(masters):
+            pieces = [zero.load_hp_checkpoint_state(os.path.join(folder, zero.param_names[p]), "fp32", param=p)
+                      for p in zero.fp16_groups[i]]
+            theta = torch.cat([t.reshape(-1).float() for t in pieces])
+            _split_into(opt, master, theta, 0)
+            zero.fp16_partitioned_groups_flat[i].data.copy_(master.data)
+            updated = zero.unflatten(zero.fp16_partitioned_groups_flat[i], zero.fp16_partitioned_groups[i])
+            for partitioned, q in zip(zero.fp16_partitioned_groups[i], updated):
+                partitioned.data = q.data
+        return
+    for i, master in enumerate(masters):
+        for lp in zero.bit16_groups[i]:
+            mapping = getattr(lp, "_hp_mapping", None)
+            if mapping is None:
+                continue
+            full = _read_universal(folder, zero.param_names[lp]).reshape(-1)
+            lp_address, hp_address = mapping.lp_fragment_address, mapping.hp_fragment_address
+            theta = full.narrow(0, lp_address.start, lp_address.numel).float()
+            _split_into(opt, master, theta, hp_address.start)
+    zero.update_lp_params()  # the bf16 model weights from the restored masters (an all-gather)
+
+
+def _split_into(opt, master: torch.Tensor, theta: torch.Tensor, start: int) -> None:
+    rho = opt.state[master].get("rho")
+    if rho is None:
+        return
+    low, new_rho = R.split(theta.to(master.device), master.dtype, rho.dtype)
+    master.narrow(0, start, theta.numel()).copy_(low)
+    rho.narrow(0, start, theta.numel()).copy_(new_rho)
+
+
+# ----- offline: checkpoint folders ---------------------------------------------------------------------
+
+
+def _tag_folder(checkpoint_dir: str, tag: str | None) -> tuple[str, str]:
+    if tag is None:
+        latest = os.path.join(checkpoint_dir, "latest")
+        if not os.path.isfile(latest):
+            raise FileNotFoundError(f"flashdist: {checkpoint_dir!r} has no 'latest' file; pass the checkpoint tag")
+        with open(latest) as f:
+            tag = f.read().strip()
+    folder = os.path.join(checkpoint_dir, tag)
+    if not glob.glob(os.path.join(folder, "*_optim_states.pt")):
+        raise FileNotFoundError(f"flashdist: {folder!r} holds no DeepSpeed ZeRO optimizer files (*_optim_states.pt)")
+    return tag, folder
+
+
+def _fold_optimizer_file(sd: dict, path: str) -> bool:
+    """Replace the bf16/fp16 master partitions of one rank's ZeRO optimizer file by fp32 ``param + rho`` and drop
+    rho, in place. Returns whether there was a rho to fold."""
+    from deepspeed.checkpoint.constants import (BASE_OPTIMIZER_STATE, FP32_FLAT_GROUPS, OPTIMIZER_STATE_DICT,
+                                                SINGLE_PARTITION_OF_FP32_GROUPS, ZERO_STAGE)
+
+    zsd = sd[OPTIMIZER_STATE_DICT]
+    if zsd.get(ZERO_STAGE, 0) == 3:
+        base, masters = zsd[OPTIMIZER_STATE_DICT], zsd[FP32_FLAT_GROUPS]
+    else:
+        base, masters = zsd[BASE_OPTIMIZER_STATE], zsd[SINGLE_PARTITION_OF_FP32_GROUPS]
+    if not isinstance(base, dict):
+        raise ValueError(f"flashdist: {path} was saved with zero_optimization.elastic_checkpoint; convert checkpoints "
+                         "saved without it")
+    ids = [pid for group in base["param_groups"] for pid in group["params"]]
+    if len(ids) != len(masters):
+        raise ValueError(f"flashdist: {path} has {len(masters)} master partitions and {len(ids)} optimizer "
+                         "parameters; is it a checkpoint of a flashdist optimizer?")
+    folded = False
+    for k, pid in enumerate(ids):
+        entry = base["state"].get(pid, {})
+        rho = entry.get("rho")
+        if rho is None:
+            continue
+        master = masters[k]
+        n = master.numel()
+        masters[k] = R.merge(master.reshape(-1), rho.reshape(-1)[:n]).reshape(master.shape)
+        entry.pop("rho")
+        folded = True
+    return folded
+
+
+def _link_or_copy(source: str, target: str) -> None:
+    """Files fold_rho does not change (model states: the whole model under ZeRO 1/2) are hard-linked where the
+    file system allows it."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
+
+
+def fold_rho(checkpoint_dir: str, output_dir: str, tag: str | None = None) -> str:
+    """Copy a DeepSpeed ZeRO checkpoint of a flashdist optimizer, with each rank's master partitions as fp32
+    ``param + rho`` (the 24-bit master weights) and rho dropped from the optimizer state. DeepSpeed's own
+    tools (ds_to_universal, zero_to_fp32) then read the full-precision masters from it: without this, the
+    masters of a bf16-master run are bf16 and rho is lost. A checkpoint of the default mode (fp32 masters) has
+    no rho and is copied as it is. Writes ``output_dir/<tag>`` and ``output_dir/latest``; returns the tag
+    folder. Files are read with ``torch.load(weights_only=False)``, as DeepSpeed reads them: convert only
+    checkpoints you trust."""
+    _require_deepspeed()
+    tag, folder = _tag_folder(checkpoint_dir, tag)
+    out = os.path.join(output_dir, tag)
+    os.makedirs(out, exist_ok=True)
+    for path in sorted(glob.glob(os.path.join(folder, "*"))):
+        target = os.path.join(out, os.path.basename(path))
+        if path.endswith("_optim_states.pt"):
+            sd = torch.load(path, map_location="cpu", weights_only=False)
+            _fold_optimizer_file(sd, path)
+            torch.save(sd, target)
+        elif os.path.isfile(path):
+            _link_or_copy(path, target)
+    with open(os.path.join(output_dir, "latest"), "w") as f:
+        f.write(tag)
+    return out
+
+
+def to_universal(checkpoint_dir: str, output_dir: str | None = None, tag: str | None = None, *,
+                 num_workers: int = 1) -> str:
+    """DeepSpeed's ds_to_universal for a flashdist checkpoint, keeping 24-bit master weights.
+
+    ``checkpoint_dir`` is the folder given to ``engine.save_checkpoint``; ``tag`` defaults to its ``latest``.
+    The universal checkpoint goes to ``output_dir`` (default ``checkpoint_dir/<tag>_universal``), and
+    ``latest_universal`` beside it names it, as ds_to_universal does. Load it at any world size (and from ZeRO
+    1 to 2 or back; DeepSpeed's loader does not cross between ZeRO 1/2 and 3) with ``"checkpoint":
+    {"load_universal": true}`` and :func:`load_checkpoint`. The moments travel as floats
+    (ds_to_universal's ``exp_avg``/``exp_avg_sq``); in bf16-master mode the masters travel as fp32
+    ``param + rho`` (:func:`fold_rho`) and :func:`load_checkpoint` splits them again. Needs the portable state
+    dict format (the default). Returns ``output_dir``."""
+    _require_deepspeed()
+    from deepspeed.checkpoint import ds_to_universal
+
+    tag, folder = _tag_folder(checkpoint_dir, tag)
+    output_dir = output_dir or os.path.join(checkpoint_dir, f"{tag}_universal")
+    _check_portable(folder)
+    with tempfile.TemporaryDirectory(prefix="flashdist-fold-", dir=os.path.dirname(os.path.abspath(output_dir))) as tmp:
+        folded = fold_rho(checkpoint_dir, tmp, tag)
+        ds_to_universal.main(Namespace(input_folder=folded, output_folder=output_dir, num_extract_workers=num_workers,
+                                       num_merge_workers=num_workers, keep_temp_folder=False, strict=True,
+                                       inject_missing_state=True))
+    return output_dir
+
+
+def _check_portable(folder: str) -> None:
+    from deepspeed.checkpoint.constants import BASE_OPTIMIZER_STATE, OPTIMIZER_STATE_DICT, ZERO_STAGE
+
+    path = sorted(glob.glob(os.path.join(folder, "*_optim_states.pt")))[0]
+    zsd = torch.load(path, map_location="cpu", weights_only=False, mmap=True)[OPTIMIZER_STATE_DICT]
+    base = zsd[OPTIMIZER_STATE_DICT] if zsd.get(ZERO_STAGE, 0) == 3 else zsd[BASE_OPTIMIZER_STATE]
+    groups = base.get("param_groups", []) if isinstance(base, dict) else []
+    if any(g.get("flashdist_format") == "compressed" for g in groups):
+        raise ValueError(f"flashdist: {path} holds the compressed optimizer state (codes and scales); DeepSpeed's "
+                         "universal checkpoints carry float exp_avg/exp_avg_sq only. Save with the default "
+                         "state_dict_format='portable' to convert.")
+
+
+def export_fp32_state_dict(checkpoint_dir: str, tag: str | None = None) -> dict[str, torch.Tensor]:
+    """The model's fp32 weights from a DeepSpeed ZeRO checkpoint of a flashdist optimizer, keyed by the model's
+    parameter names: DeepSpeed's zero_to_fp32 (``get_fp32_state_dict_from_zero_checkpoint``), with each bf16
+    master weight plus its rho in bf16-master mode (zero_to_fp32 alone returns the bf16 masters there)."""
+    _require_deepspeed()
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    tag, _ = _tag_folder(checkpoint_dir, tag)
+    with tempfile.TemporaryDirectory(prefix="flashdist-fold-", dir=checkpoint_dir) as tmp:
+        fold_rho(checkpoint_dir, tmp, tag)
+        state = get_fp32_state_dict_from_zero_checkpoint(tmp, tag)
+    return {name: t.float() if t.is_floating_point() else t for name, t in state.items()}
