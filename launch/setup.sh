@@ -12,5 +12,8 @@ if ! "$PY" -c "import torch, triton, pytest, safetensors" 2>/dev/null; then
   "$PY" -m pip install -q --upgrade pip
   "$PY" -m pip install -q "torch==${FLASHDIST_TORCH:-2.13.0}" triton pytest safetensors matplotlib
 fi
+if ! "$PY" -c "import deepspeed" 2>/dev/null; then  # after torch, so pip keeps the CPU torch
+  DS_BUILD_OPS=0 "$PY" -m pip install -q "deepspeed==0.19.8"
+fi
 "$PY" -m pip install -q --no-deps --no-build-isolation -e . 2>/dev/null || "$PY" -m pip install -q --no-deps -e .
 echo "$PY"
