@@ -55,15 +55,19 @@ def export_state_dict(opt, sd: dict, fmt: str) -> dict:
     for sgroup in sd["param_groups"]:
         sgroup["flashdist_format"] = fmt
         sgroup["flashdist_version"] = FORMAT_VERSION
-    if fmt == "compressed":
-        return sd
     from ..optim.base import state_layout
 
     for index, (group, p) in enumerate(_params_in_order(opt)):
         entry = sd["state"].get(index)
-        if entry is None or f"{opt._moments[0]}_codes" not in entry:
+        if entry is None:
             continue
-        entry = sd["state"][index] = dict(entry)  # torch's state_dict() shares the live per-param dicts
+        # torch's state_dict() shares the live per-param dicts; the step counts are 0-d views of one
+        # tensor per step plan (a saved view would carry the whole storage): copy both
+        entry = sd["state"][index] = dict(entry)
+        if isinstance(entry.get("step"), torch.Tensor):
+            entry["step"] = entry["step"].clone()
+        if fmt == "compressed" or f"{opt._moments[0]}_codes" not in entry:
+            continue
         cols = state_layout(D.global_shape(p), group.get("flat_layout", False))[1]
         for name in opt._moments:
             codes, scales = entry.pop(f"{name}_codes"), entry.pop(f"{name}_scales")

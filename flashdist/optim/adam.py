@@ -75,10 +75,11 @@ class FlashAdamW(FlashOptimizer):
         check_number("eps", group["eps"], low=0.0)
         check_number("weight_decay", group["weight_decay"], low=0.0)
 
-    def _step_bucket(self, group, params, step, skipped):
-        local_params, grads, (m, v), (ms, vs), rhos, cols = self._bucket_tensors(params, group)
+    def _step_bucket(self, group, bucket, grads, step, skipped):
+        (m, v), (ms, vs) = bucket.moments, bucket.scales
         beta1, beta2 = group["betas"]
-        flash_adam(local_params, grads, m, v, ms, vs, rhos, cols=cols, lr=float(group["lr"]), beta1=float(beta1),
+        flash_adam(bucket.params, bucket.local_grads(grads), m, v, ms, vs, bucket.rhos, cols=bucket.cols,
+                   lr=float(group["lr"]), beta1=float(beta1),
                    beta2=float(beta2), eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
                    step=step, decoupled=self._decoupled, companded=group["companded"], skipped=skipped,
                    backend=self.backend)

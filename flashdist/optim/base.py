@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections import defaultdict
 from typing import Any
 
@@ -12,6 +14,8 @@ from ..quant import codes as Q
 from ..quant import rho as R
 
 SUPPORTED_PARAM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_GRAD = operator.attrgetter("grad")
+_LAYOUT = operator.attrgetter("layout")
 MASTER_WEIGHT_BITS = (24, 32, None)
 
 
@@ -55,6 +59,8 @@ class FlashOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, defaults: dict):
         self.skipped = None  # int32 counter of skipped (non-finite) groups, on the parameters' device
+        self._plans: dict[tuple, _Plan] = {}
+        self._dtensor_groups: set[int] = set()  # ids of param groups that hold DTensor parameters
         super().__init__(params, defaults)
 
     # ----- construction -------------------------------------------------------------------------------
@@ -90,6 +96,8 @@ class FlashOptimizer(torch.optim.Optimizer):
             self._check_param(candidate, i, p)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
+        if any(D.is_dtensor(p) for p in group["params"]):
+            self._dtensor_groups.add(id(group))
         if group.get("flat_layout", False):
             # A wrapper (DeepSpeed ZeRO) replaces these tensors by its flat partitions after construction:
             # their state is created by the first step (or load) that sees them.
@@ -191,28 +199,37 @@ class FlashOptimizer(torch.optim.Optimizer):
 
     # ----- step ----------------------------------------------------------------------------------------
 
-    def _check_grads(self) -> list[list[tuple[int, torch.Tensor]]]:
-        """All checks that can fail, before anything changes. Returns (index, param) with a grad, per group."""
+    def _check_grads(self) -> list[list[torch.Tensor]]:
+        """All checks that can fail, before anything changes. Returns the parameters with a grad, per group.
+
+        Cheap by design (it runs every step): torch itself refuses a gradient of another shape, so only the
+        layout (sparse) and, for DTensor parameters, the gradient's placements are checked."""
         active = []
         for group in self.param_groups:
             self._check_hyperparameters(group)
-            with_grad = []
-            for i, p in enumerate(group["params"]):
-                g = p.grad
-                if g is None:
-                    continue
-                if g.is_sparse:
-                    raise RuntimeError(f"flashdist: {param_name(group, i, p)} has a sparse gradient; flashdist "
-                                       "optimizers need dense gradients (e.g. nn.Embedding(sparse=False))")
-                if g.shape != p.shape:
-                    raise RuntimeError(f"flashdist: {param_name(group, i, p)} has a gradient of shape "
-                                       f"{tuple(g.shape)}")
-                problem = D.grad_layout_problem(p, g)
-                if problem:
-                    raise RuntimeError(f"flashdist: {param_name(group, i, p)} {problem}")
-                with_grad.append((i, p))
+            params = group["params"]
+            grads = list(map(_GRAD, params))
+            if all(map(operator.is_not, grads, itertools.repeat(None))):
+                with_grad = list(params)
+            else:
+                with_grad = [p for p, g in zip(params, grads) if g is not None]
+                grads = [g for g in grads if g is not None]
+            if set(map(_LAYOUT, grads)) - {torch.strided}:
+                p = next(p for p in with_grad if p.grad.layout is not torch.strided)
+                raise RuntimeError(f"flashdist: {self._name(group, p)} has a sparse gradient; flashdist "
+                                   "optimizers need dense gradients (e.g. nn.Embedding(sparse=False))")
+            if id(group) in self._dtensor_groups:
+                for p in with_grad:
+                    problem = D.grad_layout_problem(p, p.grad) if D.is_dtensor(p) else None
+                    if problem:
+                        raise RuntimeError(f"flashdist: {self._name(group, p)} {problem}")
             active.append(with_grad)
         return active
+
+    @staticmethod
+    def _name(group: dict, p: torch.Tensor) -> str:
+        index = next(i for i, q in enumerate(group["params"]) if q is p)
+        return param_name(group, index, p)
 
     def _skipped_counter(self, device: torch.device) -> torch.Tensor:
         if self.skipped is None or self.skipped.device != device:
@@ -226,49 +243,49 @@ class FlashOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         active = self._check_grads()
-        for group, with_grad in zip(self.param_groups, active):
-            self._step_params(group, [p for _, p in with_grad])
+        for group, params in zip(self.param_groups, active):
+            self._step_params(group, params)
         return loss
 
     def _step_params(self, group: dict, params: list[torch.Tensor]) -> None:
-        """Step these parameters of ``group`` (all have a gradient): bucket them by step count and layout,
-        one functional call per bucket."""
+        """Step these parameters of ``group`` (all have a gradient): one functional call per bucket of one
+        layout and one step count.
+
+        The per-parameter bookkeeping (state lookups, local views, buckets) lives in a cached plan, so that a
+        step over thousands of tensors costs a few list operations in Python: the plan is reused while the
+        same parameters have gradients and their state is unchanged, and rebuilt otherwise."""
         if not params:
             return
-        for p in params:
-            if not self._state_ready(p, group):
-                self._init_state(p, group)
-        steps = [self.state[p]["step"] for p in params]
-        torch._foreach_add_(steps, 1.0)
-        by_step: dict[tuple, list[torch.Tensor]] = defaultdict(list)
-        for p, t in zip(params, torch.stack(steps).tolist()):
-            state = self.state[p]
-            key = (int(t), state.get("rho") is not None, f"{self._moments[0]}_codes" in state, D.local(p).device)
-            by_step[key].append(p)
-        for (t, _, _, device), ps in by_step.items():
-            self._step_bucket(group, ps, t, self._skipped_counter(device))
+        key = (id(group), len(params), id(params[0]))
+        plan = self._plans.get(key)
+        if plan is None or not plan.matches(params):
+            for p in params:
+                if not self._state_ready(p, group):
+                    self._init_state(p, group)
+            plan = self._plans[key] = _Plan(self, group, params)
+        plan.counts.add_(1.0)  # every state["step"] of the plan is a view into this one tensor
+        if plan.step is None:  # parameters at different step counts: bucket by count (rare)
+            counts = [int(t) for t in plan.counts.tolist()]
+            plan.step = counts[0] if len(set(counts)) == 1 else None
+            for bucket in plan.buckets:
+                by_count = defaultdict(list)
+                for i in bucket.index:
+                    by_count[counts[i]].append(i)
+                for count, index in by_count.items():
+                    self._step_bucket(group, bucket.subset(index), [params[i].grad for i in index], count,
+                                      self._skipped_counter(bucket.device))
+            return
+        plan.step += 1
+        for bucket in plan.buckets:
+            grads = list(map(_GRAD, params)) if bucket.everything else [params[i].grad for i in bucket.index]
+            self._step_bucket(group, bucket, grads, plan.step, self._skipped_counter(bucket.device))
 
-    def _step_bucket(self, group: dict, params: list[torch.Tensor], step: int, skipped: torch.Tensor) -> None:
+    def _step_bucket(self, group: dict, bucket: "_Bucket", grads: list[torch.Tensor], step: int,
+                     skipped: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def _bucket_tensors(self, params: list[torch.Tensor], group: dict | None = None):
-        """Local tensors of a bucket (one layout, all in ``group``): params, grads, per-moment codes/values and
-        scales, rho, and the row length of each."""
-        states = [self.state[p] for p in params]
-        local_params = [D.local(p) for p in params]
-        grads = [D.local(p.grad) for p in params]
-        quantized = f"{self._moments[0]}_codes" in states[0]
-        moments, scales = [], []
-        for name in self._moments:
-            key = f"{name}_codes" if quantized else name
-            moments.append([D.local(s[key]) for s in states])
-            scales.append([D.local(s[f"{name}_scales"]) for s in states] if quantized else None)
-        rhos = [D.local(s["rho"]) for s in states] if "rho" in states[0] else None
-        if group is None:
-            group = self._group_of(params[0])
-        flat = group.get("flat_layout", False)
-        cols = [state_layout(D.global_shape(p), flat)[1] for p in params] if quantized else None
-        return local_params, grads, moments, scales, rhos, cols
+    def _invalidate_plans(self) -> None:
+        self._plans.clear()
 
     # ----- state dict ----------------------------------------------------------------------------------
 
@@ -289,4 +306,71 @@ class FlashOptimizer(torch.optim.Optimizer):
         flashdist.load_fp32_state_dict."""
         from ..checkpoint.state import load_state_dict
 
-        load_state_dict(self, state_dict)
+        self._invalidate_plans()
+        try:
+            load_state_dict(self, state_dict)
+        finally:
+            self._invalidate_plans()
+
+
+class _Bucket:
+    """Local tensors of parameters that share one layout (rho or not, quantized or not) and one device."""
+
+    def __init__(self, opt: FlashOptimizer, group: dict, params: list[torch.Tensor], index: list[int]):
+        self.index = index
+        states = [opt.state[p] for p in params]
+        self.device = D.local(params[0]).device
+        self.params = [D.local(p) for p in params]
+        self.quantized = f"{opt._moments[0]}_codes" in states[0]
+        self.moments, self.scales = [], []
+        for name in opt._moments:
+            key = f"{name}_codes" if self.quantized else name
+            self.moments.append([D.local(s[key]) for s in states])
+            self.scales.append([D.local(s[f"{name}_scales"]) for s in states] if self.quantized else None)
+        self.rhos = [D.local(s["rho"]) for s in states] if "rho" in states[0] else None
+        flat = group.get("flat_layout", False)
+        self.cols = [state_layout(D.global_shape(p), flat)[1] for p in params] if self.quantized else None
+        self.dtensor = any(D.is_dtensor(p) for p in params)
+
+    def subset(self, index: list[int]) -> "_Bucket":
+        keep = [self.index.index(i) for i in index]
+        out = object.__new__(_Bucket)
+        out.__dict__.update(self.__dict__)
+        out.index = index
+        out.params = [self.params[k] for k in keep]
+        out.moments = [[m[k] for k in keep] for m in self.moments]
+        out.scales = [[s[k] for k in keep] if s is not None else None for s in self.scales]
+        out.rhos = [self.rhos[k] for k in keep] if self.rhos is not None else None
+        out.cols = [self.cols[k] for k in keep] if self.cols is not None else None
+        return out
+
+    def local_grads(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [D.local(g) for g in grads] if self.dtensor else grads
+
+
+class _Plan:
+    """What one step over a fixed list of parameters needs, computed once."""
+
+    def __init__(self, opt: FlashOptimizer, group: dict, params: list[torch.Tensor]):
+        self.params = list(params)
+        self.states = [opt.state[p] for p in params]
+        # One CPU tensor holds the step counts of all these parameters, and each state["step"] becomes a
+        # 0-d view of it: a step increments them all with one add (torch.optim keeps one tensor per
+        # parameter; 2,000 separate adds cost milliseconds).
+        self.counts = torch.tensor([float(s["step"]) for s in self.states], dtype=torch.float32)
+        for i, s in enumerate(self.states):
+            s["step"] = self.counts[i]
+        self.sizes = list(map(len, self.states))
+        self.step: int | None = None  # the common step count, once known
+        by_layout: dict[tuple, list[int]] = defaultdict(list)
+        for i, (p, s) in enumerate(zip(params, self.states)):
+            by_layout[("rho" in s, f"{opt._moments[0]}_codes" in s, D.local(p).device)].append(i)
+        self.buckets = [_Bucket(opt, group, [params[i] for i in index], index) for index in by_layout.values()]
+        for bucket in self.buckets:
+            bucket.everything = len(self.buckets) == 1
+
+    def matches(self, params: list[torch.Tensor]) -> bool:
+        """Same parameters, and no state replaced or added behind the optimizer's back (a loader writing
+        straight into ``optimizer.state``, as DeepSpeed's universal checkpoints do, adds keys)."""
+        return (len(params) == len(self.params) and all(map(operator.is_, params, self.params))
+                and list(map(len, self.states)) == self.sizes)
