@@ -134,3 +134,40 @@ def test_rho_at_binade_edges_and_subnormals():
 def test_rho_overflowed_param_gets_zero():
     low, rho = R.split(torch.tensor([1e39, -1e39, 70000.0]), torch.float16, torch.int8)
     assert rho.tolist() == [0, 0, 0]
+
+
+def test_sqrt_rn_is_correctly_rounded():
+    """codes.sqrt_rn against numpy's IEEE square root, on random fp32 bit patterns of every magnitude (torch's
+    own CPU sqrt is not correctly rounded in some builds)."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(0, 0x7F800000, (1_000_000,), generator=g, dtype=torch.int32).view(torch.float32)
+    x = torch.cat([x, torch.tensor([0.0, -0.0, float("inf"), 1e-45, 2.0**-149, 3.4e38, 4.0, 2.0])])
+    got = Q.sqrt_rn(x).numpy().view(np.int32)
+    want = np.sqrt(x.numpy()).view(np.int32)
+    assert (got == want).all()
+
+
+def test_exp_avg_table_is_the_companded_inverse():
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.int8)
+    y = codes.float() * Q.INV127  # fp32 product and difference, then the correctly rounded quotient
+    want = (y.double() / (2.0 - y.abs()).double()).float()
+    assert torch.equal(Q.EXP_AVG_TABLE, want)
+    assert Q.EXP_AVG_TABLE[127] == 1.0 and Q.EXP_AVG_TABLE[0] == 0.0
+
+
+@pytest.mark.parametrize("companded", [True, False], ids=["companded", "linear"])
+def test_subnormal_moments_keep_their_codes(companded):
+    """Groups whose absmax is subnormal (the reciprocal 127 / A or 255 / A would overflow fp32) are lifted by
+    2^64: their codes still reach the end of the range and re-quantize to themselves."""
+    m = torch.tensor([[1e-40, -3e-41, 2e-44, 0.0] * 8])
+    codes, scales = Q.quantize_exp_avg(m, 32, companded)
+    assert codes.abs().max() == 127
+    back = Q.dequantize_exp_avg(codes, scales, 32, companded)
+    assert torch.equal(Q.quantize_exp_avg(back, 32, companded)[0], codes)
+    v = m.abs()  # subnormal second moments (companded: their roots are ~1e-20, below the lift threshold)
+    codes, scales = Q.quantize_exp_avg_sq(v, 32, companded)
+    assert codes.max() == 255
+    back = Q.dequantize_exp_avg_sq(codes, scales, 32, companded)
+    assert torch.equal(Q.quantize_exp_avg_sq(back, 32, companded)[0], codes)

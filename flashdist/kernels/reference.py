@@ -1,8 +1,11 @@
 """Eager torch implementation of the fused FlashAdam(W) step: the CPU path and the test oracle.
 
 It defines the arithmetic, operation by operation, that the Triton kernel reproduces (bitwise under
-``TRITON_INTERPRET=1``): every scalar is fp32 (``AdamScalars``), every intermediate is fp32, and the
-order of operations below is the order in the kernel.
+``TRITON_INTERPRET=1``, and on CUDA with ``FLASHDIST_EXACT=1``, the default): every scalar is fp32
+(``AdamScalars``), every intermediate is fp32, every operation is IEEE round-to-nearest (the square root
+too: ``codes.sqrt_rn``), and the order of operations below is the order in the kernel. Per value it
+divides twice (the update ``m / denom`` and the companding of the new first moment) and takes one square
+root; the rest is multiplications (``codes``, ``rho`` and ``AdamScalars`` say how).
 """
 
 from __future__ import annotations
@@ -43,21 +46,21 @@ def adam_step_(
     sc = scalars
     quantized = exp_avg_scales is not None
     g = grad.float()
-    if quantized:
-        m = Q.dequantize_exp_avg(exp_avg, exp_avg_scales, cols, companded)
-        v = Q.dequantize_exp_avg_sq(exp_avg_sq, exp_avg_sq_scales, cols, companded)
+    if quantized:  # beta1 * m and beta2 * v, dequantized with the betas in the per-group multiplier
+        m_decayed = Q.dequantize_exp_avg(exp_avg, exp_avg_scales, cols, companded, sc.beta1)
+        v_decayed = Q.dequantize_exp_avg_sq(exp_avg_sq, exp_avg_sq_scales, cols, companded, sc.beta2)
     else:
-        m, v = exp_avg, exp_avg_sq
+        m_decayed, v_decayed = exp_avg * sc.beta1, exp_avg_sq * sc.beta2
     theta = R.merge(param, rho) if rho is not None else param.float()
 
     if sc.decoupled:
         theta = theta * sc.decay
     else:
         g = g + theta * sc.weight_decay
-    m = m * sc.beta1 + g * sc.one_minus_beta1
-    v = v * sc.beta2 + (g * g) * sc.one_minus_beta2
-    u = v.sqrt()
-    denom = u / sc.bias_correction2_sqrt + sc.eps
+    m = m_decayed + g * sc.one_minus_beta1
+    v = v_decayed + (g * g) * sc.one_minus_beta2
+    u = Q.sqrt_rn(v)
+    denom = u * sc.inv_bias_correction2_sqrt + sc.eps
     theta = theta - (m / denom) * sc.step_size
 
     bad = ~torch.isfinite(grad)

@@ -14,12 +14,26 @@ Codes.
 Scales are bfloat16 group absmax values: 2 bytes per 32 values, like fp16, but with fp32's exponent
 range. fp16 scales flush the moments of gradients below ~1e-8 to zero (the second moment of a 1e-10
 gradient is 1e-20, far under fp16's 6e-8 smallest subnormal) and overflow for gradients above ~256
-(v = 65536+). A bf16 scale keeps both ends. Codes are computed against the EXACT fp32 absmax, so a
+(v = 65536+). A bf16 scale keeps both ends. Codes are computed against the EXACT fp32 absmax ``A``, so a
 group's largest value always gets the end code (127 / 255); the stored scale is that absmax rounded to
 bf16, so dequantized values carry at most 2^-8 relative scale error on top of the code step. This makes
 quantization idempotent: quantize(dequantize(codes, scale)) gives back the same codes and scale, which is
-what lets the portable (fp32) checkpoint format round-trip exactly. Rounding is half away from zero,
-written out so the Triton kernel can match it bit for bit.
+what lets the portable (fp32) checkpoint format round-trip exactly.
+
+The fp32 arithmetic, written so that the fused kernel does the same operations with few divisions:
+- companded ``m``: ``code = round(254 m / (A + |m|))``, the companding with ``x = m / A`` multiplied out
+  (one division per value, no reciprocal of ``A``);
+- linear ``m`` and both ``v`` codes: ``code = round(x * (K / A))`` with K = 127 or 255: ONE division per
+  group, a multiplication per value. ``K / A`` overflows fp32 for A below ~2^-121 (subnormal moments), so
+  groups whose absmax is below ``TINY = 2^-64`` are first lifted by 2^64 (``(x * 2^64) * (K / (A * 2^64))``);
+  lifting is exact, and where neither product over- or underflows it gives the same bits as no lifting;
+- dequantizing companded ``m`` reads ``y / (2 - |y|)`` from a 256-entry fp32 table (``exp_avg_table``)
+  built with exactly that fp32 arithmetic; dequantizing multiplies each code's value by ONE per-group
+  number (scale / 127 or / 255 as a multiplication by INV127 / INV255, squared for companded ``v``, and
+  times beta1 / beta2 inside the step);
+- ``sqrt`` is the correctly rounded fp32 square root (``sqrt_rn``), what the kernel and CUDA compute.
+Every quotient stays within 127 (255) up to a few fp32 ulps, so no clamp is needed before rounding.
+Rounding is half away from zero, written out so the Triton kernel can match it bit for bit.
 """
 
 from __future__ import annotations
@@ -31,6 +45,8 @@ from ..kernels.scalars import f32
 GROUP = 32
 INV127 = f32(1.0 / 127.0)  # fp32 constants: the kernel multiplies by exactly these values
 INV255 = f32(1.0 / 255.0)
+TINY = 2.0**-64  # groups with an absmax below this are lifted by LIFT before the reciprocal (see above)
+LIFT = 2.0**64
 
 
 def quantized_layout(shape: torch.Size | tuple[int, ...]) -> tuple[int, int, int] | None:
@@ -47,6 +63,46 @@ def quantized_layout(shape: torch.Size | tuple[int, ...]) -> tuple[int, int, int
 
 def round_half_away(x: torch.Tensor) -> torch.Tensor:
     return torch.floor(x.abs() + 0.5).copysign(x)
+
+
+def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded fp32 square root (IEEE ``sqrt``, what CUDA's ``sqrtf`` and the kernel compute).
+
+    torch's vectorised CPU ``sqrt`` for fp32 is not correctly rounded in some builds (torch 2.13: about 18%
+    of results one ulp off). Here: the float64 root rounded to fp32, then whichever of that value and its
+    two fp32 neighbours is nearest, decided exactly: ``s`` is the rounded root iff ``x`` lies between the
+    squares of the midpoints to its neighbours (midpoints have 25 bits, their squares 50: exact in float64,
+    and never equal to an fp32 ``x``, so there are no ties)."""
+    x = x.float()
+    d = x.double()
+    s = d.sqrt().float()
+    up = torch.nextafter(s, torch.full_like(s, float("inf")))
+    down = torch.nextafter(s, torch.zeros_like(s))
+    sd = s.double()
+    hi = (sd + up.double()) * 0.5
+    lo = (sd + down.double()) * 0.5
+    fixed = torch.where(d > hi * hi, up, torch.where(d < lo * lo, down, s))
+    return torch.where((x > 0) & torch.isfinite(x), fixed, s)  # 0, -0, inf, NaN, negatives: as computed
+
+
+def _exp_avg_table_values() -> torch.Tensor:
+    y = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.int8).float() * INV127
+    return y / (2.0 - y.abs())
+
+
+# companded first moment, code -> y / (2 - |y|) for y = code / 127 (fp32), indexed by the code's byte
+# (0..127 for codes 0..127, 128..255 for codes -128..-1)
+EXP_AVG_TABLE = _exp_avg_table_values()
+_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def exp_avg_table(device: torch.device | str) -> torch.Tensor:
+    """``EXP_AVG_TABLE`` on ``device`` (one cached copy per device)."""
+    device = torch.device(device)
+    table = _TABLES.get(device)
+    if table is None:
+        table = _TABLES[device] = EXP_AVG_TABLE.to(device)
+    return table
 
 
 def to_bf16_value(x: torch.Tensor) -> torch.Tensor:
@@ -71,38 +127,61 @@ def _safe(s: torch.Tensor) -> torch.Tensor:
     return torch.where(s > 0, s, torch.ones_like(s))
 
 
+def scaled_by_reciprocal(x: torch.Tensor, absmax: torch.Tensor, k: float) -> torch.Tensor:
+    """``x * (k / absmax)`` per group (``absmax`` > 0, one value per group): one division per group, lifted
+    by 2^64 for tiny groups so that the reciprocal cannot overflow."""
+    lift = torch.where(absmax < TINY, torch.full_like(absmax, LIFT), torch.ones_like(absmax))
+    # a tensor divided by a tensor (``k / t`` with a Python ``k`` is torch's reciprocal times k: two roundings)
+    return (x * lift) * (torch.full_like(absmax, k) / (absmax * lift))
+
+
 def quantize_exp_avg(m: torch.Tensor, cols: int, companded: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 first moment -> (int8 codes of m's shape, bf16 scales (rows, groups))."""
     mg = grouped(m.float(), cols)
     absmax = mg.abs().amax(dim=-1, keepdim=True) if mg.numel() else mg.new_zeros(mg.shape[:-1] + (1,))
     scale = to_bf16_value(absmax)
-    y = (mg / _safe(absmax)).clamp(-1.0, 1.0)
     if companded:
-        y = (2.0 * y) / (1.0 + y.abs())
-    codes = round_half_away(y * 127.0).to(torch.int8)
+        q = (254.0 * mg) / (_safe(absmax) + mg.abs())
+    else:
+        q = scaled_by_reciprocal(mg, _safe(absmax), 127.0)
+    codes = round_half_away(q).to(torch.int8)
     return ungrouped(codes, cols, m.shape), scale.squeeze(-1).to(torch.bfloat16)
 
 
-def dequantize_exp_avg(codes: torch.Tensor, scales: torch.Tensor, cols: int, companded: bool) -> torch.Tensor:
-    y = grouped(codes.float(), cols) * INV127
+def dequantize_exp_avg(codes: torch.Tensor, scales: torch.Tensor, cols: int, companded: bool,
+                       factor: float = 1.0) -> torch.Tensor:
+    """int8 codes and bf16 scales -> fp32 first moment, times ``factor`` (the step passes beta1).
+
+    One rounding per value: the code's value times a per-group multiplier, ``scale * factor`` (companded:
+    the value from ``EXP_AVG_TABLE``) or ``(scale / 127) * factor`` (linear, as ``scale * INV127``)."""
+    s = scales.float().unsqueeze(-1)
     if companded:
-        y = y / (2.0 - y.abs())
-    return ungrouped(y * scales.float().unsqueeze(-1), cols, codes.shape)
+        y = exp_avg_table(codes.device)[grouped(codes.view(torch.uint8), cols).long()]
+        multiplier = s * factor
+    else:
+        y = grouped(codes.float(), cols)
+        multiplier = (s * INV127) * factor
+    return ungrouped(y * multiplier, cols, codes.shape)
 
 
 def quantize_exp_avg_sq(v: torch.Tensor, cols: int, companded: bool, *, is_sqrt: bool = False):
     """fp32 second moment -> (uint8 codes, bf16 scales). With ``is_sqrt`` the input is already sqrt(v)."""
-    u = v.float() if (is_sqrt or not companded) else v.float().sqrt()
+    u = v.float() if (is_sqrt or not companded) else sqrt_rn(v)
     ug = grouped(u, cols)
     absmax = ug.amax(dim=-1, keepdim=True) if ug.numel() else ug.new_zeros(ug.shape[:-1] + (1,))
     scale = to_bf16_value(absmax)
-    y = (ug / _safe(absmax)).clamp(0.0, 1.0)
-    codes = round_half_away(y * 255.0).to(torch.uint8)
+    codes = round_half_away(scaled_by_reciprocal(ug, _safe(absmax), 255.0)).to(torch.uint8)
     return ungrouped(codes, cols, v.shape), scale.squeeze(-1).to(torch.bfloat16)
 
 
-def dequantize_exp_avg_sq(codes: torch.Tensor, scales: torch.Tensor, cols: int, companded: bool) -> torch.Tensor:
-    u = (grouped(codes.float(), cols) * INV255) * scales.float().unsqueeze(-1)
+def dequantize_exp_avg_sq(codes: torch.Tensor, scales: torch.Tensor, cols: int, companded: bool,
+                          factor: float = 1.0) -> torch.Tensor:
+    """uint8 codes and bf16 scales -> fp32 second moment, times ``factor`` (the step passes beta2).
+
+    With ``s = scale * INV255`` per group: ``code^2 * ((s * s) * factor)`` (companded: the code is of
+    sqrt(v); code^2 is exact) or ``code * (s * factor)`` (linear): one rounding per value."""
+    s = scales.float().unsqueeze(-1) * INV255
+    c = grouped(codes.float(), cols)
     if companded:
-        u = u * u
-    return ungrouped(u, cols, codes.shape)
+        return ungrouped((c * c) * ((s * s) * factor), cols, codes.shape)
+    return ungrouped(c * (s * factor), cols, codes.shape)

@@ -2,12 +2,25 @@
 
 Semantics. ``adam_step_multi`` does, on every tensor of its lists, exactly what ``reference.adam_step_``
 does, operation by operation and with the same fp32 scalars: under ``TRITON_INTERPRET=1`` the results are
-bitwise equal. To keep that promise on every backend the kernel
+bitwise equal, and on CUDA too with ``EXACT`` (the default). To keep that promise on every backend the
+kernel
 - moves bf16 through its bits: loads them as int16 and widens them, and rounds fp32 to bf16 with an integer
   round-to-nearest-even on the fp32 bit pattern (the interpreter's ``.to(tl.bfloat16)`` truncates);
-- divides and takes square roots with ``tl.div_rn`` / ``tl.sqrt_rn`` (IEEE, like torch; Triton's ``/`` and
-  ``tl.sqrt`` are approximate on the GPU);
-- is compiled with ``enable_fp_fusion=False``, so no ``a * b + c`` of the reference becomes an FMA.
+- divides and takes square roots with ``tl.div_rn`` / ``tl.sqrt_rn`` (IEEE, like the reference; Triton's
+  ``/`` and ``tl.sqrt`` are approximate on the GPU);
+- is compiled with ``enable_fp_fusion=False``, so no ``a * b + c`` of the reference becomes an FMA;
+- computes what the reference computes exactly in cheaper exact ways where it can: rho's split and merge
+  of bf16 parameters as integer arithmetic on fp32 bit patterns (``_merge_bf16``, ``_split_bf16``), the
+  fp16 rho unit and its reciprocal from exponent bits, rounding half away from zero as one add and a
+  truncating conversion.
+
+Exactness (``EXACT``, from the environment variable ``FLASHDIST_EXACT``, read once at import: ``1`` or
+unset for IEEE, ``0`` for the GPU's approximate ones in the update's division, the companding division of
+the new first moment and the square root: ``div.approx.f32`` through libdevice's ``fast_dividef`` and
+``sqrt.approx.f32``, both flushing subnormals). The approximate variant differs from the reference in the
+last bits of those three results, which moves a code by at most one step where it sits next to a rounding
+boundary and a master weight by a few fp32 ulps of the update; docs/method.md states the bound and
+tests/test_gpu.py checks it. Under the interpreter (no libdevice) both variants compute the IEEE results.
 
 Layout of the work. Each program handles ``GROUPS`` groups of 32 slots, as a ``(GROUPS, 32)`` block: the
 group absmax of a scale is a ``tl.max`` over axis 1, a group's "gradient not finite" flag a max over the
@@ -19,16 +32,42 @@ masked per whole group, so the loads vectorise. For fp32 moments the block is 32
 elements and each element is its own "group" (skip flag, skip count).
 
 Launches. Tensors are sorted into buckets of one compile-time specialisation (param dtype, grad dtype, rho
-dtype, quantized, ALIGNED, 16-byte aligned storage; companded and decoupled are per call). Per bucket:
-- tensors below ``LARGE_NUMEL`` elements share ONE launch over a work table of ``(tensor, block)`` items;
-  each program reads its item, then the tensor's addresses and sizes from an int64 table, and tells the
-  compiler the addresses are 16-byte aligned (``tl.multiple_of``), without which the loads are not
-  vectorised (GPU.md measured 0.12 vs 0.5 of copy bandwidth);
+dtype, quantized, ALIGNED, 16-byte aligned storage; companded, decoupled and EXACT are per call). Per
+bucket:
+- tensors below ``LARGE_NUMEL`` elements share ONE launch over a work table of ``(tensor, first block,
+  blocks)`` items of up to ``TABLE_BLOCKS`` consecutive blocks of one tensor; each program reads its item,
+  then the tensor's addresses and sizes from an int64 table (a chain of two dependent loads, paid once per
+  item), tells the compiler the addresses are 16-byte aligned (``tl.multiple_of``), without which the
+  loads are not vectorised (GPU.md measured 0.12 vs 0.5 of copy bandwidth), and walks its blocks;
 - tensors of ``LARGE_NUMEL`` elements or more get a launch each, with addresses and sizes as kernel
-  arguments: measured faster than the table for large tensors (no chain of dependent loads per program).
-The tables live on the device and are cached, keyed by the data pointers of every tensor and the layout
-(param numel, dtypes, cols); a repeated step with the same tensors only builds that key and looks it up.
-Any change of storage (a new gradient buffer, a replaced parameter) gives a new key and a rebuild.
+  arguments. A storage that is not 16-byte aligned (a view into a flat buffer) lands in a bucket without
+  the alignment hint instead of failing.
+The int8 codes are read 8 bytes at a time (alignment hint 8, not 16), so that every load and store of a
+block has the layout of the 16-byte bf16 ones and no value changes layout through shared memory.
+
+Launch plans (buckets and their device tables) are cached. A step must not pay per-tensor Python calls
+beyond the few that safety needs (each costs tens of nanoseconds; a step can hold thousands of tensors),
+so a plan is found and checked with three per tensor:
+- the parameter's ``data_ptr`` (with the layout: quantized, rho dtype, cols, the launch constants): a
+  parameter whose storage is swapped (``p.data = ...``, as ``module.to`` does) gets a new plan;
+- the gradient's ``data_ptr``, compared with the plan's: gradients are new tensors at each step when
+  ``zero_grad(set_to_none=True)``, usually at the same addresses; where one moved, the gradients are
+  checked again (dtype, size, contiguity, device, alignment) and only the gradient addresses of the
+  tables are rewritten (a changed dtype or alignment rebuilds the plan);
+- the ``id`` of the first moment (its codes): a state that is replaced, as ``load_state_dict`` does, gets a
+  new plan, also while the old tensors live on elsewhere (a state dict kept by the caller).
+The plan also holds weak references to every state tensor (moments, scales, rho) whose callbacks drop it
+as soon as one is freed, so it never writes to freed memory and an ``id`` it compares names a live
+tensor. Not detected: replacing one scales or rho tensor alone while the old one stays alive elsewhere,
+and swapping the storage of a state tensor in place (``.data =``, ``set_``); the optimizer does neither.
+Measured (H200 host, triton 3.6): 0.49 ms of host time per call for 2,000 tensors, 0.14 ms per step for
+the 147 tensors of Llama-3.2-1B, launches included.
+
+Cost. Compiled for sm_90 (triton 3.6; bf16 params, int8 rho, companded 8-bit moments) the step executes
+about 130 instructions per element exact and 106 approximate at the default 32 groups per block (121 and
+97 at 64), against 247 before this arithmetic (IEEE divisions for every quantization and for rho). The
+kernel is still bound by instruction issue and latency rather than by memory: the Llama-3.2-1B shapes run
+at about half the copy-bandwidth floor (docs/benchmarks.md).
 
 Non-finite gradients. A group whose gradient holds a NaN or an Inf is not stored (param, rho, codes,
 scale keep their values); each program adds its count of such groups to ``skipped`` with one atomic.
@@ -36,117 +75,207 @@ scale keep their values); each program adds its count of such groups to ``skippe
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import os
+import weakref
 from collections.abc import Sequence
-from operator import attrgetter
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from ...quant import codes as Q
-from ...quant import rho as R
 from ..scalars import AdamScalars
 
-LARGE_NUMEL = 1 << 20  # tensors with at least this many elements get a launch of their own
-TABLE_GROUPS = 16  # groups of 32 slots per program in the table launch (512 slots)
-LARGE_GROUPS = 32  # groups of 32 slots per program in a per-tensor launch (1024 slots)
+
+def _exact_from_env() -> bool:
+    value = os.environ.get("FLASHDIST_EXACT", "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"flashdist: FLASHDIST_EXACT must be 0 (approximate division and sqrt on the GPU) or 1 "
+                         f"(IEEE, the default), got {value!r}")
+    return value == "1"
+
+
+# IEEE division and square root in the kernel (bitwise equal to the reference on CUDA), or the GPU's
+# approximate ones. Read once from FLASHDIST_EXACT; set this module attribute to change it in a process.
+EXACT = _exact_from_env()
+
+# Launch configuration, from launch/bench_step.py --sweep on an H200 (triton 3.6; docs/benchmarks.md). The
+# kernel is bound by instruction issue and latency, not bandwidth, so occupancy decides: 32 groups per block
+# compile to 96 registers (exact) against 146 for 64, and ran the Llama-3.2-1B shapes in 7.4 ms against
+# 8.5 (approximate variant: 6.3 against 6.1); 8 blocks per program beat 1 by 5%; 8 warps lost.
+# Tensors with at least LARGE_NUMEL elements get a launch of their own (only embedding-sized ones: a launch
+# costs tens of microseconds of host time).
+LARGE_NUMEL = 1 << 26
+TABLE_GROUPS = 32  # groups of 32 slots per block in the table launch (1024 slots)
+TABLE_BLOCKS = 8  # consecutive blocks of one tensor per program of the table launch
+LARGE_GROUPS = 64  # groups of 32 slots per program in a per-tensor launch (2048 slots)
 NUM_WARPS = 4
 PLAN_CACHE_SIZE = 32  # cached launch plans (a few per optimizer: one per bucket of step count / layout)
 
 _GROUP = tl.constexpr(Q.GROUP)
 _INV127 = tl.constexpr(Q.INV127)
 _INV255 = tl.constexpr(Q.INV255)
+_TINY = tl.constexpr(Q.TINY)
+_LIFT = tl.constexpr(Q.LIFT)
 _FP32_EXP_MASK = tl.constexpr(0x7F800000)
-_BF16_NAN = tl.constexpr(0x7FC0)  # what torch's fp32 -> bf16 conversion gives for any NaN
+_BF16_NAN = tl.constexpr(0x7FC0)  # CUDA torch's bf16 for any NaN (CPU builds differ: torch 2.13 gives 0xFFFF)
+_SIGN_BIT = tl.constexpr(-(2**31))  # 0x80000000 as an int32
+_HALF_BITS = tl.constexpr(0x3F000000)  # 0.5 as fp32 bits
 
 # dtype codes of the kernel's constexpr arguments
 _FLOAT_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _RHO_KIND = {None: 0, torch.int8: 1, torch.int16: 2}
+_RHO_LOG2 = {None: 7, torch.int8: 7, torch.int16: 15}  # log2 of rho.RHO_STEPS (unused without rho)
 # Row of the per-tensor int64 table of the table launch: the 7 addresses (p, g, m, v, ms, vs, rho), then
 # numel, ngroups, cols, gpr; padded to 16 entries so that one row is one 128-byte line.
 _TABLE_FIELDS = 11
 _TABLE_STRIDE = tl.constexpr(16)
+_GRAD_COLUMN = 1
 
 _data_ptr = torch.Tensor.data_ptr
-_numel = torch.Tensor.numel
-_dtype = attrgetter("dtype")
 
 
 # ----- elementwise helpers ---------------------------------------------------------------------------------
-
-
-@triton.jit
-def _bf16_bits_to_f32(bits):
-    """int16 bit pattern of a bf16 value -> the fp32 value (exact)."""
-    return (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+# Few and only where the logic repeats or is tested on its own: under TRITON_INTERPRET every call of a
+# jitted helper costs milliseconds (the interpreter re-patches triton.language), which dominates the CPU
+# tests.
 
 
 @triton.jit
 def _f32_to_bf16_bits(x):
-    """fp32 -> upper 16 bits (int32) of the nearest bf16, ties to even; NaN -> 0x7FC0 like torch."""
+    """fp32 -> the nearest bf16 (ties to even) as its bit pattern in the low 16 bits of an int32, sign
+    extended; NaN -> 0x7FC0 like CUDA torch. ``(bits << 16)`` bitcast to fp32 is the rounded value."""
     bits = x.to(tl.int32, bitcast=True)
     rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
     return tl.where(x != x, _BF16_NAN, rounded)
 
 
 @triton.jit
-def _to_bf16_value(x):
-    """Round fp32 to the nearest bf16, as fp32 (``codes.to_bf16_value``)."""
-    return (_f32_to_bf16_bits(x) << 16).to(tl.float32, bitcast=True)
+def _round_half_away_to_int(q):
+    """``codes.round_half_away(q)`` as an int32: ``q + copysign(0.5, q)`` truncated. Round-to-nearest is
+    symmetric, so that sum is ``sign(q) * fl(|q| + 0.5)``, the reference's sum, and truncating it is the
+    reference's floor with the sign put back."""
+    half = ((q.to(tl.int32, bitcast=True) & _SIGN_BIT) | _HALF_BITS).to(tl.float32, bitcast=True)
+    return (q + half).to(tl.int32)
 
 
 @triton.jit
-def _is_finite(x):
-    return (x.to(tl.int32, bitcast=True) & _FP32_EXP_MASK) != _FP32_EXP_MASK
-
-
-@triton.jit
-def _round_half_away(x):
-    r = tl.floor(tl.abs(x) + 0.5)
-    return tl.where(x < 0, -r, r)
-
-
-@triton.jit
-def _half_ulp(tp, P_KIND: tl.constexpr):
-    """``rho.half_ulp``: half the spacing of the param format (bf16 or fp16) at the fp32 value ``tp``."""
-    exp = (tp.to(tl.int32, bitcast=True) >> 23) & 0xFF
-    if P_KIND == 0:  # bf16: 7 mantissa bits, smallest normal biased fp32 exponent 1
-        half = (tl.maximum(exp, 1) << 23).to(tl.float32, bitcast=True) * 0.00390625  # 2^-8
-    else:  # fp16: 10 mantissa bits, smallest normal 2^-14
-        half = (tl.maximum(exp, 127 - 14) << 23).to(tl.float32, bitcast=True) * 0.00048828125  # 2^-11
-    return half
-
-
-@triton.jit
-def _load_f32(ptr, offs, mask, KIND: tl.constexpr):
-    """Load bf16 (through an int16 pointer), fp16 or fp32 values as fp32; 0 where masked."""
-    if KIND == 0:
-        return _bf16_bits_to_f32(tl.load(ptr + offs, mask=mask, other=0))
+def _divide(x, y, EXACT: tl.constexpr, FAST_DIV: tl.constexpr):
+    """``x / y``: IEEE (``EXACT``), else ``div.approx.f32`` on the GPU (``FAST_DIV``: 2 ulp for ``|y|`` in
+    [2^-126, 2^126]; a reciprocal and a multiplication) or Triton's ``/`` (numpy's IEEE division under the
+    interpreter, which cannot call libdevice)."""
+    if EXACT:
+        return tl.div_rn(x, y)
+    elif FAST_DIV:
+        return libdevice.fast_dividef(x, y)
     else:
-        return tl.load(ptr + offs, mask=mask, other=0).to(tl.float32)
+        return x / y
 
 
 @triton.jit
-def _as_ptr(addr, KIND: tl.constexpr, ALIGN16: tl.constexpr):
-    """int address -> typed pointer, hinted 16-byte aligned when ALIGN16 (the host checked it). Kinds:
-    0 bf16 (read as int16 bits), 1 fp16, 2 fp32, 3 int8, 4 uint8, 5 int16."""
-    addr = addr.to(tl.int64)
-    if KIND == 0:
-        ptr = addr.to(tl.pointer_type(tl.int16))
-    elif KIND == 1:
-        ptr = addr.to(tl.pointer_type(tl.float16))
-    elif KIND == 2:
-        ptr = addr.to(tl.pointer_type(tl.float32))
-    elif KIND == 3:
-        ptr = addr.to(tl.pointer_type(tl.int8))
-    elif KIND == 4:
-        ptr = addr.to(tl.pointer_type(tl.uint8))
-    else:
-        ptr = addr.to(tl.pointer_type(tl.int16))
-    if ALIGN16:
-        ptr = tl.multiple_of(ptr, 16)
-    return ptr
+def _round_half_up_along(q, x):
+    """``rho._code``'s rounding as an int32: ``floor(q * sign(x) + 0.5) * sign(x)`` (half away from zero of
+    ``x``), the sign applied by flipping sign bits."""
+    sign = x.to(tl.int32, bitcast=True) & _SIGN_BIT
+    r = tl.floor((q.to(tl.int32, bitcast=True) ^ sign).to(tl.float32, bitcast=True) + 0.5).to(tl.int32)
+    return tl.where(sign != 0, -r, r)
+
+
+@triton.jit
+def _merge_bf16(p16, rho, RHO_SHIFT: tl.constexpr):
+    """``rho.merge`` for a bf16 parameter (its bits ``p16``, int32 sign extended) and an int32 ``rho``.
+
+    ``rho * h / 2^(k-1)`` is ``rho << RHO_SHIFT`` units of the fp32 grid at the parameter (RHO_SHIFT = 8
+    for int8, 0 for int16): bf16 spacing is 2^16 fp32 steps, h half of it, and toward zero from a power of
+    two both the fp32 step and h halve. fp32 bit patterns read as sign-magnitude integers are that grid
+    (subnormals included), so the reference's exact float sum is an integer sum on the value-ordered bits
+    (``-x`` -> ``-bits(x)``); infinite and NaN parameters stay as they are, as in the reference."""
+    bits = p16 << 16
+    s = bits >> 31  # 0 or -1
+    ordered = ((bits & 0x7FFFFFFF) ^ s) - s + (rho << RHO_SHIFT)
+    s = ordered >> 31
+    merged = ((ordered ^ s) - s) | (s & _SIGN_BIT)
+    merged = tl.where((bits & _FP32_EXP_MASK) == _FP32_EXP_MASK, bits, merged)
+    return merged.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _split_bf16(theta, RHO_LOG2: tl.constexpr):
+    """``rho.split`` of fp32 ``theta`` into a bf16 parameter (bits in the low 16 of an int32) and an int32
+    rho, on the value-ordered fp32 bits ``w`` (see ``_merge_bf16``): ``theta`` rounded half away from zero
+    to the rho grid (``w >> RHO_SHIFT``, 2^RHO_SHIFT fp32 steps a rho step), split into the nearest bf16
+    value (2 * 2^(k-1) rho steps a bf16 step; ties toward +inf, which is the reference's move to the next
+    value up past the last positive code) and the remainder, in [-2^(k-1), 2^(k-1) - 1]. The sign of the
+    parameter is that of ``theta`` (a zero keeps it, as the reference's round-to-nearest does). From the
+    midpoint between the largest bf16 value and infinity on, the reference rounds to infinity (ties to
+    even), for negative values too; infinite and NaN parameters get rho 0 and NaN becomes 0x7FC0."""
+    RHO_SHIFT = 15 - RHO_LOG2
+    tb = theta.to(tl.int32, bitcast=True)
+    s = tb >> 31
+    a = tb & 0x7FFFFFFF
+    w = (a ^ s) - s
+    if RHO_SHIFT != 0:
+        w = (w + (1 << (RHO_SHIFT - 1)) + s) >> RHO_SHIFT  # half away from zero
+    p = (w + (1 << RHO_LOG2)) >> (RHO_LOG2 + 1)  # bf16 steps, value-ordered; same sign as theta (or 0)
+    r = w - (p << (RHO_LOG2 + 1))
+    mag = tl.where(a >= 0x7F7F8000, 0x7F80, (p ^ s) - s)
+    r = tl.where(mag >= 0x7F80, 0, r)
+    p16 = tl.where(a > 0x7F800000, _BF16_NAN, mag | (s & 0x8000))
+    return p16, r
+
+
+@triton.jit
+def _fp16_unit_exponent(tp, toward_zero):
+    """Biased fp32 exponent ``e`` of ``rho.rho_unit`` of an fp16 parameter ``tp`` (fp32), whose ``h`` is
+    ``2^(e - 127 - 11)``: the exponent of ``tp``, at least fp16's smallest normal (113), one less at a power
+    of two where the error or rho points toward zero."""
+    bits = tp.to(tl.int32, bitcast=True)
+    exp = (bits >> 23) & 0xFF
+    pow2 = ((bits & 0x7FFFFF) == 0) & (exp > 113)
+    return tl.maximum(exp, 113) - (pow2 & toward_zero).to(tl.int32)
+
+
+@triton.jit
+def _merge_fp16(tp, rho, RHO_LOG2: tl.constexpr):
+    """``rho.merge`` of an fp16 parameter (as fp32) and an int32 rho: the reference's float sum (it rounds
+    for int16 rho, and fp16's subnormals are no uniform fp32 grid), with ``h / 2^(k-1)`` built from
+    exponent bits: ``2^(e - 138 - k + 1)``, always a normal fp32 number."""
+    e = _fp16_unit_exponent(tp, _signs_differ(rho, tp))
+    return tp + rho.to(tl.float32) * ((e - 11 - RHO_LOG2) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _split_fp16(theta, RHO_LOG2: tl.constexpr):
+    """``rho.split`` of fp32 ``theta`` into an fp16 parameter (as fp32) and an int32 rho. The reference's
+    ``err / h * 2^(k-1)`` is exact (a power-of-two scaling), so it is ``err`` times ``2^(k-1) / h`` built from
+    exponent bits. Past the last positive code the parameter moves up by ``2h`` to its neighbour, whose
+    unit toward ``theta`` is ``h`` again (rho's units are half the gap on the side of the error), so the
+    reference's second code is the first minus ``2 * 2^(k-1)``."""
+    RHO_STEPS = 1 << RHO_LOG2
+    low = theta.to(tl.float16).to(tl.float32)  # round to nearest even, as torch
+    err = theta - low
+    e = _fp16_unit_exponent(low, _signs_differ(err, low))
+    q = err * ((127 + 138 + RHO_LOG2 - e) << 23).to(tl.float32, bitcast=True)
+    r = _round_half_up_along(q, theta)
+    up = (r >= RHO_STEPS) & ((low.to(tl.int32, bitcast=True) & _FP32_EXP_MASK) != _FP32_EXP_MASK)
+    above = low + ((e - 10) << 23).to(tl.float32, bitcast=True)
+    above = (above.to(tl.int32, bitcast=True) | (theta.to(tl.int32, bitcast=True) & _SIGN_BIT)).to(tl.float32,
+                                                                                                  bitcast=True)
+    low = tl.where(up, above, low)  # (a zero parameter keeps theta's sign)
+    r = tl.where(up, _round_half_up_along(q - 2.0 * RHO_STEPS, theta), r)
+    # a non-finite parameter gets rho 0 (its error, and so the reference's code, is not finite)
+    r = tl.where((low.to(tl.int32, bitcast=True) & _FP32_EXP_MASK) == _FP32_EXP_MASK, 0, tl.maximum(r, -RHO_STEPS))
+    return low, r
+
+
+@triton.jit
+def _signs_differ(a, b):
+    """Sign bits of two 32-bit values differ (floats as their bits). Stands for rho's ``toward_zero`` test
+    ``(a < 0 & b > 0) | (a > 0 & b < 0)``: the two differ only where a or b is a zero or a NaN, where the
+    unit does not matter (a zero or NaN param is no power of two; a zero error or rho contributes zero
+    whatever the unit, a NaN error gives a NaN code either way)."""
+    return (a.to(tl.int32, bitcast=True) ^ b.to(tl.int32, bitcast=True)) < 0
 
 
 # ----- one block of one tensor -----------------------------------------------------------------------------
@@ -155,34 +284,69 @@ def _as_ptr(addr, KIND: tl.constexpr, ALIGN16: tl.constexpr):
 @triton.jit
 def _step_block(
     p_addr, g_addr, m_addr, v_addr, ms_addr, vs_addr, rho_addr,  # int64 addresses of one tensor's data
+    table_ptr,  # fp32 codes.EXP_AVG_TABLE on this device (read with COMPANDED quantized moments only)
     skipped_ptr,  # int32 counter of skipped groups (only used with COUNT_SKIPPED)
     blk,  # block index inside the tensor
     numel, ngroups, cols, gpr,  # elements; groups (quantized); row length; groups per row
-    beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, decay, step_size, bias_correction2_sqrt,
+    beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, decay, step_size, inv_bc2_sqrt,
     P_KIND: tl.constexpr, G_KIND: tl.constexpr,  # 0 bf16, 1 fp16, 2 fp32
     RHO_KIND: tl.constexpr,  # 0 no rho, 1 int8, 2 int16
     QUANTIZED: tl.constexpr,  # 8-bit moments with bf16 group scales (else fp32 moments)
     ALIGNED: tl.constexpr,  # cols is a multiple of 32
     ALIGN16: tl.constexpr,  # every address is a multiple of 16 bytes
     COMPANDED: tl.constexpr, DECOUPLED: tl.constexpr, COUNT_SKIPPED: tl.constexpr,
-    RHO_MAX: tl.constexpr, RHO_INV: tl.constexpr,  # 127.0 / 32767.0 and rho.RHO_INV
+    EXACT: tl.constexpr,  # IEEE division and sqrt (else the GPU's approximate ones; see the module doc)
+    FAST_DIV: tl.constexpr,  # with EXACT off: libdevice's fast division (compiled only, not interpreted)
+    RHO_LOG2: tl.constexpr,  # log2 of rho.RHO_STEPS: 7 (int8), 15 (int16)
     GROUPS: tl.constexpr,  # groups of 32 slots in this block
 ):
-    p_ptr = _as_ptr(p_addr, P_KIND, ALIGN16)
-    g_ptr = _as_ptr(g_addr, G_KIND, ALIGN16)
-    if QUANTIZED:
-        m_ptr = _as_ptr(m_addr, 3, ALIGN16)
-        v_ptr = _as_ptr(v_addr, 4, ALIGN16)
-        ms_ptr = _as_ptr(ms_addr, 0, ALIGN16)
-        vs_ptr = _as_ptr(vs_addr, 0, ALIGN16)
+    RHO_STEPS = 1 << RHO_LOG2
+    RHO_SHIFT = 15 - RHO_LOG2  # fp32 grid steps per rho step at a bf16 param, as a shift
+    # Typed pointers. bf16 data (params, grads, scales) moves as int16 bits.
+    if P_KIND == 0:
+        p_ptr = p_addr.to(tl.int64).to(tl.pointer_type(tl.int16))
+    elif P_KIND == 1:
+        p_ptr = p_addr.to(tl.int64).to(tl.pointer_type(tl.float16))
     else:
-        m_ptr = _as_ptr(m_addr, 2, ALIGN16)
-        v_ptr = _as_ptr(v_addr, 2, ALIGN16)
+        p_ptr = p_addr.to(tl.int64).to(tl.pointer_type(tl.float32))
+    if G_KIND == 0:
+        g_ptr = g_addr.to(tl.int64).to(tl.pointer_type(tl.int16))
+    elif G_KIND == 1:
+        g_ptr = g_addr.to(tl.int64).to(tl.pointer_type(tl.float16))
+    else:
+        g_ptr = g_addr.to(tl.int64).to(tl.pointer_type(tl.float32))
+    if QUANTIZED:
+        if COMPANDED:  # the codes' bytes index codes.EXP_AVG_TABLE
+            m_ptr = m_addr.to(tl.int64).to(tl.pointer_type(tl.uint8))
+        else:
+            m_ptr = m_addr.to(tl.int64).to(tl.pointer_type(tl.int8))
+        v_ptr = v_addr.to(tl.int64).to(tl.pointer_type(tl.uint8))
+        ms_ptr = ms_addr.to(tl.int64).to(tl.pointer_type(tl.int16))
+        vs_ptr = vs_addr.to(tl.int64).to(tl.pointer_type(tl.int16))
+        if ALIGN16:  # 8 (not 16): 8-byte loads of the codes give the layout of the 16-byte bf16 loads
+            m_ptr = tl.multiple_of(m_ptr, 8)
+            v_ptr = tl.multiple_of(v_ptr, 8)
+            ms_ptr = tl.multiple_of(ms_ptr, 16)
+            vs_ptr = tl.multiple_of(vs_ptr, 16)
+    else:
+        m_ptr = m_addr.to(tl.int64).to(tl.pointer_type(tl.float32))
+        v_ptr = v_addr.to(tl.int64).to(tl.pointer_type(tl.float32))
+        if ALIGN16:
+            m_ptr = tl.multiple_of(m_ptr, 16)
+            v_ptr = tl.multiple_of(v_ptr, 16)
     if RHO_KIND == 1:
-        rho_ptr = _as_ptr(rho_addr, 3, ALIGN16)
+        rho_ptr = rho_addr.to(tl.int64).to(tl.pointer_type(tl.int8))
     elif RHO_KIND == 2:
-        rho_ptr = _as_ptr(rho_addr, 5, ALIGN16)
+        rho_ptr = rho_addr.to(tl.int64).to(tl.pointer_type(tl.int16))
+    if ALIGN16:
+        p_ptr = tl.multiple_of(p_ptr, 16)
+        g_ptr = tl.multiple_of(g_ptr, 16)
+        if RHO_KIND == 1:
+            rho_ptr = tl.multiple_of(rho_ptr, 8)
+        elif RHO_KIND == 2:
+            rho_ptr = tl.multiple_of(rho_ptr, 16)
 
+    # The block: GROUPS groups of 32 slots, with their element offsets and masks.
     gid = blk * GROUPS + tl.arange(0, GROUPS)
     lane = tl.arange(0, _GROUP)
     if QUANTIZED:
@@ -199,85 +363,124 @@ def _step_block(
         offs = gid[:, None] * _GROUP + lane[None, :]
         mask = offs < numel
 
-    g = _load_f32(g_ptr, offs, mask, G_KIND)
-    nonfinite = (~_is_finite(g)).to(tl.int32)
+    # Gradient, and which groups (elements, for fp32 moments) are skipped.
+    if G_KIND == 0:
+        g = (tl.load(g_ptr + offs, mask=mask, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        g = tl.load(g_ptr + offs, mask=mask, other=0).to(tl.float32)
+    g_exp = g.to(tl.int32, bitcast=True) & _FP32_EXP_MASK  # all ones: NaN or Inf
     if QUANTIZED:
-        bad_group = tl.max(nonfinite, axis=1)
-        keep = mask & (bad_group[:, None] == 0)
-        n_bad = tl.sum(bad_group)
+        bad_group = tl.max(g_exp, axis=1) == _FP32_EXP_MASK
+        keep = mask & ~bad_group[:, None]
+        keep_group = gvalid & ~bad_group
+        n_bad = tl.sum(bad_group.to(tl.int32))
     else:
-        keep = mask & (nonfinite == 0)
-        n_bad = tl.sum(nonfinite)
+        bad = g_exp == _FP32_EXP_MASK
+        keep = mask & ~bad
+        n_bad = tl.sum(bad.to(tl.int32))
 
+    # Moments (codes.dequantize_exp_avg / dequantize_exp_avg_sq). Masked slots read code 0.
+    # Decayed moments beta1 * m, beta2 * v (codes.dequantize_exp_avg / dequantize_exp_avg_sq with the betas
+    # as factors): each code's value times one per-group multiplier. Masked slots read code 0.
     if QUANTIZED:
-        y = tl.load(m_ptr + offs, mask=mask, other=0).to(tl.float32) * _INV127
+        m_scale = (tl.load(ms_ptr + gid, mask=gvalid, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        m_code = tl.load(m_ptr + offs, mask=mask, other=0).to(tl.int32)
         if COMPANDED:
-            y = tl.div_rn(y, 2.0 - tl.abs(y))
-        m = y * _bf16_bits_to_f32(tl.load(ms_ptr + gid, mask=gvalid, other=0))[:, None]
-        v = (tl.load(v_ptr + offs, mask=mask, other=0).to(tl.float32) * _INV255) \
-            * _bf16_bits_to_f32(tl.load(vs_ptr + gid, mask=gvalid, other=0))[:, None]
+            m = tl.load(table_ptr + m_code) * (m_scale * beta1)[:, None]  # y / (2 - |y|) of y = code / 127
+        else:
+            m = m_code.to(tl.float32) * ((m_scale * _INV127) * beta1)[:, None]
+        v_scale = (tl.load(vs_ptr + gid, mask=gvalid, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        v_scale = v_scale * _INV255
+        v_code = tl.load(v_ptr + offs, mask=mask, other=0).to(tl.int32)
         if COMPANDED:
-            v = v * v
+            v = (v_code * v_code).to(tl.float32) * ((v_scale * v_scale) * beta2)[:, None]
+        else:
+            v = v_code.to(tl.float32) * (v_scale * beta2)[:, None]
     else:
-        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0) * beta1
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0) * beta2
 
-    tp = _load_f32(p_ptr, offs, mask, P_KIND)
-    if RHO_KIND != 0:
-        rho = tl.load(rho_ptr + offs, mask=mask, other=0).to(tl.float32)
-        theta = tp + (rho * _half_ulp(tp, P_KIND)) * RHO_INV
+    # Master weight (rho.merge).
+    if P_KIND == 0:
+        p16 = tl.load(p_ptr + offs, mask=mask, other=0).to(tl.int32)
+        if RHO_KIND != 0:
+            theta = _merge_bf16(p16, tl.load(rho_ptr + offs, mask=mask, other=0).to(tl.int32), RHO_SHIFT)
+        else:
+            theta = (p16 << 16).to(tl.float32, bitcast=True)
     else:
-        theta = tp
+        theta = tl.load(p_ptr + offs, mask=mask, other=0).to(tl.float32)
+        if RHO_KIND != 0:
+            theta = _merge_fp16(theta, tl.load(rho_ptr + offs, mask=mask, other=0).to(tl.int32), RHO_LOG2)
 
+    # The Adam(W) update, in the reference's order.
     if DECOUPLED:
         theta = theta * decay
     else:
         g = g + theta * weight_decay
-    m = m * beta1 + g * one_minus_beta1
-    v = v * beta2 + (g * g) * one_minus_beta2
-    u = tl.sqrt_rn(v)
-    denom = tl.div_rn(u, bias_correction2_sqrt) + eps
-    theta = theta - tl.div_rn(m, denom) * step_size
+    m = m + g * one_minus_beta1
+    v = v + (g * g) * one_minus_beta2
+    if EXACT:
+        u = tl.sqrt_rn(v)
+    else:
+        u = tl.sqrt(v)
+    denom = u * inv_bc2_sqrt + eps
+    theta = theta - _divide(m, denom, EXACT, FAST_DIV) * step_size
 
+    # New moments (codes.quantize_exp_avg / quantize_exp_avg_sq): codes against the exact group absmax
+    # A, stored rounded to bf16 as the scale. Masked slots hold exact zeros (zero code, gradient and
+    # param), like the reference's padding, so they need no masking in the max.
     if QUANTIZED:
-        scale = _to_bf16_value(tl.max(tl.where(mask, tl.abs(m), 0.0), axis=1))
-        y = tl.div_rn(m, tl.where(scale > 0, scale, 1.0)[:, None])
-        y = tl.minimum(tl.maximum(y, -1.0), 1.0)
+        absmax = tl.max(tl.abs(m), axis=1)
+        a = tl.where(absmax > 0, absmax, 1.0)
+        if COMPANDED:  # round(254 m / (A + |m|))
+            if FAST_DIV:  # lifted like the reciprocals below: fast_dividef needs a normal divisor
+                lift = tl.where(a < _TINY, _LIFT, 1.0)
+                ml = m * lift[:, None]
+                q = _divide(254.0 * ml, (a * lift)[:, None] + tl.abs(ml), EXACT, FAST_DIV)
+            else:
+                q = _divide(254.0 * m, a[:, None] + tl.abs(m), EXACT, FAST_DIV)
+        else:  # round(m * (127 / A)), lifted for tiny groups
+            lift = tl.where(a < _TINY, _LIFT, 1.0)
+            q = (m * lift[:, None]) * tl.div_rn(tl.full(a.shape, 127.0, tl.float32), a * lift)[:, None]
+        tl.store(m_ptr + offs, _round_half_away_to_int(q).to(tl.int8), mask=keep)
+        tl.store(ms_ptr + gid, _f32_to_bf16_bits(absmax).to(tl.int16), mask=keep_group)
         if COMPANDED:
-            y = tl.div_rn(2.0 * y, 1.0 + tl.abs(y))
-        tl.store(m_ptr + offs, _round_half_away(y * 127.0).to(tl.int8), mask=keep)
-        tl.store(ms_ptr + gid, _f32_to_bf16_bits(scale).to(tl.int16), mask=gvalid & (bad_group == 0))
-        if COMPANDED:
-            x = u
+            # x = sqrt(v) is 0 or at least 2^-74.5 (the root of the smallest subnormal), so 255 / A cannot
+            # overflow and the reference's lift by 2^64 (A < 2^-64) changes no bit: it is left out here
+            absmax = tl.max(u, axis=1)
+            a = tl.where(absmax > 0, absmax, 1.0)
+            q = u * tl.div_rn(tl.full(a.shape, 255.0, tl.float32), a)[:, None]
         else:
-            x = v
-        scale = _to_bf16_value(tl.max(tl.where(mask, x, 0.0), axis=1))
-        y = tl.div_rn(x, tl.where(scale > 0, scale, 1.0)[:, None])
-        y = tl.minimum(tl.maximum(y, 0.0), 1.0)
-        tl.store(v_ptr + offs, _round_half_away(y * 255.0).to(tl.uint8), mask=keep)
-        tl.store(vs_ptr + gid, _f32_to_bf16_bits(scale).to(tl.int16), mask=gvalid & (bad_group == 0))
+            absmax = tl.max(v, axis=1)
+            a = tl.where(absmax > 0, absmax, 1.0)
+            lift = tl.where(a < _TINY, _LIFT, 1.0)
+            q = (v * lift[:, None]) * tl.div_rn(tl.full(a.shape, 255.0, tl.float32), a * lift)[:, None]
+        # q >= +0: rounding half away from zero is truncating q + 0.5
+        tl.store(v_ptr + offs, (q + 0.5).to(tl.uint8), mask=keep)
+        tl.store(vs_ptr + gid, _f32_to_bf16_bits(absmax).to(tl.int16), mask=keep_group)
     else:
         tl.store(m_ptr + offs, m, mask=keep)
         tl.store(v_ptr + offs, v, mask=keep)
 
+    # New parameter and rho (rho.split; without rho, theta rounded to the param dtype).
     if P_KIND == 0:
-        low_bits = _f32_to_bf16_bits(theta)
-        tl.store(p_ptr + offs, low_bits.to(tl.int16), mask=keep)
-        low = (low_bits << 16).to(tl.float32, bitcast=True)
+        if RHO_KIND != 0:
+            p16, r = _split_bf16(theta, RHO_LOG2)
+        else:
+            p16 = _f32_to_bf16_bits(theta)
+        tl.store(p_ptr + offs, p16.to(tl.int16), mask=keep)
     elif P_KIND == 1:
-        low16 = theta.to(tl.float16)
-        tl.store(p_ptr + offs, low16, mask=keep)
-        low = low16.to(tl.float32)
+        if RHO_KIND != 0:
+            low, r = _split_fp16(theta, RHO_LOG2)
+        else:
+            low = theta.to(tl.float16).to(tl.float32)  # round to nearest even, as torch
+        tl.store(p_ptr + offs, low.to(tl.float16), mask=keep)
     else:
         tl.store(p_ptr + offs, theta, mask=keep)
-    if RHO_KIND != 0:
-        q = tl.div_rn(theta - low, _half_ulp(low, P_KIND)) * RHO_MAX
-        q = _round_half_away(tl.where(_is_finite(q), q, 0.0))
-        q = tl.minimum(tl.maximum(q, -RHO_MAX), RHO_MAX)
-        if RHO_KIND == 1:
-            tl.store(rho_ptr + offs, q.to(tl.int8), mask=keep)
-        else:
-            tl.store(rho_ptr + offs, q.to(tl.int16), mask=keep)
+    if RHO_KIND == 1:
+        tl.store(rho_ptr + offs, r.to(tl.int8), mask=keep)
+    elif RHO_KIND == 2:
+        tl.store(rho_ptr + offs, r.to(tl.int16), mask=keep)
 
     if COUNT_SKIPPED:
         tl.atomic_add(skipped_ptr, n_bad, mask=n_bad > 0, sem="relaxed")
@@ -288,78 +491,156 @@ def _step_block(
 
 @triton.jit
 def _adam_table_kernel(
-    work_ptr,  # int32 (items, 2): (tensor index, block index) of each program
+    work_ptr,  # int32 (items, 3): (tensor index, first block, number of blocks) of each program
     tensors_ptr,  # int64 (tensors, TABLE_STRIDE): addresses of p, g, m, v, ms, vs, rho; numel, ngroups, cols, gpr
+    table_ptr,  # fp32 codes.EXP_AVG_TABLE on this device
     skipped_ptr,  # int32 skip counter (any int32 tensor when COUNT_SKIPPED is False)
-    beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, decay, step_size, bias_correction2_sqrt,
+    beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, decay, step_size, inv_bc2_sqrt,
     P_KIND: tl.constexpr, G_KIND: tl.constexpr, RHO_KIND: tl.constexpr, QUANTIZED: tl.constexpr,
     ALIGNED: tl.constexpr, ALIGN16: tl.constexpr, COMPANDED: tl.constexpr, DECOUPLED: tl.constexpr,
-    COUNT_SKIPPED: tl.constexpr, RHO_MAX: tl.constexpr, RHO_INV: tl.constexpr, GROUPS: tl.constexpr,
+    COUNT_SKIPPED: tl.constexpr, EXACT: tl.constexpr, FAST_DIV: tl.constexpr, RHO_LOG2: tl.constexpr,
+    GROUPS: tl.constexpr,
 ):
     item = tl.program_id(0)
-    t = tl.load(work_ptr + 2 * item)
-    blk = tl.load(work_ptr + 2 * item + 1)
+    t = tl.load(work_ptr + 3 * item)
+    first = tl.load(work_ptr + 3 * item + 1)
+    count = tl.load(work_ptr + 3 * item + 2)
     row = tensors_ptr + t.to(tl.int64) * _TABLE_STRIDE
-    _step_block(
-        tl.load(row + 0), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3), tl.load(row + 4),
-        tl.load(row + 5), tl.load(row + 6),
-        skipped_ptr, blk,
-        # table tensors have fewer than LARGE_NUMEL (< 2^31) elements: int32 index arithmetic
-        tl.load(row + 7).to(tl.int32), tl.load(row + 8).to(tl.int32), tl.load(row + 9).to(tl.int32),
-        tl.load(row + 10).to(tl.int32),
-        beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, decay, step_size, bias_correction2_sqrt,
-        P_KIND, G_KIND, RHO_KIND, QUANTIZED, ALIGNED, ALIGN16, COMPANDED, DECOUPLED, COUNT_SKIPPED, RHO_MAX, RHO_INV,
-        GROUPS,
-    )
+    p_addr, g_addr, m_addr, v_addr = tl.load(row + 0), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3)
+    ms_addr, vs_addr, rho_addr = tl.load(row + 4), tl.load(row + 5), tl.load(row + 6)
+    # table tensors have fewer than LARGE_NUMEL (< 2^31) elements: int32 index arithmetic
+    numel, ngroups = tl.load(row + 7).to(tl.int32), tl.load(row + 8).to(tl.int32)
+    cols, gpr = tl.load(row + 9).to(tl.int32), tl.load(row + 10).to(tl.int32)
+    # several consecutive blocks of one tensor per program: the chain of dependent loads above (work item,
+    # then the tensor's row) is paid once for all of them
+    for j in range(count):
+        _step_block(
+            p_addr, g_addr, m_addr, v_addr, ms_addr, vs_addr, rho_addr, table_ptr, skipped_ptr, first + j,
+            numel, ngroups, cols, gpr,
+            beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, decay, step_size, inv_bc2_sqrt,
+            P_KIND, G_KIND, RHO_KIND, QUANTIZED, ALIGNED, ALIGN16, COMPANDED, DECOUPLED, COUNT_SKIPPED, EXACT,
+            FAST_DIV, RHO_LOG2, GROUPS,
+        )
 
 
 @triton.jit
 def _adam_tensor_kernel(
     p_addr, g_addr, m_addr, v_addr, ms_addr, vs_addr, rho_addr,  # int addresses of one tensor's data (0: none)
+    table_ptr,  # fp32 codes.EXP_AVG_TABLE on this device
     skipped_ptr,  # int32 skip counter (any int32 tensor when COUNT_SKIPPED is False)
     numel, ngroups, cols, gpr,  # elements; groups (quantized); row length; groups per row
-    beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, decay, step_size, bias_correction2_sqrt,
+    beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, decay, step_size, inv_bc2_sqrt,
     P_KIND: tl.constexpr, G_KIND: tl.constexpr, RHO_KIND: tl.constexpr, QUANTIZED: tl.constexpr,
     ALIGNED: tl.constexpr, ALIGN16: tl.constexpr, COMPANDED: tl.constexpr, DECOUPLED: tl.constexpr,
-    COUNT_SKIPPED: tl.constexpr, RHO_MAX: tl.constexpr, RHO_INV: tl.constexpr, GROUPS: tl.constexpr,
+    COUNT_SKIPPED: tl.constexpr, EXACT: tl.constexpr, FAST_DIV: tl.constexpr, RHO_LOG2: tl.constexpr,
+    GROUPS: tl.constexpr,
     WIDE: tl.constexpr,  # numel >= 2^31: int64 index arithmetic
 ):
     blk = tl.program_id(0)
     if WIDE:
         blk = blk.to(tl.int64)
     _step_block(
-        p_addr, g_addr, m_addr, v_addr, ms_addr, vs_addr, rho_addr, skipped_ptr, blk, numel, ngroups, cols, gpr,
-        beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, decay, step_size, bias_correction2_sqrt,
-        P_KIND, G_KIND, RHO_KIND, QUANTIZED, ALIGNED, ALIGN16, COMPANDED, DECOUPLED, COUNT_SKIPPED, RHO_MAX, RHO_INV,
-        GROUPS,
+        p_addr, g_addr, m_addr, v_addr, ms_addr, vs_addr, rho_addr, table_ptr, skipped_ptr, blk, numel, ngroups,
+        cols, gpr,
+        beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, decay, step_size, inv_bc2_sqrt,
+        P_KIND, G_KIND, RHO_KIND, QUANTIZED, ALIGNED, ALIGN16, COMPANDED, DECOUPLED, COUNT_SKIPPED, EXACT, FAST_DIV,
+        RHO_LOG2, GROUPS,
     )
 
 
 # ----- host side: plans (buckets, tables) and launches -----------------------------------------------------
 
+# TRITON_INTERPRET was set when triton was imported: kernels run in numpy, which has no libdevice
+_INTERPRETED = not isinstance(_adam_table_kernel, triton.runtime.JITFunction)
+
 
 class _Bucket:
     """Tensors of one specialisation: one table launch for the small ones, one launch each for the large."""
 
-    __slots__ = ("flags", "work", "tensors", "items", "large")
+    __slots__ = ("flags", "work", "tensors", "rows", "small", "items", "large")
 
     def __init__(self, flags: dict):
         self.flags = flags  # the constexpr arguments fixed by the tensors (dtypes, alignment, rho constants)
-        self.work = None  # device int32 (items, 2) work table of the small tensors, or None
+        self.work = None  # device int32 (items, 3) work table of the small tensors, or None
         self.tensors = None  # device int64 (small tensors, TABLE_STRIDE) table
+        self.rows = None  # the same table on the host, kept to rewrite gradient addresses
+        self.small = []  # index in the call's lists of each table row
         self.items = 0  # programs of the table launch
-        self.large = []  # (grid, address and size arguments, WIDE) of each large tensor
+        self.large = []  # [index, grid, address and size arguments, WIDE] of each large tensor
 
 
 class _Plan:
-    __slots__ = ("buckets", "dummy")
+    __slots__ = ("buckets", "dummy", "exp_avg_table", "device", "layout", "param_ptrs", "numels", "grad_dtypes",
+                 "grad_ptrs", "exp_avg_ids", "refs", "__weakref__")
 
-    def __init__(self, buckets: list[_Bucket], dummy: torch.Tensor):
+    def __init__(self, buckets, device, layout, param_ptrs, numels, grad_dtypes, grad_ptrs):
         self.buckets = buckets
-        self.dummy = dummy  # int32 tensor passed as the skip counter when none is counted
+        self.device = device
+        self.dummy = torch.zeros(1, dtype=torch.int32, device=device)  # skip counter when none is counted
+        self.exp_avg_table = Q.exp_avg_table(device)
+        self.layout = layout  # (quantized, rho dtype, cols, module constants): with param_ptrs, the cache key
+        self.param_ptrs = param_ptrs
+        self.numels = numels  # of each tensor in the call's lists
+        self.grad_dtypes = grad_dtypes
+        self.grad_ptrs = grad_ptrs  # gradient addresses the tables hold
+        self.exp_avg_ids: list[int] = []
+        self.refs: list[weakref.ref] = []  # weak references to the state tensors that drop this plan when freed
+
+    def watch(self, states: list[Sequence[torch.Tensor]]) -> None:
+        """Record the first moments' ids, and drop the plan from the cache as soon as any state tensor is
+        freed (after which the plan would point at freed memory, and its id may name a new tensor)."""
+        this = weakref.ref(self)
+
+        def freed(_ref, this=this):
+            plan = this()
+            if plan is not None and plan in _PLANS:
+                _PLANS.remove(plan)
+
+        self.exp_avg_ids = list(map(id, states[0]))
+        self.refs = [weakref.ref(t, freed) for kind in states for t in kind]
+
+    def set_grads(self, grads: Sequence[torch.Tensor], ptrs: list[int]) -> bool:
+        """Point the tables at new gradient tensors; False when the plan does not fit them (other dtype or
+        alignment, or another number of tensors), so that it is rebuilt."""
+        if len(grads) != len(self.numels):
+            return False
+        floats = tuple(_FLOAT_KIND)
+        aligned16 = {}
+        for bucket in self.buckets:
+            for i in bucket.small:
+                aligned16[i] = bucket.flags["ALIGN16"]
+            for large in bucket.large:
+                aligned16[large[0]] = bucket.flags["ALIGN16"]
+        for i, (new, old) in enumerate(zip(ptrs, self.grad_ptrs)):
+            if new != old:
+                _check(i, "grad", grads[i], self.numels[i], floats, self.device)
+                if grads[i].dtype != self.grad_dtypes[i] or (aligned16.get(i, False) and new % 16):
+                    return False
+        for bucket in self.buckets:
+            if bucket.small and any(ptrs[i] != self.grad_ptrs[i] for i in bucket.small):
+                rows = bucket.rows.clone()
+                rows[:, _GRAD_COLUMN] = torch.tensor([ptrs[i] for i in bucket.small], dtype=torch.int64)
+                bucket.rows, bucket.tensors = rows, _to_device(rows, self.device)
+            for large in bucket.large:
+                large[2][_GRAD_COLUMN] = ptrs[large[0]]
+        self.grad_ptrs = ptrs
+        return True
 
 
-_PLANS: OrderedDict[tuple, _Plan] = OrderedDict()
+# Cached plans, most recently used first. A list, not a dict keyed by the parameter addresses: comparing
+# lists of ints stops at the first difference, where hashing a key walks all of it.
+_PLANS: list[_Plan] = []
+
+
+def _find_plan(layout: tuple, param_ptrs: list[int], exp_avgs: Sequence[torch.Tensor]) -> _Plan | None:
+    ids = None
+    for plan in _PLANS:
+        if plan.param_ptrs == param_ptrs and plan.layout == layout:
+            if ids is None:
+                ids = list(map(id, exp_avgs))
+            if plan.exp_avg_ids == ids:
+                return plan
+    return None
 
 
 def _check(i: int, what: str, t: torch.Tensor, numel: int, dtypes: tuple, device: torch.device) -> None:
@@ -374,12 +655,18 @@ def _check(i: int, what: str, t: torch.Tensor, numel: int, dtypes: tuple, device
         raise ValueError(f"{where} is not contiguous (strides {t.stride()}); the fused step reads flat storage")
 
 
-def _build_plan(params, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales, rhos, cols) -> _Plan:
+def _build_plan(layout, param_ptrs, params, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales, rhos,
+                cols) -> _Plan:
     device = params[0].device
     quantized = exp_avg_scales is not None
+    lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs, "exp_avg_scales": exp_avg_scales,
+             "exp_avg_sq_scales": exp_avg_sq_scales, "rhos": rhos, "cols": cols if quantized else None}
+    for name, values in lists.items():
+        if values is not None and len(values) != len(params):
+            raise ValueError(f"flashdist: {len(params)} params but {len(values)} {name}")
     floats = tuple(_FLOAT_KIND)
     buckets: dict[tuple, _Bucket] = {}
-    small: dict[tuple, list[tuple]] = {}  # bucket key -> (table row, blocks) of each small tensor
+    small: dict[tuple, list[tuple]] = {}  # bucket key -> (index, table row, blocks) of each small tensor
     for i, p in enumerate(params):
         n = p.numel()
         _check(i, "param", p, n, floats, device)
@@ -421,25 +708,30 @@ def _build_plan(params, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq
         if key not in buckets:
             buckets[key] = _Bucket(dict(
                 P_KIND=_FLOAT_KIND[p.dtype], G_KIND=_FLOAT_KIND[grads[i].dtype], RHO_KIND=_RHO_KIND[rho_dtype],
-                QUANTIZED=quantized, ALIGNED=aligned, ALIGN16=align16,
-                RHO_MAX=float(R.RHO_MAX[rho_dtype]) if rho_dtype else 0.0,
-                RHO_INV=R.RHO_INV[rho_dtype] if rho_dtype else 0.0,
+                QUANTIZED=quantized, ALIGNED=aligned, ALIGN16=align16, RHO_LOG2=_RHO_LOG2[rho_dtype],
             ))
         sizes = [n, ngroups, c, gpr]
-        if n >= LARGE_NUMEL:
-            buckets[key].large.append(((large_blocks,), (*addrs, *sizes), n >= 2**31))
+        if n >= LARGE_NUMEL or n >= 2**31:  # the table launch indexes with int32
+            buckets[key].large.append([i, (large_blocks,), [*addrs, *sizes], n >= 2**31])
         else:
-            small.setdefault(key, []).append((addrs + sizes, table_blocks))
+            small.setdefault(key, []).append((i, addrs + sizes, table_blocks))
     for key, rows in small.items():
         table = torch.zeros((len(rows), _TABLE_STRIDE.value), dtype=torch.int64)
-        table[:, :_TABLE_FIELDS] = torch.tensor([row for row, _ in rows], dtype=torch.int64)
-        nblocks = torch.tensor([blocks for _, blocks in rows], dtype=torch.int64)
-        index = torch.repeat_interleave(torch.arange(len(rows)), nblocks)
-        first = torch.repeat_interleave(torch.cumsum(nblocks, 0) - nblocks, nblocks)
-        work = torch.stack([index, torch.arange(len(index)) - first], dim=1).to(torch.int32)
+        table[:, :_TABLE_FIELDS] = torch.tensor([row for _, row, _ in rows], dtype=torch.int64)
+        # items of up to TABLE_BLOCKS blocks of one tensor: item k of a tensor starts at block k * TABLE_BLOCKS
+        nblocks = torch.tensor([blocks for _, _, blocks in rows], dtype=torch.int64)
+        nitems = -(-nblocks // TABLE_BLOCKS)
+        index = torch.repeat_interleave(torch.arange(len(rows)), nitems)
+        k = torch.arange(len(index)) - torch.repeat_interleave(torch.cumsum(nitems, 0) - nitems, nitems)
+        first = k * TABLE_BLOCKS
+        work = torch.stack([index, first, torch.minimum(nblocks[index] - first, torch.tensor(TABLE_BLOCKS))],
+                           dim=1).to(torch.int32)
         bucket = buckets[key]
+        bucket.small = [i for i, _, _ in rows]
+        bucket.rows = table
         bucket.work, bucket.tensors, bucket.items = _to_device(work, device), _to_device(table, device), len(work)
-    return _Plan(list(buckets.values()), torch.zeros(1, dtype=torch.int32, device=device))
+    return _Plan(list(buckets.values()), device, layout, param_ptrs, [p.numel() for p in params],
+                 [g.dtype for g in grads], list(map(_data_ptr, grads)))
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -466,41 +758,49 @@ def adam_step_multi(
 
     Lists may mix param dtypes (bf16/fp16/fp32) and grad dtypes; ``rhos``, when given, holds one rho per
     parameter, all of one dtype (int8 or int16). ``skipped`` is a 0-dim int32 tensor on the parameters'
-    device, or None. Every tensor must be contiguous (checked when the launch plan is built).
+    device, or None. Every tensor must be contiguous (checked when the launch plan is built, and for a
+    gradient whenever its address changes).
     """
     if not params:
         return
     device = params[0].device
     quantized = exp_avg_scales is not None
-    kinds = [params, grads, exp_avgs, exp_avg_sqs]
-    if quantized:
-        kinds += [exp_avg_scales, exp_avg_sq_scales]
-    if rhos is not None:
-        kinds.append(rhos)
-    key = (device, quantized, rhos[0].dtype if rhos is not None else None, tuple(cols) if quantized else None,
-           LARGE_NUMEL, TABLE_GROUPS, LARGE_GROUPS,
-           tuple(map(_numel, params)), tuple(map(_dtype, params)), tuple(map(_dtype, grads)),
-           *[tuple(map(_data_ptr, kind)) for kind in kinds])
-    plan = _PLANS.get(key)
+    layout = (device, quantized, rhos[0].dtype if rhos is not None else None, list(cols) if quantized else None,
+              LARGE_NUMEL, TABLE_GROUPS, TABLE_BLOCKS, LARGE_GROUPS)
+    param_ptrs = list(map(_data_ptr, params))
+    grad_ptrs = list(map(_data_ptr, grads))
+    plan = _find_plan(layout, param_ptrs, exp_avgs)
+    if plan is not None and grad_ptrs != plan.grad_ptrs and not plan.set_grads(grads, grad_ptrs):
+        _PLANS.remove(plan)
+        plan = None
     if plan is None:
-        plan = _build_plan(params, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales, rhos, cols)
-        _PLANS[key] = plan
-        if len(_PLANS) > PLAN_CACHE_SIZE:
-            _PLANS.popitem(last=False)
-    else:
-        _PLANS.move_to_end(key)
+        plan = _build_plan(layout, param_ptrs, params, grads, exp_avgs, exp_avg_sqs, exp_avg_scales,
+                           exp_avg_sq_scales, rhos, cols)
+        states = [exp_avgs, exp_avg_sqs]
+        if quantized:
+            states += [exp_avg_scales, exp_avg_sq_scales]
+        if rhos is not None:
+            states.append(rhos)
+        plan.watch(states)
+        _PLANS.insert(0, plan)
+        del _PLANS[PLAN_CACHE_SIZE:]
+    elif _PLANS[0] is not plan:
+        _PLANS.remove(plan)
+        _PLANS.insert(0, plan)
 
     if skipped is not None and (skipped.dtype != torch.int32 or skipped.device != device):
         raise ValueError(f"flashdist: skipped must be an int32 tensor on {device}, got {skipped.dtype} on "
                          f"{skipped.device}")
     counter = plan.dummy if skipped is None else skipped
     sc = (scalars.beta1, scalars.beta2, scalars.one_minus_beta1, scalars.one_minus_beta2, scalars.eps,
-          scalars.weight_decay, scalars.decay, scalars.step_size, scalars.bias_correction2_sqrt)
+          scalars.weight_decay, scalars.decay, scalars.step_size, scalars.inv_bias_correction2_sqrt)
     for bucket in plan.buckets:
         flags = dict(bucket.flags, COMPANDED=companded, DECOUPLED=scalars.decoupled,
-                     COUNT_SKIPPED=skipped is not None, num_warps=NUM_WARPS, enable_fp_fusion=False)
+                     COUNT_SKIPPED=skipped is not None, EXACT=EXACT, FAST_DIV=not EXACT and not _INTERPRETED,
+                     num_warps=NUM_WARPS, enable_fp_fusion=False)
         if bucket.items:
-            _adam_table_kernel[(bucket.items,)](bucket.work, bucket.tensors, counter, *sc, GROUPS=TABLE_GROUPS,
-                                                **flags)
-        for grid, args, wide in bucket.large:
-            _adam_tensor_kernel[grid](*args[:7], counter, *args[7:], *sc, GROUPS=LARGE_GROUPS, WIDE=wide, **flags)
+            _adam_table_kernel[(bucket.items,)](bucket.work, bucket.tensors, plan.exp_avg_table, counter, *sc,
+                                                GROUPS=TABLE_GROUPS, **flags)
+        for _, grid, args, wide in bucket.large:
+            _adam_tensor_kernel[grid](*args[:7], plan.exp_avg_table, counter, *args[7:], *sc, GROUPS=LARGE_GROUPS,
+                                      WIDE=wide, **flags)

@@ -1,0 +1,320 @@
+"""Time one optimizer step on one GPU: flashdist.FlashAdamW next to torch.optim.AdamW(fused=True) and flashoptim.
+
+Run on a GPU machine from the repository root:
+
+    python launch/bench_step.py --out bench_step.json [--sweep]
+
+Workloads: the Llama-3.2-1B parameter shapes (1,236 M parameters, 147 tensors) and 2,000 tensors of
+256 x 256 (131 M parameters). Each row is the median of 20 steps after 5 warm-up steps, timed with CUDA
+events around ``optimizer.step()`` (so host work that leaves the GPU idle counts), on random non-zero
+gradients. "B/param" is what the step must read and write per parameter; the floor is those bytes over
+the measured device-to-device copy bandwidth (read + write), and "of floor" is floor / time.
+
+Rows:
+- flashdist FlashAdamW, 24-bit (bf16 params, int8 rho, 8-bit moments): the optimizer class, and
+  "flashdist kernel only": the functional step (``flashdist.functional.flash_adam``) on the same
+  tensors, without the optimizer's per-parameter bookkeeping; its host time per call is reported too. Each
+  in the kernel's two variants: "exact" (IEEE division and square root, bitwise equal to the eager
+  reference; the default) and "approx" (the GPU's approximate ones: FLASHDIST_EXACT=0).
+- torch.optim.AdamW(fused=True) with fp32 and with bf16 parameters (moments in the parameter dtype).
+- flashoptim 0.1.4 FlashAdamW, 24-bit, when ``import flashoptim`` works (else the row says so).
+
+``--sweep`` also times the kernel-only step, both variants, under a few launch configurations (the module
+constants of flashdist.kernels.triton.adam): groups per block, blocks per program, warps, large-tensor
+threshold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import flashdist  # noqa: E402
+from flashdist.functional.adam import flash_adam  # noqa: E402
+from flashdist.kernels.triton import adam as K  # noqa: E402
+from flashdist.quant import codes as Q  # noqa: E402
+
+WARMUP, ITERS = 5, 20
+LR = 1e-4
+
+
+def llama_1b_shapes():
+    h, inter, kv, vocab, layers = 2048, 8192, 512, 128256, 16
+    shapes = [(vocab, h)]
+    for _ in range(layers):
+        shapes += [(h, h), (kv, h), (kv, h), (h, h), (inter, h), (inter, h), (h, inter), (h,), (h,)]
+    return shapes + [(h,)]
+
+
+def small_shapes():
+    return [(256, 256)] * 2000
+
+
+WORKLOADS = {"llama-3.2-1b": llama_1b_shapes, "2000x256x256": small_shapes}
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy of 2 GiB, bytes read + written per second (median of 10)."""
+    n = 2 * 1024**3
+    a = torch.empty(n, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    ms = time_cuda(lambda: b.copy_(a), warmup=3, iters=10)[0]
+    del a, b
+    return 2 * n / (ms / 1e3)
+
+
+def time_cuda(fn, warmup=WARMUP, iters=ITERS):
+    """(median, min, max) milliseconds of ``fn`` between two CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times), min(times), max(times)
+
+
+def make_params(shapes, dtype):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    params = []
+    for s in shapes:
+        p = torch.nn.Parameter((torch.randn(s, device="cuda", generator=gen) * 0.02).to(dtype))
+        p.grad = (torch.randn(s, device="cuda", generator=gen) * 1e-3).to(dtype)
+        params.append(p)
+    return params
+
+
+def flashdist_bytes(shapes) -> float:
+    """Bytes a 24-bit FlashAdamW step moves: per value, read param 2 + grad 2 + rho 1, write param 2 + rho 1;
+    2-d+ tensors read and write 8-bit codes (1 + 1) with a bf16 scale per 32 values per moment, 1-d ones
+    fp32 moments (4 + 4)."""
+    total = 0.0
+    for s in shapes:
+        n = torch.Size(s).numel()
+        layout = Q.quantized_layout(s)
+        moments = 2 * 2 * (n + 2 * layout[0] * layout[2]) if layout else 2 * 2 * 4 * n
+        total += 8 * n + moments
+    return total
+
+
+class KernelOnly:
+    """The functional step on the tensors a FlashAdamW would hold, in two calls (quantized 2-d+ tensors,
+    fp32-moment 1-d tensors), as the optimizer makes them, minus its bookkeeping."""
+
+    def __init__(self, params, exact: bool = True):
+        self.exact = exact
+        self.calls = []
+        for quantized in (True, False):
+            ps = [p for p in params if (Q.quantized_layout(p.shape) is not None) == quantized]
+            if not ps:
+                continue
+            args = dict(params=[p.detach() for p in ps], grads=[p.grad for p in ps],
+                        rhos=[torch.zeros_like(p, dtype=torch.int8) for p in ps])
+            if quantized:
+                layouts = [Q.quantized_layout(p.shape) for p in ps]
+                args.update(exp_avgs=[torch.zeros_like(p, dtype=torch.int8) for p in ps],
+                            exp_avg_sqs=[torch.zeros_like(p, dtype=torch.uint8) for p in ps],
+                            exp_avg_scales=[p.new_zeros((r, g)) for p, (r, _, g) in zip(ps, layouts)],
+                            exp_avg_sq_scales=[p.new_zeros((r, g)) for p, (r, _, g) in zip(ps, layouts)],
+                            cols=[c for _, c, _ in layouts])
+            else:
+                args.update(exp_avgs=[torch.zeros_like(p, dtype=torch.float32) for p in ps],
+                            exp_avg_sqs=[torch.zeros_like(p, dtype=torch.float32) for p in ps],
+                            exp_avg_scales=None, exp_avg_sq_scales=None, cols=None)
+            self.calls.append(args)
+        self.skipped = torch.zeros((), dtype=torch.int32, device="cuda")
+        self.t = 0
+
+    def step(self):
+        K.EXACT = self.exact
+        self.t += 1
+        for a in self.calls:
+            flash_adam(a["params"], a["grads"], a["exp_avgs"], a["exp_avg_sqs"], a["exp_avg_scales"],
+                       a["exp_avg_sq_scales"], a["rhos"], cols=a["cols"], lr=LR, beta1=0.9, beta2=0.999, eps=1e-8,
+                       weight_decay=0.01, step=self.t, decoupled=True, skipped=self.skipped, backend="triton")
+
+    def host_ms(self, iters=50) -> float:
+        """Host time of one step with the launch plans cached (no synchronisation inside)."""
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            self.step()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        return (t1 - t0) / iters * 1e3
+
+
+class WithVariant:
+    """An optimizer whose steps run the kernel variant ``exact`` (the module setting is read at launch)."""
+
+    def __init__(self, opt, exact: bool):
+        self.opt, self.exact = opt, exact
+
+    def step(self):
+        K.EXACT = self.exact
+        self.opt.step()
+
+
+def flashoptim_factory():
+    try:
+        import flashoptim
+    except ImportError as e:
+        return None, f"not importable ({e}); pip install flashoptim==0.1.4"
+    version = getattr(flashoptim, "__version__", "?")
+    return (lambda ps: flashoptim.FlashAdamW(ps, lr=LR, master_weight_bits=24)), f"flashoptim {version}"
+
+
+def cases():
+    """name -> (param dtype, factory or None, bytes-per-step function, note)."""
+    fo, fo_note = flashoptim_factory()
+    torch_bytes = {dt: (lambda shapes, b=b: b * sum(torch.Size(s).numel() for s in shapes))
+                   for dt, b in ((torch.float32, 28.0), (torch.bfloat16, 14.0))}
+    return {
+        "flashdist FlashAdamW 24-bit, exact": (
+            torch.bfloat16, lambda ps: WithVariant(flashdist.FlashAdamW(ps, lr=LR), True), flashdist_bytes, ""),
+        "flashdist FlashAdamW 24-bit, approx": (
+            torch.bfloat16, lambda ps: WithVariant(flashdist.FlashAdamW(ps, lr=LR), False), flashdist_bytes, ""),
+        "flashdist kernel only, exact": (torch.bfloat16, lambda ps: KernelOnly(ps, True), flashdist_bytes, ""),
+        "flashdist kernel only, approx": (torch.bfloat16, lambda ps: KernelOnly(ps, False), flashdist_bytes, ""),
+        "torch AdamW fused fp32": (torch.float32, lambda ps: torch.optim.AdamW(ps, lr=LR, fused=True),
+                                   torch_bytes[torch.float32], ""),
+        "torch AdamW fused bf16": (torch.bfloat16, lambda ps: torch.optim.AdamW(ps, lr=LR, fused=True),
+                                   torch_bytes[torch.bfloat16], ""),
+        "flashoptim FlashAdamW 24-bit": (torch.bfloat16, fo,
+                                         lambda shapes: 12.25 * sum(torch.Size(s).numel() for s in shapes), fo_note),
+    }
+
+
+def run_case(name, dtype, factory, nbytes, note, workload, shapes, bw):
+    nparams = sum(torch.Size(s).numel() for s in shapes)
+    row = dict(workload=workload, optimizer=name, params=nparams, note=note)
+    if factory is None:
+        return row
+    try:
+        params = make_params(shapes, dtype)
+        opt = factory(params)
+        ms, lo, hi = time_cuda(opt.step)
+        moved = nbytes(shapes)
+        row.update(ms=ms, ms_min=lo, ms_max=hi, bytes_per_param=moved / nparams, gbps=moved / (ms / 1e3) / 1e9,
+                   of_floor=moved / bw / (ms / 1e3), peak_gib=torch.cuda.max_memory_allocated() / 2**30)
+        if isinstance(opt, KernelOnly):
+            row["host_ms"] = opt.host_ms()
+    except Exception as e:  # a row that cannot run here is reported, not fatal
+        row["error"] = f"{type(e).__name__}: {e}"[:300]
+    finally:
+        params = opt = None
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    return row
+
+
+SWEEP = [  # (TABLE_GROUPS, TABLE_BLOCKS, NUM_WARPS, LARGE_NUMEL); the module's default is (32, 8, 4, 1 << 26)
+    (32, 8, 4, 1 << 26), (64, 8, 4, 1 << 26), (64, 1, 4, 1 << 26), (64, 32, 4, 1 << 26), (32, 16, 2, 1 << 26),
+    (128, 4, 8, 1 << 26), (64, 8, 8, 1 << 26), (64, 8, 4, 1 << 62), (64, 8, 4, 1 << 22), (32, 8, 4, 1 << 22),
+]
+_SWEPT = ("TABLE_GROUPS", "TABLE_BLOCKS", "NUM_WARPS", "LARGE_NUMEL")
+
+
+def run_sweep(bw, workloads):
+    saved = [getattr(K, name) for name in _SWEPT]
+    rows = []
+    try:
+        for workload in workloads:
+            shapes = WORKLOADS[workload]()
+            params = make_params(shapes, torch.bfloat16)
+            moved = flashdist_bytes(shapes)
+            for exact in (True, False):
+                kernel = KernelOnly(params, exact)
+                for config in SWEEP:
+                    for name, value in zip(_SWEPT, config):
+                        setattr(K, name, value)
+                    row = dict(workload=workload, exact=exact, **dict(zip(_SWEPT, config)))
+                    try:
+                        ms = time_cuda(kernel.step)[0]
+                        row.update(ms=ms, of_floor=moved / bw / (ms / 1e3))
+                    except Exception as e:  # a configuration that cannot run here is reported, not fatal
+                        row["error"] = f"{type(e).__name__}: {e}"[:300]
+                    rows.append(row)
+                    print(json.dumps(rows[-1]), flush=True)
+            params = kernel = None
+            gc.collect()
+            torch.cuda.empty_cache()
+    finally:
+        for name, value in zip(_SWEPT, saved):
+            setattr(K, name, value)
+    return rows
+
+
+def table(rows) -> str:
+    out = ["| workload | optimizer | params | step ms (median) | B/param | GB/s | of floor | speedup vs flashoptim |",
+           "|---|---|---|---|---|---|---|---|"]
+    ref = {r["workload"]: r["ms"] for r in rows if r["optimizer"].startswith("flashoptim") and "ms" in r}
+    for r in rows:
+        if "ms" not in r:
+            out.append(f"| {r['workload']} | {r['optimizer']} | {r['params'] / 1e6:.0f}M | - | | | | "
+                       f"{r.get('error') or r.get('note')} |")
+            continue
+        speedup = f"{ref[r['workload']] / r['ms']:.2f}x" if r["workload"] in ref else "-"
+        extra = f" (host {r['host_ms']:.2f} ms)" if "host_ms" in r else ""
+        out.append(f"| {r['workload']} | {r['optimizer']} | {r['params'] / 1e6:.0f}M | {r['ms']:.3f}{extra} | "
+                   f"{r['bytes_per_param']:.2f} | {r['gbps']:.0f} | {r['of_floor']:.2f} | {speedup} |")
+    return "\n".join(out)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", help="write the results as JSON to this path")
+    ap.add_argument("--sweep", action="store_true", help="also time the kernel under a few launch configurations")
+    ap.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_step.py needs a CUDA device")
+    import triton
+
+    info = dict(torch=torch.__version__, triton=triton.__version__, gpu=torch.cuda.get_device_name(),
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    print(json.dumps(info), flush=True)
+    bw = copy_bandwidth()
+    print(f"copy bandwidth (read + write): {bw / 1e9:.0f} GB/s", flush=True)
+    rows = []
+    for workload in args.workloads:
+        shapes = WORKLOADS[workload]()
+        for name, (dtype, factory, nbytes, note) in cases().items():
+            rows.append(run_case(name, dtype, factory, nbytes, note, workload, shapes, bw))
+            print(json.dumps(rows[-1]), flush=True)
+    if args.out:  # the main table first: a sweep cut short by a time limit loses only itself
+        with open(args.out, "w") as f:
+            json.dump(dict(info, copy_bandwidth=bw, rows=rows, sweep=[]), f, indent=1)
+    print()
+    print(table(rows), flush=True)
+    sweep = run_sweep(bw, args.workloads) if args.sweep else []
+    if sweep:
+        print("\n| workload | variant | TABLE_GROUPS | TABLE_BLOCKS | warps | LARGE_NUMEL | kernel ms | of floor |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in sweep:
+            timing = f"{r['ms']:.3f} | {r['of_floor']:.2f}" if "ms" in r else f"- | {r.get('error')}"
+            print(f"| {r['workload']} | {'exact' if r['exact'] else 'approx'} | {r['TABLE_GROUPS']} | "
+                  f"{r['TABLE_BLOCKS']} | {r['NUM_WARPS']} | {r['LARGE_NUMEL']} | {timing} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(info, copy_bandwidth=bw, rows=rows, sweep=sweep), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,305 @@
+"""The compiled Triton step on CUDA against the eager reference on CUDA (run on a GPU machine: pytest -m gpu).
+
+Exact variant (``EXACT = True``, the default). The reference is IEEE arithmetic throughout (its square root
+is ``codes.sqrt_rn``; CUDA torch divides a tensor by a tensor with ``div.rn``; no FMA is formed in either,
+the kernel being compiled with ``enable_fp_fusion=False``), and the kernel performs the same operations or
+exactly equivalent ones, so every output must be bitwise equal: codes, scales, fp32 moments, parameters
+and rho. Asserted.
+
+Approximate variant (``EXACT = False``): the update's division, the companding division and the square
+root are the GPU's approximate ones (``div.approx.f32``, ``sqrt.approx.f32``). Asserted, from one state:
+the first moment and fp32 moments are bitwise equal (no division or root reaches them); codes are within
+one step; second-moment scales within one bf16 step; master weights (param with its rho) within
+``APPROX_ULPS`` fp32 ulps of the update's size plus one rho step (docs/method.md derives it).
+``test_report_exact_fraction`` prints how often each kind of value matched bit for bit (run with -s).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from flashdist.kernels import reference
+from flashdist.kernels.scalars import AdamScalars
+from flashdist.quant import codes as Q
+from flashdist.quant import rho as R
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+# small shapes for the table launch; the last two have 2^20+ elements and get launches of their own (the
+# tests lower LARGE_NUMEL to 2^20)
+SHAPES = [(1,), (31,), (33,), (4097,), (3, 5, 7), (7, 33), (64, 64), (5, 1), (0, 4), (300, 257), (1024, 1024),
+          (1000, 1100)]
+PARAM_DTYPES = {None: (torch.bfloat16, torch.float16, torch.float32), torch.int8: (torch.bfloat16, torch.float16),
+                torch.int16: (torch.bfloat16, torch.float16)}
+LAYOUTS = {"q-companded": (True, True), "q-linear": (True, False), "fp32-moments": (False, True)}
+APPROX_ULPS = 16  # fp32 ulps of |update| (bounded by |before| + |after|) allowed to the approximate variant
+EXACT: dict[str, list[int]] = {}  # "variant: tensor kind" -> [equal values, values], over the whole module
+
+
+def _kernels():
+    from triton.runtime.jit import JITFunction
+
+    import flashdist.kernels.triton.adam as K
+
+    if not isinstance(K._adam_table_kernel, JITFunction):
+        pytest.skip("TRITON_INTERPRET is set in this process: run the GPU tests in a process of their own")
+    return K
+
+
+def _cols(shape):
+    n = 1
+    for d in shape[1:]:
+        n *= d
+    return max(n, 1) if len(shape) >= 2 else max(shape[0], 1)
+
+
+def _state(shape, param_dtype, rho_dtype, quantized, gen):
+    n = torch.Size(shape).numel()
+    cols = _cols(shape)
+    t = {"p": (torch.randn(shape, generator=gen, device="cuda") * 0.02).to(param_dtype)}
+    if quantized:
+        rows, gpr = n // cols, -(-cols // Q.GROUP)
+        t["m"] = torch.zeros(shape, dtype=torch.int8, device="cuda")
+        t["v"] = torch.zeros(shape, dtype=torch.uint8, device="cuda")
+        t["ms"] = torch.zeros(rows, gpr, dtype=torch.bfloat16, device="cuda")
+        t["vs"] = torch.zeros(rows, gpr, dtype=torch.bfloat16, device="cuda")
+    else:
+        t["m"] = torch.zeros(shape, device="cuda")
+        t["v"] = torch.zeros(shape, device="cuda")
+    if rho_dtype is not None:
+        t["rho"] = torch.zeros(shape, dtype=rho_dtype, device="cuda")
+    return t, cols
+
+
+def _grad(shape, dtype, mags, gen):
+    n = torch.Size(shape).numel()
+    g = torch.randn(n, generator=gen, device="cuda") * mags
+    if n:
+        bad = torch.randint(0, n, (max(1, n // 500),), generator=gen, device="cuda")
+        g[bad] = float("nan")
+    return g.reshape(shape).to(dtype)
+
+
+def _call(K, states, grads, cols, scalars, companded, skipped):
+    quantized = "ms" in states[0]
+    has_rho = "rho" in states[0]
+    K.adam_step_multi([s["p"] for s in states], grads, [s["m"] for s in states], [s["v"] for s in states],
+                      [s["ms"] for s in states] if quantized else None,
+                      [s["vs"] for s in states] if quantized else None,
+                      [s["rho"] for s in states] if has_rho else None,
+                      cols=cols if quantized else None, scalars=scalars, companded=companded, skipped=skipped)
+
+
+def _bits(t):
+    return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _count(kind, got, want) -> torch.Tensor:
+    equal = _bits(got) == _bits(want)
+    acc = EXACT.setdefault(kind, [0, 0])
+    acc[0] += int(equal.sum())
+    acc[1] += equal.numel()
+    return equal
+
+
+# dtype -> (explicit mantissa bits, exponent of the smallest normal): spacing is fixed below that
+_FORMAT = {torch.float32: (23, -126), torch.bfloat16: (7, -126), torch.float16: (10, -14)}
+
+
+def _ulp(x, dtype):
+    """Spacing of ``dtype`` at |x| (the subnormal spacing below its smallest normal)."""
+    mbits, min_exp = _FORMAT[dtype]
+    return 2.0 ** (x.abs().clamp_min(2.0**min_exp).log2().floor() - mbits)
+
+
+def _master(state, param_dtype):
+    return R.merge(state["p"], state["rho"]) if "rho" in state else state["p"].float()
+
+
+def _compare_exact(kernel, ref, where):
+    for name, got in kernel.items():
+        equal = _count(f"exact: {name}", got, ref[name])
+        assert equal.all(), f"{where}: {name}: {int((~equal).sum())} of {equal.numel()} values differ"
+
+
+def _compare_approx(kernel, ref, before, param_dtype, where):
+    for name in ("m", "v"):
+        if kernel[name].dtype == torch.float32:  # fp32 moments: no division or root on the way
+            assert _count(f"approx: fp32 {name}", kernel[name], ref[name]).all(), f"{where}: {name}"
+        else:
+            _count(f"approx: {name} codes", kernel[name], ref[name])
+            assert ((kernel[name].int() - ref[name].int()).abs() <= 1).all(), f"{where}: {name} codes"
+    if "ms" in kernel:
+        assert _count("approx: m scales", kernel["ms"], ref["ms"]).all(), f"{where}: m scales"
+        _count("approx: v scales", kernel["vs"], ref["vs"])
+        assert ((_bits(kernel["vs"]).int() - _bits(ref["vs"]).int()).abs() <= 1).all(), \
+            f"{where}: v scales more than one bf16 step apart"
+    _count("approx: params", kernel["p"], ref["p"])
+    a, b = _master(kernel, param_dtype), _master(ref, param_dtype)
+    # |update| <= |before| + |after|; the rounding of the new master weight itself adds an ulp of it
+    tol = APPROX_ULPS * _ulp(torch.maximum(a.abs(), b.abs()) + _master(before, param_dtype).abs(), torch.float32)
+    if "rho" in kernel:
+        _count("approx: rho", kernel["rho"], ref["rho"])
+        tol = tol + R.half_ulp(torch.maximum(a.abs(), b.abs()).to(param_dtype).float(), param_dtype) \
+            / R.RHO_STEPS[kernel["rho"].dtype]
+    elif param_dtype != torch.float32:
+        tol = tol + _ulp(torch.maximum(a.abs(), b.abs()), param_dtype)
+    far = ~((a - b).abs() <= tol)
+    if far.any():
+        i = far.flatten().nonzero()[0].item()
+        pytest.fail(f"{where}: {int(far.sum())} master weights further apart than the approximate division and "
+                    f"sqrt explain, e.g. kernel {a.flatten()[i].item()!r}, reference {b.flatten()[i].item()!r}, "
+                    f"before {_master(before, param_dtype).flatten()[i].item()!r}, tolerance "
+                    f"{tol.flatten()[i].item()!r}")
+
+
+def _case_id(r, lay, d, exact):
+    return (f"{'exact' if exact else 'approx'}-{'no-rho' if r is None else str(r).split('.')[1]}-{lay}-"
+            f"{'adamw' if d else 'adam'}")
+
+
+# every configuration exactly; the approximate variant on AdamW (its arithmetic does not depend on the decay)
+CASES = [(r, lay, d, True) for r, lay, d in itertools.product(PARAM_DTYPES, LAYOUTS, (True, False))] + \
+        [(r, lay, True, False) for r, lay in itertools.product(PARAM_DTYPES, LAYOUTS)]
+
+
+@pytest.mark.parametrize("rho_dtype,layout,decoupled,exact", [pytest.param(*c, id=_case_id(*c)) for c in CASES])
+def test_kernel_matches_cuda_reference(monkeypatch, rho_dtype, layout, decoupled, exact):
+    K = _kernels()
+    monkeypatch.setattr(K, "LARGE_NUMEL", 1 << 20)  # the two largest shapes take the per-tensor launch
+    monkeypatch.setattr(K, "EXACT", exact)
+    quantized, companded = LAYOUTS[layout]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    tensors = []
+    for dt in PARAM_DTYPES[rho_dtype]:
+        for shape in SHAPES:
+            state, cols = _state(shape, dt, rho_dtype, quantized, gen)
+            n = torch.Size(shape).numel()
+            mags = torch.tensor([1e-10, 1e-3, 1.0, 1e4], device="cuda")[
+                torch.randint(0, 4, (n // 32 + 1,), generator=gen, device="cuda")].repeat_interleave(32)[:n]
+            tensors.append((shape, dt, state, cols, mags))
+    for step in range(1, 4):
+        scalars = AdamScalars.make(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=step,
+                                   decoupled=decoupled)
+        grads = [_grad(shape, dt, mags, gen) for shape, dt, _, _, mags in tensors]
+        befores = [{k: v.clone() for k, v in state.items()} for _, _, state, _, _ in tensors]
+        refs = [{k: v.clone() for k, v in state.items()} for _, _, state, _, _ in tensors]
+        skipped_k = torch.zeros((), dtype=torch.int32, device="cuda")
+        skipped_r = torch.zeros((), dtype=torch.int32, device="cuda")
+        _call(K, [s for _, _, s, _, _ in tensors], grads, [c for _, _, _, c, _ in tensors], scalars, companded,
+              skipped_k)
+        for (shape, dt, state, cols, _), ref, g in zip(tensors, refs, grads):
+            reference.adam_step_(ref["p"], g, ref["m"], ref["v"], ref.get("ms"), ref.get("vs"), ref.get("rho"),
+                                 cols=cols if quantized else None, scalars=scalars, companded=companded,
+                                 skipped=skipped_r)
+        assert skipped_k.item() == skipped_r.item() > 0
+        for (shape, dt, state, _, _), ref, before in zip(tensors, refs, befores):
+            where = f"step {step}, {tuple(shape)} {dt}"
+            if exact:
+                _compare_exact(state, ref, where)
+            else:
+                _compare_approx(state, ref, before, dt, where)
+            for k in state:  # the next step starts from one state on both sides
+                state[k].copy_(ref[k])
+    _dump_counts()
+
+
+def _dump_counts():
+    """With FLASHDIST_GPU_REPORT=<folder>, this process's counts as JSON there (pytest-xdist runs the cases in
+    several processes; ``python tests/test_gpu.py <folder>`` adds them up)."""
+    folder = os.environ.get("FLASHDIST_GPU_REPORT")
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, f"exact-{os.getpid()}.json"), "w") as f:
+            json.dump(EXACT, f)
+
+
+def test_report_exact_fraction():
+    """Runs after the comparisons (file order): how often the kernel matched the CUDA reference bit for bit."""
+    if not EXACT:
+        pytest.skip("no comparison ran")
+    lines = [f"{kind}: {eq / max(n, 1):.6f} of {n} values bitwise equal" for kind, (eq, n) in sorted(EXACT.items())]
+    print("\nkernel vs CUDA reference\n" + "\n".join(lines))
+
+
+def test_repeated_step_reuses_tables(monkeypatch):
+    K = _kernels()
+    builds = []
+    build = K._build_plan
+    monkeypatch.setattr(K, "_build_plan", lambda *a: builds.append(1) or build(*a))
+    monkeypatch.setattr(K, "_PLANS", type(K._PLANS)())
+    monkeypatch.setattr(K, "LARGE_NUMEL", 1 << 20)
+    monkeypatch.setattr(K, "EXACT", True)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    states, cols, grads = [], [], []
+    for shape in [(64, 64), (7, 33), (1024, 1024), (33,)]:
+        state, c = _state(shape, torch.bfloat16, torch.int8, True, gen)
+        states.append(state)
+        cols.append(c)
+        grads.append(torch.randn(shape, generator=gen, device="cuda").to(torch.bfloat16))
+    for step in (1, 2, 3):
+        scalars = AdamScalars.make(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=step,
+                                   decoupled=True)
+        _call(K, states, grads, cols, scalars, True, None)
+    assert len(builds) == 1, "a repeated step with the same tensors must not rebuild its tables"
+    (plan,) = K._PLANS
+    assert sum(len(b.large) for b in plan.buckets) == 1 and sum(b.items > 0 for b in plan.buckets) == 2
+    grads[0] = grads[0].clone()  # a new gradient buffer (table launch) and another (own launch): the same
+    grads[2] = grads[2].clone()  # plan, whose gradient addresses are rewritten; the step must read them
+    refs = [{k: v.clone() for k, v in states[i].items()} for i in (0, 2)]
+    scalars = AdamScalars.make(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=4, decoupled=True)
+    _call(K, states, grads, cols, scalars, True, None)
+    assert len(builds) == 1
+    for i, ref in zip((0, 2), refs):
+        reference.adam_step_(ref["p"], grads[i], ref["m"], ref["v"], ref["ms"], ref["vs"], ref["rho"], cols=cols[i],
+                             scalars=scalars, companded=True, skipped=None)
+        _compare_exact(states[i], ref, f"after a new gradient buffer, tensor {i}")
+
+
+def test_host_time_of_a_cached_step():
+    """The per-step host work for 2,000 tensors with a cached plan (key, checks, one launch) stays small."""
+    import time
+
+    K = _kernels()
+    n = 2000
+    params = [torch.zeros(256, 256, dtype=torch.bfloat16, device="cuda") for _ in range(n)]
+    grads = [torch.zeros_like(p) for p in params]
+    m = [torch.zeros_like(p, dtype=torch.int8) for p in params]
+    v = [torch.zeros_like(p, dtype=torch.uint8) for p in params]
+    ms = [torch.zeros(256, 8, dtype=torch.bfloat16, device="cuda") for _ in params]
+    vs = [torch.zeros(256, 8, dtype=torch.bfloat16, device="cuda") for _ in params]
+    rho = [torch.zeros_like(p, dtype=torch.int8) for p in params]
+    scalars = AdamScalars.make(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=1, decoupled=True)
+
+    def step():
+        K.adam_step_multi(params, grads, m, v, ms, vs, rho, cols=[256] * n, scalars=scalars, companded=True,
+                          skipped=None)
+
+    step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        step()
+    host_ms = (time.perf_counter() - t0) / 20 * 1e3
+    torch.cuda.synchronize()
+    print(f"\nhost time of a cached step over {n} tensors: {host_ms:.3f} ms")
+    assert host_ms < 0.5
+
+
+if __name__ == "__main__":  # add up the counts that FLASHDIST_GPU_REPORT processes left in a folder
+    total: dict[str, list[int]] = {}
+    for name in sorted(os.listdir(sys.argv[1])):
+        if name.startswith("exact-") and name.endswith(".json"):
+            with open(os.path.join(sys.argv[1], name)) as f:
+                for kind, (eq, n) in json.load(f).items():
+                    acc = total.setdefault(kind, [0, 0])
+                    acc[0] += eq
+                    acc[1] += n
+    for kind, (eq, n) in sorted(total.items()):
+        print(f"{kind}: {eq / max(n, 1):.6f} of {n} values bitwise equal")

@@ -1,0 +1,415 @@
+"""The fused Triton step against the eager reference, BITWISE, on CPU under the Triton interpreter.
+
+How the interpreter is switched on. Triton chooses interpreted or compiled when a ``@triton.jit`` function
+is defined, and that includes its own library (``tl.max``, ``tl.sum``) defined when triton is imported:
+one process is in one mode. So:
+- on a machine without CUDA, where interpreting is the only way to run triton anyway, this module sets
+  ``TRITON_INTERPRET=1`` before anything imports triton and the tests run in this process;
+- when that did not take (CUDA is present, so the GPU tests of this process need compiled kernels, or an
+  earlier test module imported triton first), the same tests run in a child pytest process with
+  ``TRITON_INTERPRET=1`` and no visible GPU: ``test_in_interpreter_process`` below.
+
+What the oracle computes. ``reference.adam_step_`` is IEEE arithmetic throughout on CPU, its square root
+included (``codes.sqrt_rn``; torch's own vectorised CPU sqrt is not correctly rounded in some builds), so
+the kernel must match it bit for bit with no patching. Under the interpreter ``/`` and ``tl.sqrt`` are
+numpy's IEEE operations too, so the approximate variant (``EXACT = False``) must match as well; its GPU
+bound is tests/test_gpu.py's.
+
+Cost. The interpreter spends tens of milliseconds per program, so the matrix packs every shape and param
+dtype of a configuration into one call and uses 64 groups per block (2 blocks per program); the module's
+own block sizes have a test of their own.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+if "triton" not in sys.modules and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import itertools  # noqa: E402
+import subprocess  # noqa: E402
+import zlib  # noqa: E402
+
+import pytest  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+import flashdist.kernels.triton.adam as K  # noqa: E402
+from flashdist.kernels import reference  # noqa: E402
+from flashdist.kernels.scalars import AdamScalars  # noqa: E402
+from flashdist.quant import codes as Q  # noqa: E402
+from flashdist.quant import rho as R  # noqa: E402
+
+IN_PROCESS = isinstance(triton.language.max, InterpretedFunction) and isinstance(K._adam_table_kernel,
+                                                                                 InterpretedFunction)
+interpreted = pytest.mark.skipif(not IN_PROCESS, reason="triton runs compiled in this process: these tests run "
+                                 "in a child process (test_in_interpreter_process)")
+# numpy warns about the inf/NaN arithmetic of groups with a non-finite gradient, which are never stored
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning",
+                                        "ignore:overflow encountered:RuntimeWarning")
+
+
+def test_in_interpreter_process():
+    if IN_PROCESS:
+        pytest.skip("the interpreter tests run in this process")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=path)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], env=env,
+                          capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+
+
+SHAPES = [(1,), (31,), (33,), (4097,), (3, 5, 7), (7, 33), (64, 64), (5, 1), (0, 4), (0,), (130, 33)]
+PARAM_DTYPES = {None: (torch.bfloat16, torch.float16, torch.float32),  # rho -> params that can carry it
+                torch.int8: (torch.bfloat16, torch.float16), torch.int16: (torch.bfloat16, torch.float16)}
+LAYOUTS = {"q-companded": (True, True), "q-linear": (True, False), "fp32-moments": (False, True)}
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    """The kernel module with a fresh plan cache, 64 groups per block and 2 blocks per program (so that a
+    tensor of the table launch spans several programs, the last one partial)."""
+    monkeypatch.setattr(K, "_PLANS", type(K._PLANS)())
+    monkeypatch.setattr(K, "TABLE_GROUPS", 64)
+    monkeypatch.setattr(K, "TABLE_BLOCKS", 2)
+    return K
+
+
+def _cols(shape) -> int:
+    """Row length of a tensor viewed as (rows, cols): like the optimizer for 2+ dims, one row for 1-d."""
+    if len(shape) >= 2:
+        n = 1
+        for d in shape[1:]:
+            n *= d
+        return max(n, 1)
+    return max(shape[0], 1)
+
+
+class Case:
+    """One tensor and its state, held twice (kernel and reference copies) from one random draw.
+
+    The state comes from two reference steps on finite gradients, so that the first compared step
+    already dequantizes real codes, scales and rho (a random state would pair large first moments with
+    tiny second moments and blow parameters up to inf, where NaN -> int conversions are undefined)."""
+
+    def __init__(self, shape, param_dtype, grad_dtype, rho_dtype, quantized, gen, companded=True):
+        self.shape, self.grad_dtype, self.quantized = shape, grad_dtype, quantized
+        self.cols = _cols(shape)
+        n = torch.Size(shape).numel()
+        # gradient magnitude of each run of 32 values, the same at every step (tiny, small, unit, huge): a
+        # group whose gradient drops by 1e14 from one step to the next sends fp16 parameters to inf
+        self.magnitudes = torch.tensor([1e-10, 1e-3, 1.0, 1e4])[
+            torch.randint(0, 4, (n // 32 + 1,), generator=gen)].repeat_interleave(32)[:n]
+        # parameters across magnitudes, with exact zeros (smallest half-ulp) and fp16 subnormals
+        mag = torch.tensor([0.0, 6e-6, 0.02, 1.0, 30.0])[torch.randint(0, 5, (n,), generator=gen)]
+        t = {"p": (torch.randn(n, generator=gen) * mag).reshape(shape).to(param_dtype)}
+        if quantized:
+            rows, gpr = n // self.cols, -(-self.cols // Q.GROUP)
+            t["m"] = torch.zeros(shape, dtype=torch.int8)
+            t["v"] = torch.zeros(shape, dtype=torch.uint8)
+            t["ms"] = torch.zeros(rows, gpr, dtype=torch.bfloat16)
+            t["vs"] = torch.zeros(rows, gpr, dtype=torch.bfloat16)
+        else:
+            t["m"], t["v"] = torch.zeros(shape), torch.zeros(shape)
+        if rho_dtype is not None:
+            t["rho"] = torch.zeros(shape, dtype=rho_dtype)
+        for step in (1, 2):
+            scalars = AdamScalars.make(lr=3e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=step,
+                                       decoupled=True)
+            g = self.new_grad(gen, finite=True)
+            reference.adam_step_(t["p"], g, t["m"], t["v"], t.get("ms"), t.get("vs"), t.get("rho"),
+                                 cols=self.cols if quantized else None, scalars=scalars, companded=companded,
+                                 skipped=None)
+        self.kernel = t
+        self.ref = {k: v.clone() for k, v in t.items()}
+
+    def new_grad(self, gen, finite=False) -> torch.Tensor:
+        n = torch.Size(self.shape).numel()
+        g = torch.randn(n, generator=gen) * self.magnitudes
+        if n and not finite:
+            bad = torch.randint(0, n, (max(1, n // 300),), generator=gen)
+            g[bad] = torch.tensor([float("nan"), float("inf"), -float("inf")])[torch.arange(len(bad)) % 3]
+        return g.reshape(self.shape).to(self.grad_dtype)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()]) if t.is_floating_point() else t
+
+
+def _step_both(k, cases, grads, scalars, companded, count):
+    """One step of the kernel (one call) and of the reference (per tensor) from identical states."""
+    quantized = cases[0].quantized
+    has_rho = "rho" in cases[0].kernel
+    skipped_k = torch.zeros((), dtype=torch.int32) if count else None
+    skipped_r = torch.zeros((), dtype=torch.int32) if count else None
+
+    def col(name, side):
+        return [getattr(c, side)[name] for c in cases]
+
+    k.adam_step_multi(
+        col("p", "kernel"), grads, col("m", "kernel"), col("v", "kernel"),
+        col("ms", "kernel") if quantized else None, col("vs", "kernel") if quantized else None,
+        col("rho", "kernel") if has_rho else None,
+        cols=[c.cols for c in cases] if quantized else None, scalars=scalars, companded=companded, skipped=skipped_k)
+    for c, g in zip(cases, grads):
+        r = c.ref
+        reference.adam_step_(r["p"], g, r["m"], r["v"], r.get("ms"), r.get("vs"), r.get("rho"),
+                             cols=c.cols if quantized else None, scalars=scalars, companded=companded,
+                             skipped=skipped_r)
+    return skipped_k, skipped_r
+
+
+def _assert_equal(cases, where):
+    for c in cases:
+        for name, got in c.kernel.items():
+            want = c.ref[name]
+            assert got.dtype == want.dtype and got.shape == want.shape
+            diff = (_bits(got) != _bits(want)).sum().item()
+            assert diff == 0, f"{where}: {name} of {tuple(c.shape)} {c.kernel['p'].dtype}: {diff} values differ"
+
+
+def _run(k, cases, *, steps, decoupled, companded, gen, skipped_pattern=(True, False, True)):
+    for step in range(1, steps + 1):
+        scalars = AdamScalars.make(lr=3e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=step,
+                                   decoupled=decoupled)
+        grads = [c.new_grad(gen) for c in cases]
+        count = skipped_pattern[(step - 1) % len(skipped_pattern)]
+        skipped_k, skipped_r = _step_both(k, cases, grads, scalars, companded, count)
+        _assert_equal(cases, f"step {step}")
+        if count:
+            assert skipped_k.item() == skipped_r.item() > 0
+
+
+MATRIX = [
+    pytest.param(rho, layout, decoupled,
+                 id=f"{'no-rho' if rho is None else str(rho).split('.')[1]}-{layout}-{'adamw' if decoupled else 'adam'}")
+    for rho, layout, decoupled in itertools.product(PARAM_DTYPES, LAYOUTS, (True, False))
+]
+
+
+@interpreted
+@pytest.mark.parametrize("rho_dtype,layout,decoupled", MATRIX)
+def test_matches_reference_bitwise(kernels, rho_dtype, layout, decoupled):
+    """Every param dtype that can carry this rho, every shape, in ONE call per step; two kernel steps in a
+    row after two reference steps (so the first reads reference-made codes, scales and rho, the second
+    its own)."""
+    quantized, companded = LAYOUTS[layout]
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{rho_dtype}-{layout}-{decoupled}".encode()))
+    cases = [Case(s, dt, dt, rho_dtype, quantized, gen, companded) for dt in PARAM_DTYPES[rho_dtype] for s in SHAPES]
+    _run(kernels, cases, steps=2, decoupled=decoupled, companded=companded, gen=gen)
+
+
+@interpreted
+@pytest.mark.parametrize("quantized", [True, False], ids=["q-companded", "fp32-moments"])
+def test_mixed_grad_dtypes(kernels, quantized):
+    gen = torch.Generator().manual_seed(1)
+    pairs = [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.float16), (torch.float16, torch.bfloat16),
+             (torch.float32, torch.bfloat16), (torch.float32, torch.float16)]
+    cases = [Case(s, p, g, None, quantized, gen) for p, g in pairs for s in [(7, 33), (64, 64)]]
+    _run(kernels, cases, steps=2, decoupled=True, companded=True, gen=gen)
+
+
+@interpreted
+def test_module_block_sizes(monkeypatch):
+    """The module's own TABLE_GROUPS: many programs per tensor, a partial last block."""
+    monkeypatch.setattr(K, "_PLANS", type(K._PLANS)())
+    gen = torch.Generator().manual_seed(2)
+    cases = [Case(s, torch.bfloat16, torch.bfloat16, torch.int8, True, gen) for s in [(64, 64), (4097,), (7, 33)]]
+    _run(K, cases, steps=2, decoupled=True, companded=True, gen=gen)
+    cases = [Case(s, torch.bfloat16, torch.bfloat16, torch.int8, False, gen) for s in [(4097,), (33,)]]
+    _run(K, cases, steps=2, decoupled=True, companded=True, gen=gen)
+
+
+@interpreted
+def test_approximate_variant_is_ieee_here(kernels, monkeypatch):
+    """``EXACT = False`` takes Triton's ``/`` and ``tl.sqrt``, which the interpreter computes with numpy's
+    IEEE operations (libdevice's fast division, the GPU's choice, cannot run here): still bitwise."""
+    monkeypatch.setattr(K, "EXACT", False)
+    gen = torch.Generator().manual_seed(8)
+    for quantized in (True, False):
+        cases = [Case(s, torch.bfloat16, torch.bfloat16, torch.int8, quantized, gen) for s in [(7, 33), (64, 64)]]
+        _run(K, cases, steps=2, decoupled=True, companded=True, gen=gen)
+
+
+@interpreted
+@pytest.mark.parametrize("quantized", [True, False], ids=["q-companded", "fp32-moments"])
+def test_large_tensor_path(kernels, monkeypatch, quantized):
+    """Tensors at or above LARGE_NUMEL get launches of their own (threshold lowered to keep this cheap)."""
+    monkeypatch.setattr(K, "LARGE_NUMEL", 200)
+    monkeypatch.setattr(K, "LARGE_GROUPS", 16)
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(64, 64), (7, 33), (4097,), (31,), (5, 1), (3, 5, 7)]  # the first three are large
+    cases = [Case(s, torch.bfloat16, torch.bfloat16, torch.int16, quantized, gen) for s in shapes]
+    _run(K, cases, steps=2, decoupled=False, companded=True, gen=gen)
+    plan = K._PLANS[0]  # the plan of the last step
+    large = sum(len(b.large) for b in plan.buckets)
+    in_tables = sum(int(b.tensors.shape[0]) for b in plan.buckets if b.tensors is not None)
+    assert (large, in_tables) == (3, 3)
+
+
+@interpreted
+def test_plan_cache_reused_and_refreshed(kernels, monkeypatch):
+    """Each step is compared bit for bit with the reference, so a plan pointing at a stale tensor fails."""
+    builds = []
+    build = K._build_plan
+    monkeypatch.setattr(K, "_build_plan", lambda *a: builds.append(1) or build(*a))
+    gen = torch.Generator().manual_seed(4)
+    cases = [Case(s, torch.bfloat16, torch.bfloat16, torch.int8, True, gen) for s in [(7, 33), (33,)]]
+    grads = [c.new_grad(gen) for c in cases]
+
+    def step(t):
+        scalars = AdamScalars.make(lr=3e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=t,
+                                   decoupled=True)
+        _step_both(K, cases, grads, scalars, True, True)
+        _assert_equal(cases, f"step {t}")
+
+    step(1)
+    step(2)
+    assert len(builds) == 1, "a repeated step with the same tensors must not rebuild its tables"
+    grads[1] = cases[1].new_grad(gen)  # a new gradient buffer: the same plan reads it
+    step(3)
+    assert len(builds) == 1
+    unaligned = torch.empty(grads[0].numel() + 1, dtype=grads[0].dtype)[1:].view(grads[0].shape)
+    grads[0] = unaligned.copy_(grads[0])  # not 16-byte aligned: another bucket
+    step(4)
+    assert len(builds) == 2
+    grads[0] = grads[0].float()  # another gradient dtype: another bucket
+    step(5)
+    assert len(builds) == 3
+    cases[0].kernel["p"] = cases[0].kernel["p"].clone()  # a replaced parameter
+    step(6)
+    assert len(builds) == 4
+    old = cases[1].kernel["m"]  # a replaced state tensor, the old one still alive
+    cases[1].kernel["m"] = old.clone()
+    step(7)
+    assert len(builds) == 5
+    cases[1].kernel["rho"] = cases[1].kernel["rho"].clone()  # a replaced state tensor, the old one freed
+    step(8)
+    assert len(builds) == 6
+    step(9)
+    assert len(builds) == 6
+
+
+@interpreted
+def test_plan_dropped_when_a_state_tensor_is_freed(kernels):
+    gen = torch.Generator().manual_seed(6)
+    cases = [Case((7, 33), torch.bfloat16, torch.bfloat16, torch.int8, True, gen)]
+    _run(K, cases, steps=1, decoupled=True, companded=True, gen=gen)
+    assert len(K._PLANS) == 1
+    del cases[0].kernel["v"]  # the optimizer dropped this state: its id may now name another tensor
+    assert len(K._PLANS) == 0
+
+
+@interpreted
+def test_plan_cache_is_bounded(kernels, monkeypatch):
+    monkeypatch.setattr(K, "PLAN_CACHE_SIZE", 2)
+    gen = torch.Generator().manual_seed(5)
+    alive = []  # distinct storages for the three calls: three different keys
+    for _ in range(3):
+        alive.append([Case((5, 1), torch.float32, torch.float32, None, False, gen)])
+        _run(K, alive[-1], steps=1, decoupled=True, companded=True, gen=gen)
+    assert len(K._PLANS) == 2
+
+
+@interpreted
+def test_nothing_to_do(kernels):
+    scalars = AdamScalars.make(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1, decoupled=True)
+    K.adam_step_multi([], [], [], [], None, None, None, cols=None, scalars=scalars, companded=True, skipped=None)
+    e = torch.empty(0, 4, dtype=torch.bfloat16)
+    K.adam_step_multi([e], [e.clone()], [torch.empty(0, 4, dtype=torch.int8)], [torch.empty(0, 4, dtype=torch.uint8)],
+                      [torch.empty(0, 1, dtype=torch.bfloat16)], [torch.empty(0, 1, dtype=torch.bfloat16)], None,
+                      cols=[4], scalars=scalars, companded=True, skipped=torch.zeros((), dtype=torch.int32))
+
+
+@interpreted
+def test_rejects_bad_tensors(kernels):
+    scalars = AdamScalars.make(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1, decoupled=True)
+    p = torch.zeros(8, 4)
+    with pytest.raises(ValueError, match="not contiguous"):
+        K.adam_step_multi([p], [torch.zeros(4, 8).t()], [torch.zeros(8, 4)], [torch.zeros(8, 4)], None, None, None,
+                          cols=None, scalars=scalars, companded=True, skipped=None)
+    with pytest.raises(TypeError, match="exp_avg codes of tensor 0"):
+        K.adam_step_multi([p], [p.clone()], [torch.zeros(8, 4)], [torch.zeros(8, 4, dtype=torch.uint8)],
+                          [torch.zeros(8, 1, dtype=torch.bfloat16)], [torch.zeros(8, 1, dtype=torch.bfloat16)], None,
+                          cols=[4], scalars=scalars, companded=True, skipped=None)
+    with pytest.raises(TypeError, match="rho"):
+        K.adam_step_multi([p], [p.clone()], [torch.zeros(8, 4)], [torch.zeros(8, 4)], None, None,
+                          [torch.zeros(8, 4, dtype=torch.int8)], cols=None, scalars=scalars, companded=True,
+                          skipped=None)
+
+
+# ----- rho's split and merge on their own, over every bf16 / fp16 value -------------------------------------
+
+
+@triton.jit
+def _rho_probe(p_ptr, rho_ptr, theta_ptr, merged_ptr, low_ptr, split_rho_ptr, FP16: tl.constexpr,
+               RHO_LOG2: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    rho = tl.load(rho_ptr + offs).to(tl.int32)
+    theta = tl.load(theta_ptr + offs)
+    if FP16:
+        tl.store(merged_ptr + offs, K._merge_fp16(tl.load(p_ptr + offs).to(tl.float32), rho, RHO_LOG2))
+        low, r = K._split_fp16(theta, RHO_LOG2)
+        tl.store(low_ptr + offs, low.to(tl.float16).to(tl.int16, bitcast=True))
+    else:
+        tl.store(merged_ptr + offs, K._merge_bf16(tl.load(p_ptr + offs).to(tl.int32), rho, 15 - RHO_LOG2))
+        p16, r = K._split_bf16(theta, RHO_LOG2)
+        tl.store(low_ptr + offs, p16.to(tl.int16))
+    tl.store(split_rho_ptr + offs, r)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Equal bit patterns, or both NaN (the float sum may quiet a signalling NaN parameter)."""
+    return (_bits(a) == _bits(b)) | (torch.isnan(a) & torch.isnan(b))
+
+
+@interpreted
+@pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("rho_dtype", [torch.int8, torch.int16], ids=["int8", "int16"])
+def test_rho_split_and_merge_every_value(param_dtype, rho_dtype):
+    """The kernel's split and merge (integer arithmetic on bit patterns for bf16, exponent-built units for
+    fp16) against rho.split / rho.merge: every parameter value with the end, middle and random codes, and
+    master weights on the rho grid of every value and half a rho step, an fp32 step or a whole rounding
+    interval off it (the ties and the overflow into the next value up), plus random fp32 patterns."""
+    steps = int(R.RHO_STEPS[rho_dtype])
+    gen = torch.Generator().manual_seed(7)
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(param_dtype)
+    codes = torch.tensor([-steps, -steps + 1, -1, 0, 1, steps // 2, steps - 1])
+    p = every.repeat(len(codes) + 1)
+    rho = torch.cat([codes.repeat_interleave(len(every)),
+                     torch.randint(-steps, steps, (len(every),), generator=gen)]).to(rho_dtype)
+    grid = R.merge(p, rho)
+    fp32_step = (grid.view(torch.int32) + 1).view(torch.float32)  # one fp32 step away from zero
+    last = slice(len(every) * len(codes), None)  # the random codes
+    half_step = R.half_ulp(p[last].float(), param_dtype) / (2 * steps)
+    half_ulp = R.half_ulp(every.float(), param_dtype)
+    theta = torch.cat([grid, fp32_step, grid[last] + half_step, grid[last] - half_step, every.float() + half_ulp,
+                       every.float() - half_ulp, every.float() + half_ulp * (1 - 1 / (2 * steps)),
+                       torch.randint(-(2**31), 2**31 - 1, (1 << 20,), generator=gen, dtype=torch.int32).view(
+                           torch.float32)])
+    n = max(len(p), len(theta))
+    block = 1 << 16  # few, large programs: the interpreter's cost is per operation of a program
+    n = -(-n // block) * block
+    pad = lambda t, fill: torch.cat([t, t.new_full((n - len(t),), fill)])  # noqa: E731
+    p_in, rho_in, theta_in = pad(p, 0), pad(rho, 0), pad(theta, 0.0)
+    merged = torch.empty(n)
+    low = torch.empty(n, dtype=torch.int16)
+    split_rho = torch.empty(n, dtype=torch.int32)
+    _rho_probe[(n // block,)](p_in.view(torch.int16) if param_dtype == torch.bfloat16 else p_in, rho_in, theta_in,
+                             merged, low, split_rho, FP16=param_dtype == torch.float16,
+                             RHO_LOG2=steps.bit_length() - 1, BLOCK=block)
+    want_merged = R.merge(p_in, rho_in)
+    assert _same_bits(merged, want_merged).all(), "merge differs"
+    want_low, want_rho = R.split(theta_in, param_dtype, rho_dtype)
+    # (NaN patterns of bf16 differ between torch builds: any NaN will do)
+    bad = (_bits(want_low) != low) & ~(torch.isnan(want_low) & torch.isnan(low.view(param_dtype)))
+    assert not bad.any(), f"split: {int(bad.sum())} params differ, e.g. theta {theta_in[bad][:4].tolist()}"
+    bad = want_rho.int() != split_rho
+    assert not bad.any(), f"split: {int(bad.sum())} rho differ, e.g. theta {theta_in[bad][:4].tolist()}"
