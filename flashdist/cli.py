@@ -17,7 +17,7 @@ EXAMPLES = {
     "convert": ("examples:\n"
                 "  flashdist convert runs/ckpt/latest ckpt.pt --to torch              # DCP (any world size) -> one file\n"
                 "  flashdist convert ckpt.pt ckpt_dcp --to dcp --format compressed    # -> DCP, 8-bit optimizer state\n"
-                "  flashdist convert ds_ckpt/ ckpt_dcp --to dcp --from deepspeed      # DeepSpeed ZeRO -> DCP for FSDP2"),
+                "  flashdist convert ckpt.safetensors ckpt_dcp --to dcp              # one file -> DCP"),
     "export": "example:\n  flashdist export runs/main/ckpt/latest model.safetensors",
 }
 
@@ -56,8 +56,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("path")
     p.add_argument("--json", action="store_true", help="print JSON (for scripts)")
     p = sub.add_parser("convert", help="convert between formats", epilog=EXAMPLES["convert"], formatter_class=fmt,
-                       description="Read SRC (DCP directory of any world size, torch file, safetensors file or, with "
-                                   "--from deepspeed, a DeepSpeed ZeRO checkpoint directory) and write DST.")
+                       description="Read SRC (DCP directory of any world size, torch file or safetensors file) and "
+                                   "write DST. DeepSpeed ZeRO directories are recognised and refused with the "
+                                   "supported route (docs/deepspeed.md).")
     p.add_argument("src")
     p.add_argument("dst")
     p.add_argument("--to", required=True, choices=["dcp", "torch", "safetensors"], help="output format")

@@ -153,9 +153,10 @@ def read(path: str | os.PathLike) -> dict:
             return _read_safetensors(Path(path))
         except Exception as e:  # noqa: BLE001
             raise CheckpointError(f"flashdist: could not read {path}: {str(e).splitlines()[0][:300]}") from None
-    from ..integrations.deepspeed_checkpoint import read_deepspeed  # noqa: PLC0415
-
-    return read_deepspeed(path)
+    raise CheckpointError(
+        f"flashdist: {path} is a DeepSpeed checkpoint; converting it is not supported yet. Keep 24-bit masters "
+        "and export fp32 weights with `python launch/train_deepspeed.py --export-fp32 DIR`, or change world "
+        "size with flashdist.integrations.deepspeed.to_universal (docs/deepspeed.md)")
 
 
 # ----- writing ----------------------------------------------------------------------------------------------

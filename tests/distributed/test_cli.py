@@ -114,6 +114,12 @@ def test_bad_input_exits_non_zero_and_writes_nothing(tmp_path):
     assert not out.exists() and not Path(str(out) + ".tmp").exists()
     rc, _, err = _cli("convert", src, tmp_path / "x", "--to", "torch", "--from", "deepspeed")
     assert rc == 1 and "not a DeepSpeed checkpoint" in err
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    (ds / "latest").write_text("global_step2")
+    rc, _, err = _cli("convert", ds, tmp_path / "x", "--to", "dcp", "--from", "deepspeed")
+    assert rc == 1 and "DeepSpeed checkpoint; converting it is not supported yet" in err
+    assert not (tmp_path / "x").exists()
     out.write_bytes(b"keep me")
     rc, _, err = _cli("convert", src, out, "--to", "torch")
     assert rc == 1 and "--force" in err and out.read_bytes() == b"keep me"
