@@ -7,15 +7,21 @@ DeepSpeed config, in one run.
 
 Cases (ZeRO stage ``--stage``, bf16 model, ``--batch`` x ``--seq`` tokens per rank):
 
-- ``ds_adamw``: DeepSpeed's "AdamW" (FusedAdam on CUDA; torch.optim.AdamW with ``--cpu`` or when FusedAdam
-  cannot be built), fp32 master partitions and fp32 moments: 4 + 8 bytes per parameter in the optimizer.
+- ``ds_adamw``: DeepSpeed's "AdamW" (FusedAdam on CUDA, JIT-built by DeepSpeed on first use, which needs nvcc
+  and ninja; torch.optim.AdamW with ``--cpu``, ``--torch-adam`` or when FusedAdam cannot be built), fp32 master
+  partitions and fp32 moments: 4 + 8 bytes per parameter in the optimizer. DeepSpeed 0.19.8's builder cannot
+  parse arch-specific entries of TORCH_CUDA_ARCH_LIST (``9.0a``: ``invalid literal for int() ... '0a'``), so
+  the script drops such suffixes before DeepSpeed builds (``fused_adam_arch_list``).
 - ``ds_adamw_bf16_states``: the same with DeepSpeed's bf16_master_weights_and_grads + bf16_optimizer_states
   (bf16 masters and moments: 2 + 4; 16-bit master weights).
 - ``flash_fp32_masters``: FlashAdamW on DeepSpeed's fp32 master partitions: 4 + 2.125.
 - ``flash_bf16_masters``: FlashAdamW with bf16 master partitions + rho (24-bit masters): 2 + 1 + 2.125.
 
 "optimizer B/param" is measured: the bytes of rank 0's master partitions and optimizer state tensors over
-the partitions' element count. Peak memory is torch.cuda.max_memory_allocated after the warm-up steps.
+the partitions' element count. Peak memory is torch.cuda.max_memory_allocated after the warm-up steps. Cases
+run one after another in one process can carry memory over (seen on two H200s: 29.7 GiB for
+``ds_adamw_bf16_states`` after ``ds_adamw`` with FusedAdam, 18.6 GiB alone), so for peaks run one case per
+process (``--cases ds_adamw``, ...).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import datetime
 import gc
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -39,6 +46,19 @@ from llama import Llama, LlamaConfig  # noqa: E402
 from flashdist.integrations import deepspeed as fds  # noqa: E402
 
 CASES = ("ds_adamw", "ds_adamw_bf16_states", "flash_fp32_masters", "flash_bf16_masters")
+
+
+def fused_adam_arch_list(arch: str | None) -> str | None:
+    """TORCH_CUDA_ARCH_LIST in the form DeepSpeed's JIT op builder can parse, or None to leave it as it is.
+
+    DeepSpeed 0.19.8 (op_builder/builder.py, compute_capability_args) sorts the list by
+    ``int(part.split('+')[0])`` over ``cc.split('.')``, so an arch-specific entry that torch accepts, such as
+    ``9.0a`` or ``10.0f``, fails with ``ValueError: invalid literal for int() with base 10: '0a'`` before
+    nvcc runs. FusedAdam needs no arch-specific instructions: drop the suffix, keep ``+PTX``."""
+    if not arch or not re.search(r"\d[a-z]", arch):
+        return None
+    entries = [re.sub(r"^(\d+\.\d+)[a-z]+", r"\1", cc.strip()) for cc in re.split(r"[;\s]+", arch) if cc.strip()]
+    return ";".join(dict.fromkeys(entries))
 
 
 def config_for(case: str, args, torch_adam: bool) -> dict:
@@ -154,6 +174,13 @@ def main() -> None:
     import deepspeed
     import torch.distributed as dist
 
+    if cuda and not args.torch_adam:
+        fixed = fused_adam_arch_list(os.environ.get("TORCH_CUDA_ARCH_LIST"))
+        if fixed is not None:
+            if int(os.environ.get("RANK", 0)) == 0:
+                print(f"TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']!r} -> {fixed!r} for DeepSpeed's "
+                      "FusedAdam JIT build (its parser rejects arch suffixes)", flush=True)
+            os.environ["TORCH_CUDA_ARCH_LIST"] = fixed
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     deepspeed.init_distributed()
