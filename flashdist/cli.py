@@ -13,11 +13,16 @@ import time
 import warnings
 
 EXAMPLES = {
-    "inspect": "examples:\n  flashdist inspect runs/main/ckpt/latest\n  flashdist inspect model.pt --json",
+    "inspect": ("examples:\n  flashdist inspect runs/main/ckpt/latest\n  flashdist inspect model.pt --json\n"
+                "  flashdist inspect runs/ds/ckpt                 # a DeepSpeed folder (its latest tag)"),
     "convert": ("examples:\n"
                 "  flashdist convert runs/ckpt/latest ckpt.pt --to torch              # DCP (any world size) -> one file\n"
                 "  flashdist convert ckpt.pt ckpt_dcp --to dcp --format compressed    # -> DCP, 8-bit optimizer state\n"
-                "  flashdist convert ckpt.safetensors ckpt_dcp --to dcp              # one file -> DCP"),
+                "  flashdist convert ckpt.safetensors ckpt_dcp --to dcp              # one file -> DCP\n"
+                "  flashdist convert runs/ds/ckpt ckpt_dcp --from deepspeed --to dcp  # DeepSpeed ZeRO 1/2/3 -> DCP "
+                "for FSDP2\n"
+                "  flashdist convert runs/ds/ckpt ckpt_dcp --from deepspeed --to dcp --tag step100 "
+                "--master-weight-bits 32"),
     "export": "example:\n  flashdist export runs/main/ckpt/latest model.safetensors",
 }
 
@@ -56,9 +61,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("path")
     p.add_argument("--json", action="store_true", help="print JSON (for scripts)")
     p = sub.add_parser("convert", help="convert between formats", epilog=EXAMPLES["convert"], formatter_class=fmt,
-                       description="Read SRC (DCP directory of any world size, torch file or safetensors file) and "
-                                   "write DST. DeepSpeed ZeRO directories are recognised and refused with the "
-                                   "supported route (docs/deepspeed.md).")
+                       description="Read SRC (DCP directory of any world size, torch file, safetensors file, or "
+                                   "the folder of a DeepSpeed ZeRO 1/2/3 checkpoint saved with a flashdist "
+                                   "optimizer) and write DST. DST is written to DST.tmp and renamed when complete. "
+                                   "A DeepSpeed checkpoint becomes the checkpoint FSDP2 + FlashAdamW resume from "
+                                   "(flashdist.checkpoint.load, any world size): parameters in the model's dtype "
+                                   "with rho (the 24-bit master weights; bf16-master runs exactly), the portable "
+                                   "optimizer state keyed by parameter name. Every rank's files must be there.")
     p.add_argument("src")
     p.add_argument("dst")
     p.add_argument("--to", required=True, choices=["dcp", "torch", "safetensors"], help="output format")
@@ -66,12 +75,17 @@ def _parser() -> argparse.ArgumentParser:
                    help="switch the optimizer-state format (compressed -> portable dequantizes; portable -> "
                         "compressed quantizes row-aligned, loadable by FSDP2 at any world size)")
     p.add_argument("--from", dest="src_kind", choices=["auto", "deepspeed"], default="auto",
-                   help="input kind (default: detected)")
+                   help="input kind (default: detected; deepspeed: fail unless SRC is a DeepSpeed folder)")
+    p.add_argument("--tag", default=None, help="DeepSpeed: the checkpoint tag (default: SRC/latest)")
+    p.add_argument("--master-weight-bits", type=int, choices=[24, 32], default=None,
+                   help="DeepSpeed: rho of the output, 24 (int8) or 32 (int16: fp32 masters kept exactly); "
+                        "default: the checkpoint's optimizer setting. Build the loading FlashAdamW with the same")
     p.add_argument("--force", action="store_true", help="replace DST if it exists")
     p = sub.add_parser("export", help="fp32 master weights as safetensors", epilog=EXAMPLES["export"],
                        formatter_class=fmt,
-                       description="Write the fp32 master weights (bf16/fp16 parameter + rho) of CKPT as a "
-                                   "safetensors file keyed by the model's FQNs, for inference.")
+                       description="Write the fp32 master weights (bf16/fp16 parameter + rho) of CKPT (DCP, torch, "
+                                   "safetensors or DeepSpeed ZeRO folder) as a safetensors file keyed by the "
+                                   "model's FQNs, for inference.")
     p.add_argument("ckpt")
     p.add_argument("out")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
@@ -79,7 +93,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _print_inspect(info: dict) -> None:
-    rows = [("path", info["path"]), ("kind", info["kind"]),
+    kind = info["kind"] + (f" (ZeRO-{info['zero_stage']}, {info['deepspeed_masters']} master partitions)"
+                           if info.get("zero_stage") else "")
+    rows = [("path", info["path"]), ("kind", kind),
             ("saved world size", info.get("saved_world_size") or "-"),
             ("parameters", f"{info['parameters']:,} in {info['parameter_tensors']} tensors"),
             ("model dtypes", ", ".join(f"{k} ({v:,})" for k, v in info["model_dtypes"].items()) or "-"),
@@ -107,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "convert":
             if args.src_kind == "deepspeed" and C.detect(args.src) != "deepspeed":
                 raise CheckpointError(f"flashdist: {args.src} is not a DeepSpeed checkpoint directory")
-            out = C.convert(args.src, args.dst, to=args.to, fmt=args.format, force=args.force, progress=progress)
+            out = C.convert(args.src, args.dst, to=args.to, fmt=args.format, force=args.force, progress=progress,
+                            tag=args.tag, master_weight_bits=args.master_weight_bits)
             print(f"wrote {out}")
         else:
             out = C.export(args.ckpt, args.out, force=args.force, progress=progress)

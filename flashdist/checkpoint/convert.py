@@ -9,6 +9,9 @@ A checkpoint here is the nested dict that :func:`flashdist.checkpoint.save` writ
 - torch file: ``torch.save`` of that dict; read with ``weights_only=True``.
 - safetensors file: tensors under flat keys (``model.<fqn>``, ``optim.state.<fqn>.<key>``, ``extra.<key>``);
   everything else (param groups, plain extras) as JSON in the header metadata under ``flashdist``.
+- DeepSpeed ZeRO 1/2/3 folder (``engine.save_checkpoint`` with a flashdist optimizer): read only, through
+  :func:`flashdist.checkpoint.deepspeed_import.read_deepspeed` (every rank's partitions reassembled per
+  parameter; portable optimizer state; parameter + rho).
 
 Every write goes to a temporary path that is renamed into place once complete, and refuses to replace an
 existing path unless asked to.
@@ -47,10 +50,11 @@ def detect(path: str | os.PathLike) -> str:
     if path.is_dir():
         if (path / ".metadata").exists():
             return "dcp"
-        if (path / "latest").exists() or any(path.glob("*/mp_rank_*_model_states.pt")) or any(path.glob("*/zero_pp_rank_*")):
+        if ((path / "latest").exists() or any(path.glob("*/mp_rank_*_model_states.pt"))
+                or any(path.glob("*/zero_pp_rank_*")) or any(path.glob("*_optim_states.pt"))):
             return "deepspeed"
         raise CheckpointError(f"flashdist: {path} is a directory but neither a DCP checkpoint (.metadata) nor a "
-                              "DeepSpeed checkpoint (latest, */mp_rank_*_model_states.pt)")
+                              "DeepSpeed checkpoint (latest, */mp_rank_*_model_states.pt, *_optim_states.pt)")
     if not path.exists():
         old = path.with_name(path.name + ".old")
         if (old / ".metadata").exists():
@@ -138,9 +142,14 @@ def _read_safetensors(path: Path) -> dict:
     return nested
 
 
-def read(path: str | os.PathLike) -> dict:
-    """The whole checkpoint as a nested dict (tensors on the CPU)."""
+def read(path: str | os.PathLike, *, tag: str | None = None, master_weight_bits: int | None = None,
+         progress: Progress = _quiet) -> dict:
+    """The whole checkpoint as a nested dict (tensors on the CPU). ``tag`` and ``master_weight_bits`` apply to
+    DeepSpeed folders only (see :func:`flashdist.checkpoint.deepspeed_import.read_deepspeed`)."""
     kind = detect(path)
+    if kind != "deepspeed" and (tag is not None or master_weight_bits is not None):
+        raise CheckpointError(f"flashdist: {path} is a {kind} checkpoint; a tag and master_weight_bits apply to "
+                              "DeepSpeed checkpoints only")
     if kind == "dcp":
         return read_dcp(path)
     if kind == "torch":
@@ -153,10 +162,9 @@ def read(path: str | os.PathLike) -> dict:
             return _read_safetensors(Path(path))
         except Exception as e:  # noqa: BLE001
             raise CheckpointError(f"flashdist: could not read {path}: {str(e).splitlines()[0][:300]}") from None
-    raise CheckpointError(
-        f"flashdist: {path} is a DeepSpeed checkpoint; converting it is not supported yet. Keep 24-bit masters "
-        "and export fp32 weights with `python launch/train_deepspeed.py --export-fp32 DIR`, or change world "
-        "size with flashdist.integrations.deepspeed.to_universal (docs/deepspeed.md)")
+    from .deepspeed_import import read_deepspeed
+
+    return read_deepspeed(path, tag, master_weight_bits=master_weight_bits, progress=progress)
 
 
 # ----- writing ----------------------------------------------------------------------------------------------
@@ -314,12 +322,18 @@ def inspect(path: str | os.PathLike) -> dict[str, Any]:
         info["path"] = str(where)
     else:
         state = read(path)
+        if kind == "deepspeed":
+            from .deepspeed_import import describe
+
+            ds = describe(path)
+            info.update(path=ds["folder"], zero_stage=ds["zero_stage"], deepspeed_masters=ds["masters"],
+                        deepspeed_version=ds["ds_version"])
         groups = state.get("optim", {}).get("param_groups", [])
         flat, _ = _flat_tensors(state)
         tensors = {".".join(map(str, r)): (r, tuple(t.shape), t.dtype) for r, t in flat.items()}
         model = {k: v for k, v in tensors.items() if v[0][0] == "model"}
         optim = {k: v for k, v in tensors.items() if v[0][0] == "optim"}
-        info["saved_world_size"] = None  # a single file holds full tensors
+        info["saved_world_size"] = ds["world_size"] if kind == "deepspeed" else None  # a file: full tensors
     numel = lambda shape: int(torch.Size(shape).numel())  # noqa: E731
     n_params = sum(numel(size) for _, size, _ in model.values())
     dtypes: dict[str, int] = {}
@@ -342,18 +356,10 @@ def inspect(path: str | os.PathLike) -> dict[str, Any]:
     steps = [k for k, (route, size, _) in optim.items() if route[-1] == "step" and size == ()]
     if steps:
         first = steps[0]
-        value = read_dcp(path, [first]) if kind == "dcp" else None
-        if value is not None:
-            node = value
-            for part in optim[first][0]:
-                node = node[part]
-            info["step"] = int(float(node))
-        else:
-            state = read(path)
-            node = state
-            for part in optim[first][0]:
-                node = node[part]
-            info["step"] = int(float(node))
+        node = read_dcp(path, [first]) if kind == "dcp" else state  # a file was read whole above
+        for part in optim[first][0]:
+            node = node[part]
+        info["step"] = int(float(node))
     info["bytes_per_param"] = info["bytes_on_disk"] / n_params if n_params else None
     return info
 
@@ -362,14 +368,16 @@ def inspect(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, fmt: str | None = None, force: bool = False,
-            progress: Progress = _quiet) -> Path:
-    """Read ``src`` (any KIND), optionally switch its optimizer-state format, write ``dst`` as ``to``."""
+            progress: Progress = _quiet, tag: str | None = None, master_weight_bits: int | None = None) -> Path:
+    """Read ``src`` (any KIND), optionally switch its optimizer-state format, write ``dst`` as ``to``.
+    ``tag`` and ``master_weight_bits``: for a DeepSpeed ``src`` (:func:`read`). Nothing is written unless the
+    whole of ``src`` was read and checked."""
     if to not in ("dcp", "torch", "safetensors"):
         raise CheckpointError(f"flashdist: unknown output format {to!r}; expected dcp, torch or safetensors")
     if Path(dst).exists() and not force:
         raise CheckpointError(f"flashdist: {dst} exists; pass --force to replace it")
     progress("reading", 0, 1)
-    state = read(src)
+    state = read(src, tag=tag, master_weight_bits=master_weight_bits, progress=progress)
     progress("reading", 1, 1)
     if fmt is not None and "optim" in state:
         state["optim"] = reformat(state["optim"], fmt, progress)
@@ -401,7 +409,8 @@ def export(src: str | os.PathLike, dst: str | os.PathLike, *, force: bool = Fals
 
     dst = Path(dst)
     tmp = _prepare(dst, force)
-    weights = master_weights(read(src), progress)
+    # a DeepSpeed folder's fp32 master partitions survive all 32 bits in an int16 rho (24 bits would round them)
+    weights = master_weights(read(src, master_weight_bits=32) if detect(src) == "deepspeed" else read(src), progress)
     save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp))
     _commit(tmp, dst)
     return dst

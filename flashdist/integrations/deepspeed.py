@@ -307,6 +307,14 @@ def fp32_master_weights(engine) -> dict[str, torch.Tensor]:
 
     opt = _flash_optimizer(engine)
     masters = master_partitions(engine)
+    if engine.zero_optimization_stage() != 3 and hasattr(engine.optimizer, "bit16_groups"):
+        from deepspeed.utils import lazy_init_hp_params_optimizer_state
+
+        # ZeRO 1/2 link each parameter's view of the optimizer state once, right after the FIRST group's first
+        # step, when the flat-layout state of the other groups does not exist yet: link every group again.
+        for lps, master in zip(engine.optimizer.bit16_groups, masters):
+            if master in opt.state:
+                lazy_init_hp_params_optimizer_state(lps, master, opt.state)
     rho_dtype = next((opt.state[m]["rho"].dtype for m in masters if "rho" in opt.state.get(m, {})), None)
     master_dtype = engine.optimizer.master_weights_and_grads_dtype
     out = {}

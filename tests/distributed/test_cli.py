@@ -118,7 +118,11 @@ def test_bad_input_exits_non_zero_and_writes_nothing(tmp_path):
     ds.mkdir()
     (ds / "latest").write_text("global_step2")
     rc, _, err = _cli("convert", ds, tmp_path / "x", "--to", "dcp", "--from", "deepspeed")
-    assert rc == 1 and "DeepSpeed checkpoint; converting it is not supported yet" in err
+    assert rc == 1 and "global_step2 does not exist" in err and len(err.strip().splitlines()) == 1
+    (ds / "global_step2").mkdir()
+    (ds / "global_step2" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"junk")
+    rc, _, err = _cli("convert", ds, tmp_path / "x", "--to", "dcp")
+    assert rc == 1 and "no model-states file" in err
     assert not (tmp_path / "x").exists()
     out.write_bytes(b"keep me")
     rc, _, err = _cli("convert", src, out, "--to", "torch")
