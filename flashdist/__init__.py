@@ -2,16 +2,16 @@
 
 Per parameter, FlashAdamW holds a bf16 parameter, an int8 correction ``rho`` (24-bit master weights), the
 bf16 gradient and both Adam moments as 8-bit codes with a bf16 scale per 32 values: 7.125 bytes, against
-16 for AdamW with fp32 master weights.
+16 for AdamW with fp32 master weights. FlashSGD, FlashSGDW and FlashLion keep one such moment.
 """
 
 from .checkpoint.fp32 import export_fp32_state_dict, load_fp32_state_dict
 from .gradient_release import GradientRelease, enable_gradient_release
 from .memory import bytes_per_param, memory_report
-from .optim import FlashAdam, FlashAdamW, FlashOptimizer
+from .optim import FlashAdam, FlashAdamW, FlashLion, FlashOptimizer, FlashSGD, FlashSGDW
 
 __version__ = "0.1.0"
 
-__all__ = ["FlashAdam", "FlashAdamW", "FlashOptimizer", "GradientRelease", "bytes_per_param",
+__all__ = ["FlashAdam", "FlashAdamW", "FlashLion", "FlashOptimizer", "FlashSGD", "FlashSGDW", "GradientRelease", "bytes_per_param",
            "enable_gradient_release", "export_fp32_state_dict", "load_fp32_state_dict", "memory_report",
            "__version__"]

@@ -15,13 +15,17 @@ _KINDS = {
     "flash_adamw": (2, 1, 2, (1 + SCALE_BYTES, 1 + SCALE_BYTES)),
     "sgd": (4, 0, 4, (4,)),
     "flash_sgd": (2, 1, 2, (1 + SCALE_BYTES,)),
+    "lion": (4, 0, 4, (4,)),
+    "flash_lion": (2, 1, 2, (1 + SCALE_BYTES,)),
 }
-_ALIASES = {"adamw_ref": "adamw", "sgd_ref": "sgd", "adam": "adamw", "flash_adam": "flash_adamw"}
+_ALIASES = {"adamw_ref": "adamw", "sgd_ref": "sgd", "adam": "adamw", "flash_adam": "flash_adamw", "sgdw": "sgd",
+            "flash_sgdw": "flash_sgd"}
 
 
 def bytes_per_param(kind: str, gradient_release: bool = False) -> dict[str, float]:
-    """Analytic bytes per parameter held by training with ``kind`` (one of adamw, flash_adamw, sgd,
-    flash_sgd): master weight, rho ("ecc"), gradient (0 with gradient release), each moment, total."""
+    """Analytic bytes per parameter held by training with ``kind`` (adamw, flash_adamw, sgd, flash_sgd, lion,
+    flash_lion; adam, flash_adam, sgdw and flash_sgdw are accepted too): master weight, rho ("ecc"), gradient
+    (0 with gradient release), each moment ("m", and "v" for Adam), total. SGD counts a momentum buffer."""
     key = _ALIASES.get(kind, kind)
     if key not in _KINDS:
         raise ValueError(f"flashdist: unknown optimizer kind {kind!r}; expected one of {sorted(_KINDS)}")

@@ -1,4 +1,4 @@
-"""Time one optimizer step on one GPU: flashdist.FlashAdamW next to torch.optim.AdamW(fused=True) and flashoptim.
+"""Time one optimizer step on one GPU: flashdist's optimizers next to torch's fused ones and flashoptim.
 
 Run on a GPU machine from the repository root:
 
@@ -18,9 +18,11 @@ Rows:
   reference; the default) and "approx" (the GPU's approximate ones: FLASHDIST_EXACT=0).
 - torch.optim.AdamW(fused=True) with fp32 and with bf16 parameters (moments in the parameter dtype).
 - flashoptim 0.1.4 FlashAdamW, 24-bit, when ``import flashoptim`` works (else the row says so).
+- the rest of the family: flashdist FlashSGD (momentum 0.9) and FlashLion, 24-bit, one 8-bit moment,
+  next to torch.optim.SGD(momentum=0.9, fused=True) with fp32 and bf16 parameters.
 
 ``--sweep`` also times the kernel-only step, both variants, under a few launch configurations (the module
-constants of flashdist.kernels.triton.adam): groups per block, blocks per program, warps, large-tensor
+constants of flashdist.kernels.triton.fused): groups per block, blocks per program, warps, large-tensor
 threshold.
 """
 
@@ -41,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import flashdist  # noqa: E402
 from flashdist.functional.adam import flash_adam  # noqa: E402
-from flashdist.kernels.triton import adam as K  # noqa: E402
+from flashdist.kernels.triton import fused as K  # noqa: E402
 from flashdist.quant import codes as Q  # noqa: E402
 
 WARMUP, ITERS = 5, 20
@@ -99,17 +101,21 @@ def make_params(shapes, dtype):
     return params
 
 
-def flashdist_bytes(shapes) -> float:
-    """Bytes a 24-bit FlashAdamW step moves: per value, read param 2 + grad 2 + rho 1, write param 2 + rho 1;
-    2-d+ tensors read and write 8-bit codes (1 + 1) with a bf16 scale per 32 values per moment, 1-d ones
-    fp32 moments (4 + 4)."""
+def flashdist_bytes(shapes, moments: int = 2) -> float:
+    """Bytes a 24-bit flashdist step moves: per value, read param 2 + grad 2 + rho 1, write param 2 + rho 1;
+    per moment (2 for FlashAdamW, 1 for FlashSGD with momentum and FlashLion), 2-d+ tensors read and write
+    8-bit codes (1 + 1) with a bf16 scale per 32 values, 1-d ones fp32 moments (4 + 4)."""
     total = 0.0
     for s in shapes:
         n = torch.Size(s).numel()
         layout = Q.quantized_layout(s)
-        moments = 2 * 2 * (n + 2 * layout[0] * layout[2]) if layout else 2 * 2 * 4 * n
-        total += 8 * n + moments
+        moment = 2 * (n + 2 * layout[0] * layout[2]) if layout else 2 * 4 * n
+        total += 8 * n + moments * moment
     return total
+
+
+def one_moment_bytes(shapes) -> float:
+    return flashdist_bytes(shapes, moments=1)
 
 
 class KernelOnly:
@@ -182,8 +188,12 @@ def flashoptim_factory():
 def cases():
     """name -> (param dtype, factory or None, bytes-per-step function, note)."""
     fo, fo_note = flashoptim_factory()
-    torch_bytes = {dt: (lambda shapes, b=b: b * sum(torch.Size(s).numel() for s in shapes))
-                   for dt, b in ((torch.float32, 28.0), (torch.bfloat16, 14.0))}
+    def per_value(b):
+        return lambda shapes: b * sum(torch.Size(s).numel() for s in shapes)
+
+    # torch: AdamW reads p, g, m, v and writes p, m, v (7 values); SGD with momentum reads p, g, buf, writes p, buf
+    torch_bytes = {torch.float32: per_value(28.0), torch.bfloat16: per_value(14.0)}
+    torch_sgd_bytes = {torch.float32: per_value(20.0), torch.bfloat16: per_value(10.0)}
     return {
         "flashdist FlashAdamW 24-bit, exact": (
             torch.bfloat16, lambda ps: WithVariant(flashdist.FlashAdamW(ps, lr=LR), True), flashdist_bytes, ""),
@@ -197,6 +207,15 @@ def cases():
                                    torch_bytes[torch.bfloat16], ""),
         "flashoptim FlashAdamW 24-bit": (torch.bfloat16, fo,
                                          lambda shapes: 12.25 * sum(torch.Size(s).numel() for s in shapes), fo_note),
+        "flashdist FlashSGD 24-bit, momentum 0.9": (
+            torch.bfloat16, lambda ps: flashdist.FlashSGD(ps, lr=LR, momentum=0.9), one_moment_bytes, ""),
+        "flashdist FlashLion 24-bit": (torch.bfloat16, lambda ps: flashdist.FlashLion(ps, lr=LR), one_moment_bytes, ""),
+        "torch SGD fused fp32, momentum 0.9": (
+            torch.float32, lambda ps: torch.optim.SGD(ps, lr=LR, momentum=0.9, fused=True),
+            torch_sgd_bytes[torch.float32], ""),
+        "torch SGD fused bf16, momentum 0.9": (
+            torch.bfloat16, lambda ps: torch.optim.SGD(ps, lr=LR, momentum=0.9, fused=True),
+            torch_sgd_bytes[torch.bfloat16], ""),
     }
 
 

@@ -167,7 +167,7 @@ def test_config_from_a_json_file(tmp_path):
 
 
 BAD_CONFIGS = {
-    "unknown-type": (dict(optimizer={"type": "FlashLion"}), "does not have.*FlashAdam, FlashAdamW"),
+    "unknown-type": (dict(optimizer={"type": "FlashLamb"}), "does not have.*FlashAdam, FlashAdamW"),
     "unknown-flashdist-type": (dict(optimizer={"type": "flashdist.Sophia"}), "does not have"),
     "bad-lr": (dict(optimizer={"type": "FlashAdamW", "params": {"lr": -1.0}}), r"lr must be in"),
     "bad-betas": (dict(optimizer={"type": "FlashAdamW", "params": {"betas": [0.9]}}), "betas must be a pair"),
@@ -294,6 +294,9 @@ def _local_state(engine) -> list[dict]:
     return out
 
 
+FAMILY = {"FlashSGD": {"lr": 0.1, "momentum": 0.9, "nesterov": True}, "FlashLion": {"lr": 3e-4, "weight_decay": 0.3}}
+
+
 def _rank_zero_runs(rank: int, world: int, root: str) -> dict:
     """Every 2-rank DeepSpeed run of this file, in one process launch per rank."""
     _setup_rank(rank, world)
@@ -309,6 +312,21 @@ def _rank_zero_runs(rank: int, world: int, root: str) -> dict:
             run = {"before": _train(engine, 0, SAVE_AT)}
             engine.save_checkpoint(os.path.join(root, key), tag="saved")
             run["saved_masters"] = fds.fp32_master_weights(engine)
+            run["after"] = _train(engine, SAVE_AT, AFTER)
+            run["state"] = _local_state(engine)
+            resumed = _engine(config)
+            fds.load_checkpoint(resumed, os.path.join(root, key), tag="saved")
+            run["resumed_after"] = _train(resumed, SAVE_AT, AFTER)
+            run["resumed_state"] = _local_state(resumed)
+            out[key] = run
+    # The rest of the family under every stage, bf16 masters + rho: train, save, resume.
+    for stage in STAGES:
+        for name, params in FAMILY.items():
+            key = f"z{stage}-{name}"
+            config = _config_for(stage, "bf16-masters", world, optimizer=name, params=params)
+            engine = _engine(config)
+            run = {"before": _train(engine, 0, SAVE_AT)}
+            engine.save_checkpoint(os.path.join(root, key), tag="saved")
             run["after"] = _train(engine, SAVE_AT, AFTER)
             run["state"] = _local_state(engine)
             resumed = _engine(config)
@@ -375,6 +393,35 @@ def test_save_load_same_world_size_is_exact(zero_runs, stage, mode):
             assert state["exp_avg_codes"].dtype == torch.int8  # quantized, flat layout
             for key in state:
                 assert torch.equal(torch.as_tensor(state[key]), torch.as_tensor(resumed[key])), key
+
+
+@needs_deepspeed
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FAMILY)
+@pytest.mark.parametrize("stage", STAGES, ids=lambda s: f"zero{s}")
+def test_family_trains_and_resumes_exactly(zero_runs, stage, name):
+    """FlashSGD and FlashLion by name in the config, bf16 master partitions + rho: the loss falls, and a
+    checkpoint resumes bit for bit."""
+    _, results = zero_runs
+    for rank_result in results:
+        run = rank_result[f"z{stage}-{name}"]
+        losses = run["before"] + run["after"]
+        assert losses[-1] < losses[0] - 0.05, losses
+        assert run["resumed_after"] == run["after"]
+        codes = "exp_avg_codes" if name == "FlashLion" else "momentum_buffer_codes"
+        for state, resumed in zip(run["state"], run["resumed_state"]):
+            assert state.keys() == resumed.keys() and "rho" in state
+            assert state[codes].dtype == torch.int8  # quantized, flat layout
+            for key in state:
+                assert torch.equal(torch.as_tensor(state[key]), torch.as_tensor(resumed[key])), key
+
+
+@needs_deepspeed
+def test_universal_conversion_of_a_non_adam_checkpoint_is_refused(zero_runs, tmp_path):
+    root, _ = zero_runs
+    with pytest.raises(ValueError, match="Adam's moments only"):
+        fds.to_universal(os.path.join(str(root), "z2-FlashLion"), str(tmp_path / "out"), tag="saved")
+    assert not (tmp_path / "out").exists()
 
 
 @needs_deepspeed

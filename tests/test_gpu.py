@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from flashdist.kernels import reference
-from flashdist.kernels.scalars import AdamScalars
+from flashdist.kernels.scalars import AdamScalars, LionScalars, SGDScalars
 from flashdist.quant import codes as Q
 from flashdist.quant import rho as R
 
@@ -45,9 +45,9 @@ EXACT: dict[str, list[int]] = {}  # "variant: tensor kind" -> [equal values, val
 def _kernels():
     from triton.runtime.jit import JITFunction
 
-    import flashdist.kernels.triton.adam as K
+    import flashdist.kernels.triton.fused as K
 
-    if not isinstance(K._adam_table_kernel, JITFunction):
+    if not isinstance(K._table_kernel, JITFunction):
         pytest.skip("TRITON_INTERPRET is set in this process: run the GPU tests in a process of their own")
     return K
 
@@ -303,3 +303,76 @@ if __name__ == "__main__":  # add up the counts that FLASHDIST_GPU_REPORT proces
                     acc[1] += n
     for kind, (eq, n) in sorted(total.items()):
         print(f"{kind}: {eq / max(n, 1):.6f} of {n} values bitwise equal")
+
+
+# ----- FlashSGD(W) and FlashLion: the same kernel, ALGO = SGD / LION ----------------------------------------
+
+FAMILY = {
+    "sgd": lambda t: SGDScalars.make(lr=1e-2, momentum=0.9, dampening=0.1, weight_decay=0.1, nesterov=False,
+                                     step=t, decoupled=False),
+    "sgd-nesterov": lambda t: SGDScalars.make(lr=1e-2, momentum=0.9, dampening=0.0, weight_decay=0.1,
+                                              nesterov=True, step=t, decoupled=False),
+    "sgdw": lambda t: SGDScalars.make(lr=1e-2, momentum=0.9, dampening=0.0, weight_decay=0.1, nesterov=False,
+                                      step=t, decoupled=True),
+    "sgd-no-momentum": lambda t: SGDScalars.make(lr=1e-2, momentum=0.0, dampening=0.0, weight_decay=0.1,
+                                                 nesterov=False, step=t, decoupled=False),
+    "lion": lambda t: LionScalars.make(lr=1e-3, beta1=0.9, beta2=0.99, weight_decay=0.1),
+}
+FAMILY_CASES = [pytest.param(a, r, lay, exact, id=f"{'exact' if exact else 'approx'}-{a}-"
+                             f"{'no-rho' if r is None else str(r).split('.')[1]}-{lay}")
+                for a, r, lay, exact in itertools.product(FAMILY, PARAM_DTYPES, LAYOUTS, (True, False))
+                if not (a == "sgd-no-momentum" and lay != "fp32-moments")]
+
+
+@pytest.mark.parametrize("algo,rho_dtype,layout,exact", FAMILY_CASES)
+def test_family_kernel_matches_cuda_reference(monkeypatch, algo, rho_dtype, layout, exact):
+    """Exact: bitwise. Approximate: only the companding division of the new momentum is approximate, so
+    fp32 momenta, parameters and rho stay bitwise and codes move by at most one step."""
+    K = _kernels()
+    monkeypatch.setattr(K, "LARGE_NUMEL", 1 << 20)
+    monkeypatch.setattr(K, "EXACT", exact)
+    quantized, companded = LAYOUTS[layout]
+    has_m = algo != "sgd-no-momentum"
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    tensors = []
+    for dt in PARAM_DTYPES[rho_dtype]:
+        for shape in SHAPES:
+            state, cols = _state(shape, dt, rho_dtype, quantized, gen)
+            del state["v"]
+            state.pop("vs", None)
+            if not has_m:
+                del state["m"]
+            n = torch.Size(shape).numel()
+            mags = torch.tensor([1e-10, 1e-3, 1.0, 1e4], device="cuda")[
+                torch.randint(0, 4, (n // 32 + 1,), generator=gen, device="cuda")].repeat_interleave(32)[:n]
+            tensors.append((dt, state, cols, mags))
+    for step in range(1, 4):
+        scalars = FAMILY[algo](step)
+        grads = [_grad(s["p"].shape, dt, mags, gen) for dt, s, _, mags in tensors]
+        refs = [{k: v.clone() for k, v in s.items()} for _, s, _, _ in tensors]
+        skipped_k = torch.zeros((), dtype=torch.int32, device="cuda")
+        skipped_r = torch.zeros((), dtype=torch.int32, device="cuda")
+        states = [s for _, s, _, _ in tensors]
+        lists = [[s["p"] for s in states], grads, [s["m"] for s in states] if has_m else None,
+                 [s["ms"] for s in states] if quantized else None,
+                 [s["rho"] for s in states] if rho_dtype is not None else None]
+        cols = [c for _, _, c, _ in tensors] if quantized else None
+        step_multi = K.lion_step_multi if algo == "lion" else K.sgd_step_multi
+        step_multi(*lists, cols=cols, scalars=scalars, companded=companded, skipped=skipped_k)
+        step_ref = reference.lion_step_ if algo == "lion" else reference.sgd_step_
+        for (_, _, c, _), ref, g in zip(tensors, refs, grads):
+            step_ref(ref["p"], g, ref.get("m"), ref.get("ms"), ref.get("rho"), cols=c if quantized else None,
+                     scalars=scalars, companded=companded, skipped=skipped_r)
+        assert skipped_k.item() == skipped_r.item() > 0
+        for (dt, state, _, _), ref in zip(tensors, refs):
+            where = f"{algo} step {step}, {tuple(state['p'].shape)} {dt}"
+            for name, got in state.items():
+                if name == "m" and quantized and not exact:
+                    _count("approx: family codes", got, ref[name])
+                    assert ((got.int() - ref[name].int()).abs() <= 1).all(), f"{where}: codes"
+                    continue
+                equal = _count(f"{'exact' if exact else 'approx'}: family {name}", got, ref[name])
+                assert equal.all(), f"{where}: {name}: {int((~equal).sum())} of {equal.numel()} values differ"
+                # the next step starts from one state on both sides
+            for k in state:
+                state[k].copy_(ref[k])

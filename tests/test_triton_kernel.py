@@ -40,13 +40,13 @@ triton = pytest.importorskip("triton")
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-import flashdist.kernels.triton.adam as K  # noqa: E402
+import flashdist.kernels.triton.fused as K  # noqa: E402
 from flashdist.kernels import reference  # noqa: E402
-from flashdist.kernels.scalars import AdamScalars  # noqa: E402
+from flashdist.kernels.scalars import AdamScalars, LionScalars, SGDScalars  # noqa: E402
 from flashdist.quant import codes as Q  # noqa: E402
 from flashdist.quant import rho as R  # noqa: E402
 
-IN_PROCESS = isinstance(triton.language.max, InterpretedFunction) and isinstance(K._adam_table_kernel,
+IN_PROCESS = isinstance(triton.language.max, InterpretedFunction) and isinstance(K._table_kernel,
                                                                                  InterpretedFunction)
 interpreted = pytest.mark.skipif(not IN_PROCESS, reason="triton runs compiled in this process: these tests run "
                                  "in a child process (test_in_interpreter_process)")
@@ -335,7 +335,7 @@ def test_rejects_bad_tensors(kernels):
     with pytest.raises(ValueError, match="not contiguous"):
         K.adam_step_multi([p], [torch.zeros(4, 8).t()], [torch.zeros(8, 4)], [torch.zeros(8, 4)], None, None, None,
                           cols=None, scalars=scalars, companded=True, skipped=None)
-    with pytest.raises(TypeError, match="exp_avg codes of tensor 0"):
+    with pytest.raises(TypeError, match="first moment codes of tensor 0"):
         K.adam_step_multi([p], [p.clone()], [torch.zeros(8, 4)], [torch.zeros(8, 4, dtype=torch.uint8)],
                           [torch.zeros(8, 1, dtype=torch.bfloat16)], [torch.zeros(8, 1, dtype=torch.bfloat16)], None,
                           cols=[4], scalars=scalars, companded=True, skipped=None)
@@ -413,3 +413,111 @@ def test_rho_split_and_merge_every_value(param_dtype, rho_dtype):
     assert not bad.any(), f"split: {int(bad.sum())} params differ, e.g. theta {theta_in[bad][:4].tolist()}"
     bad = want_rho.int() != split_rho
     assert not bad.any(), f"split: {int(bad.sum())} rho differ, e.g. theta {theta_in[bad][:4].tolist()}"
+
+
+# ----- FlashSGD(W) and FlashLion: the same kernel with ALGO = SGD / LION ------------------------------------
+
+FAMILY = {
+    "sgd": lambda t: SGDScalars.make(lr=3e-3, momentum=0.9, dampening=0.1, weight_decay=0.1, nesterov=False,
+                                     step=t, decoupled=False),
+    "sgd-nesterov": lambda t: SGDScalars.make(lr=3e-3, momentum=0.9, dampening=0.0, weight_decay=0.1,
+                                              nesterov=True, step=t, decoupled=False),
+    "sgdw": lambda t: SGDScalars.make(lr=3e-3, momentum=0.9, dampening=0.0, weight_decay=0.1, nesterov=False,
+                                      step=t, decoupled=True),
+    "sgd-no-momentum": lambda t: SGDScalars.make(lr=3e-3, momentum=0.0, dampening=0.0, weight_decay=0.1,
+                                                 nesterov=False, step=t, decoupled=False),
+    "lion": lambda t: LionScalars.make(lr=3e-3, beta1=0.9, beta2=0.99, weight_decay=0.1),
+}
+
+
+class FamilyCase:
+    """One tensor with a one-moment state (or none: SGD without momentum), kernel and reference copies, the
+    state made by three reference steps (the first of SGD's is its buffer-starts-as-gradient step)."""
+
+    def __init__(self, algo, shape, param_dtype, rho_dtype, layout, gen):
+        self.algo, self.shape, self.layout, self.grad_dtype = algo, shape, layout, param_dtype
+        self.quantized = layout in ("q-companded", "q-linear")
+        self.companded = layout != "q-linear"
+        self.cols = _cols(shape)
+        n = torch.Size(shape).numel()
+        self.magnitudes = torch.tensor([1e-10, 1e-3, 1.0, 1e4])[
+            torch.randint(0, 4, (n // 32 + 1,), generator=gen)].repeat_interleave(32)[:n]
+        mag = torch.tensor([0.0, 6e-6, 0.02, 1.0, 30.0])[torch.randint(0, 5, (n,), generator=gen)]
+        t = {"p": (torch.randn(n, generator=gen) * mag).reshape(shape).to(param_dtype)}
+        if self.quantized:
+            t["m"] = torch.zeros(shape, dtype=torch.int8)
+            t["ms"] = torch.zeros(n // self.cols if n else 0, -(-self.cols // Q.GROUP), dtype=torch.bfloat16)
+        elif layout == "fp32":
+            t["m"] = torch.zeros(shape)
+        if rho_dtype is not None:
+            t["rho"] = torch.zeros(shape, dtype=rho_dtype)
+        self.kernel = t
+        for step in (1, 2, 3):
+            _family_step(None, [self], [self.new_grad(gen, finite=True)], step, None, sides=("kernel",))
+        self.ref = {k: v.clone() for k, v in t.items()}
+
+    new_grad = Case.new_grad
+
+
+def _family_step(k, cases, grads, step, skipped, sides=("kernel", "ref")):
+    """One step of ``cases``' algorithm: one kernel call over all of them (``k`` the kernel module; None:
+    the reference on the kernel side too), and the reference per tensor."""
+    c0 = cases[0]
+    scalars = FAMILY[c0.algo](step)
+    cols = [c.cols for c in cases] if c0.quantized else None
+    for side in sides:
+        col = {name: [getattr(c, side)[name] for c in cases] if name in getattr(c0, side) else None
+               for name in ("p", "m", "ms", "rho")}
+        count = skipped[side] if skipped else None
+        if side == "kernel" and k is not None:
+            if c0.algo == "lion":
+                k.lion_step_multi(col["p"], grads, col["m"], col["ms"], col["rho"], cols=cols, scalars=scalars,
+                                  companded=c0.companded, skipped=count)
+            else:
+                k.sgd_step_multi(col["p"], grads, col["m"], col["ms"], col["rho"], cols=cols, scalars=scalars,
+                                 companded=c0.companded, skipped=count)
+            continue
+        for i, (c, g) in enumerate(zip(cases, grads)):
+            t = getattr(c, side)
+            step_ = reference.lion_step_ if c0.algo == "lion" else reference.sgd_step_
+            step_(t["p"], g, t.get("m"), t.get("ms"), t.get("rho"), cols=c.cols if c0.quantized else None,
+                  scalars=scalars, companded=c0.companded, skipped=count)
+
+
+FAMILY_MATRIX = [
+    pytest.param(algo, rho, layout, id=f"{algo}-{'no-rho' if rho is None else str(rho).split('.')[1]}-{layout}")
+    for algo, rho, layout in [
+        *itertools.product(("sgd", "sgd-nesterov", "sgdw", "lion"), (None, torch.int8), ("q-companded", "fp32")),
+        ("sgd", torch.int16, "q-linear"), ("lion", torch.int16, "q-linear"),
+        ("sgd-no-momentum", None, "none"), ("sgd-no-momentum", torch.int8, "none"),
+    ]
+]
+
+
+@interpreted
+@pytest.mark.parametrize("algo,rho_dtype,layout", FAMILY_MATRIX)
+def test_family_matches_reference_bitwise(kernels, algo, rho_dtype, layout):
+    """SGD, SGD with Nesterov, SGDW, SGD without momentum and Lion: every param dtype that can carry this rho,
+    every shape, one kernel call per step, non-finite gradients in every step, bitwise against the reference."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{algo}-{rho_dtype}-{layout}".encode()))
+    cases = [FamilyCase(algo, s, dt, rho_dtype, layout, gen) for dt in PARAM_DTYPES[rho_dtype] for s in SHAPES]
+    for step in (4, 5):
+        grads = [c.new_grad(gen) for c in cases]
+        skipped = {side: torch.zeros((), dtype=torch.int32) for side in ("kernel", "ref")}
+        _family_step(kernels, cases, grads, step, skipped)
+        _assert_equal(cases, f"{algo} step {step}")
+        assert skipped["kernel"].item() == skipped["ref"].item() > 0
+
+
+@interpreted
+def test_family_first_sgd_step_starts_the_buffer_from_the_gradient(kernels):
+    """torch.optim.SGD's first step: the buffer becomes the gradient (no dampening), in the kernel too."""
+    gen = torch.Generator().manual_seed(9)
+    p = torch.randn(4, 64, generator=gen)
+    g = torch.randn(4, 64, generator=gen)
+    buf = torch.full((4, 64), 7.0)  # whatever is stored is ignored at step 1
+    scalars = SGDScalars.make(lr=0.1, momentum=0.9, dampening=0.5, weight_decay=0.0, nesterov=False, step=1,
+                              decoupled=False)
+    expected = p - g * scalars.lr
+    kernels.sgd_step_multi([p], [g], [buf], None, None, cols=None, scalars=scalars, companded=True, skipped=None)
+    assert torch.equal(buf, g) and torch.equal(p, expected)

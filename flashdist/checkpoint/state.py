@@ -66,10 +66,11 @@ def export_state_dict(opt, sd: dict, fmt: str) -> dict:
         entry = sd["state"][index] = dict(entry)
         if isinstance(entry.get("step"), torch.Tensor):
             entry["step"] = entry["step"].clone()
-        if fmt == "compressed" or f"{opt._moments[0]}_codes" not in entry:
+        names = opt.moments_of(group)
+        if fmt == "compressed" or not names or f"{names[0]}_codes" not in entry:
             continue
         cols = state_layout(D.global_shape(p), group.get("flat_layout", False))[1]
-        for name in opt._moments:
+        for name in names:
             codes, scales = entry.pop(f"{name}_codes"), entry.pop(f"{name}_scales")
             values = dequantize_moment(name, D.local(codes), D.local(scales), cols, group["companded"])
             entry[name] = D.state_like(p, values, tuple(D.global_shape(p)))
@@ -104,15 +105,19 @@ def _plan_param(opt, group, p, name, saved: dict) -> list:
                          "can only carry the compressed format (torch rebuilds it from the live state's keys). "
                          "Build the optimizer with state_dict_format='compressed' (it reshards exactly across "
                          "world sizes too), or save without flatten_optimizer_state_dict.")
-    quantized = f"{opt._moments[0]}_codes" in mine
+    names = opt.moments_of(group)
+    quantized = bool(names) and f"{names[0]}_codes" in mine
     shape = tuple(D.global_shape(p))
     ops = []
     keys = set(saved)
-    compressed_keys = {f"{m}_{s}" for m in opt._moments for s in ("codes", "scales")}
-    portable_keys = set(opt._moments)
+    compressed_keys = {f"{m}_{s}" for m in names for s in ("codes", "scales")}
+    portable_keys = set(names)
     extra = keys - compressed_keys - portable_keys - {"step", "rho"}
     _check(not extra, f"state of {name} has unexpected keys {sorted(extra)} (expected {sorted(mine)}); "
                       "was it saved by another optimizer (e.g. AdamW with amsgrad)?")
+    if "step" not in saved and not opt._torch_counts_steps and keys & portable_keys:
+        # torch.optim.SGD keeps no step count; a saved momentum buffer means at least one step was taken
+        saved = {**saved, "step": 1.0}
     _check("step" in saved, f"state of {name} has no 'step'")
     if keys & compressed_keys:
         _check(quantized, f"state of {name} is compressed (codes and scales) but this optimizer keeps its "
@@ -129,7 +134,7 @@ def _plan_param(opt, group, p, name, saved: dict) -> list:
     else:
         _check(portable_keys <= keys, f"state of {name} lacks {sorted(portable_keys - keys)} "
                                       f"(has {sorted(keys)})")
-        for m in opt._moments:
+        for m in names:
             value = saved[m]
             _check(isinstance(value, torch.Tensor) and value.is_floating_point(),
                    f"state '{m}' of {name} must be a floating-point tensor")

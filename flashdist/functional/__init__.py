@@ -1,5 +1,8 @@
 """Keyword-only functional optimizer steps on lists of plain local tensors."""
 
-from .adam import flash_adam, resolve_backend
+from .adam import flash_adam
+from .backend import BACKENDS, resolve_backend
+from .lion import flash_lion
+from .sgd import flash_sgd
 
-__all__ = ["flash_adam", "resolve_backend"]
+__all__ = ["BACKENDS", "flash_adam", "flash_lion", "flash_sgd", "resolve_backend"]

@@ -6,22 +6,9 @@ from collections.abc import Sequence
 
 import torch
 
-from .._compat import HAS_TRITON
 from ..kernels import reference
 from ..kernels.scalars import AdamScalars
-
-BACKENDS = ("auto", "triton", "reference")
-
-
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """``auto``: the Triton kernel for CUDA tensors when triton is importable, else the eager reference."""
-    if backend not in BACKENDS:
-        raise ValueError(f"flashdist: backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        return "triton" if (device.type == "cuda" and HAS_TRITON) else "reference"
-    if backend == "triton" and not HAS_TRITON:
-        raise RuntimeError("flashdist: backend='triton' needs the triton package (pip install triton)")
-    return backend
+from .backend import resolve_backend
 
 
 def flash_adam(
@@ -59,7 +46,7 @@ def flash_adam(
     scalars = AdamScalars.make(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step,
                                decoupled=decoupled)
     if resolve_backend(backend, params[0].device) == "triton":
-        from ..kernels.triton.adam import adam_step_multi
+        from ..kernels.triton.fused import adam_step_multi
 
         adam_step_multi(params, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales, rhos,
                         cols=cols, scalars=scalars, companded=companded, skipped=skipped)

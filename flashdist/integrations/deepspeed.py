@@ -530,6 +530,13 @@ def _check_portable(folder: str) -> None:
         raise ValueError(f"flashdist: {path} holds the compressed optimizer state (codes and scales); DeepSpeed's "
                          "universal checkpoints carry float exp_avg/exp_avg_sq only. Save with the default "
                          "state_dict_format='portable' to convert.")
+    states = base.get("state", {}) if isinstance(base, dict) else {}
+    keys = {k for entry in states.values() if isinstance(entry, dict) for k in entry} - {"step", "rho"}
+    if keys and not {"exp_avg", "exp_avg_sq"} <= keys:
+        raise ValueError(f"flashdist: {path} holds optimizer state {sorted(keys)}, not Adam's exp_avg/exp_avg_sq: "
+                         "DeepSpeed's universal checkpoints (ds_to_universal) carry Adam's moments only, so a "
+                         "FlashSGD/FlashSGDW/FlashLion checkpoint cannot change world size this way. Resume it at "
+                         "the world size it was saved with, or export its weights with export_fp32_state_dict.")
 
 
 def export_fp32_state_dict(checkpoint_dir: str, tag: str | None = None) -> dict[str, torch.Tensor]:

@@ -1,12 +1,13 @@
-"""Eager torch implementation of the fused FlashAdam(W) step: the CPU path and the test oracle.
+"""Eager torch implementation of the fused steps (FlashAdam(W), FlashSGD(W), FlashLion): the CPU path and
+the test oracle.
 
 It defines the arithmetic, operation by operation, that the Triton kernel reproduces (bitwise under
 ``TRITON_INTERPRET=1``, and on CUDA with ``FLASHDIST_EXACT=1``, the default): every scalar is fp32
-(``AdamScalars``), every intermediate is fp32, every operation is IEEE round-to-nearest (the square root
-too: ``codes.sqrt_rn``), and the order of operations below is the order in the kernel. Per value it
-divides twice (the update ``m / denom`` and the companding of the new first moment) and takes one square
-root; the rest is multiplications (``codes``, ``rho`` and ``AdamScalars`` say how).
-"""
+(``AdamScalars``, ``SGDScalars``, ``LionScalars``), every intermediate is fp32, every operation is IEEE
+round-to-nearest (the square root too: ``codes.sqrt_rn``), and the order of operations below is the order
+in the kernel. Per value Adam divides twice (the update ``m / denom`` and the companding of the new first
+moment) and takes one square root; SGD and Lion divide once (the companding); the rest is multiplications
+(``codes``, ``rho`` and the scalars say how)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 
 from ..quant import codes as Q
 from ..quant import rho as R
-from .scalars import AdamScalars
+from .scalars import AdamScalars, LionScalars, SGDScalars
 
 
 def _group_mask_to_elements(bad_groups: torch.Tensor, cols: int, shape) -> torch.Tensor:
@@ -63,21 +64,36 @@ def adam_step_(
     denom = u * sc.inv_bias_correction2_sqrt + sc.eps
     theta = theta - (m / denom) * sc.step_size
 
+    sqrt_codes = quantized and companded  # the second moment is stored as codes of its square root
+    moments = [(exp_avg, exp_avg_scales, m, False), (exp_avg_sq, exp_avg_sq_scales, u if sqrt_codes else v,
+                                                      sqrt_codes)]
+    _store_(param, grad, rho, theta, moments, cols=cols, companded=companded, skipped=skipped)
+
+
+def _store_(param, grad, rho, theta, moments, *, cols, companded, skipped) -> None:
+    """Write the new parameter, rho and moments, except where a group's gradient holds a NaN or an Inf.
+
+    ``moments``: ``(state, scales, new value, is_sqrt)`` of each moment: ``state`` is the int8 (first) or
+    uint8 (second: its name ends in _sq, ``is_sqrt`` when the value is already the square root) codes with
+    their bf16 ``scales``, or an fp32 tensor when ``scales`` is None (then every element is its own group)."""
     bad = ~torch.isfinite(grad)
+    quantized = bool(moments) and moments[0][1] is not None
     if quantized:
         bad_groups = Q.grouped(bad, cols).any(dim=-1)
         bad = _group_mask_to_elements(bad_groups, cols, param.shape)
-        m_codes, m_scales = Q.quantize_exp_avg(m, cols, companded)
-        v_codes, v_scales = Q.quantize_exp_avg_sq(u if companded else v, cols, companded, is_sqrt=companded)
-        exp_avg.copy_(torch.where(bad, exp_avg, m_codes))
-        exp_avg_sq.copy_(torch.where(bad, exp_avg_sq, v_codes))
-        exp_avg_scales.copy_(torch.where(bad_groups, exp_avg_scales, m_scales))
-        exp_avg_sq_scales.copy_(torch.where(bad_groups, exp_avg_sq_scales, v_scales))
         n_bad = bad_groups.sum()
     else:
-        exp_avg.copy_(torch.where(bad, exp_avg, m))
-        exp_avg_sq.copy_(torch.where(bad, exp_avg_sq, v))
         n_bad = bad.sum()
+    for k, (state, scales, value, is_sqrt) in enumerate(moments):
+        if scales is None:
+            state.copy_(torch.where(bad, state, value))
+            continue
+        if state.dtype == torch.uint8:
+            codes, new_scales = Q.quantize_exp_avg_sq(value, cols, companded, is_sqrt=is_sqrt)
+        else:
+            codes, new_scales = Q.quantize_exp_avg(value, cols, companded)
+        state.copy_(torch.where(bad, state, codes))
+        scales.copy_(torch.where(bad_groups, scales, new_scales))
 
     if rho is not None:
         low, new_rho = R.split(theta, param.dtype, rho.dtype)
@@ -87,3 +103,78 @@ def adam_step_(
     param.copy_(torch.where(bad, param, low))
     if skipped is not None:
         skipped.add_(n_bad.to(skipped.device, skipped.dtype))
+
+
+def _decayed_first_moment(state, scales, cols, companded, factor):
+    """``factor`` times the stored first moment (int8 codes with scales, or fp32)."""
+    if scales is not None:
+        return Q.dequantize_exp_avg(state, scales, cols, companded, factor)
+    return state * factor
+
+
+@torch.no_grad()
+def sgd_step_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    momentum_buffer: torch.Tensor | None,
+    momentum_scales: torch.Tensor | None,
+    rho: torch.Tensor | None,
+    *,
+    cols: int | None,
+    scalars: SGDScalars,
+    companded: bool,
+    skipped: torch.Tensor | None,
+) -> None:
+    """One SGD step on one local tensor, in place (``torch.optim.SGD``'s update on the fp32 master weight).
+    ``momentum_buffer`` None: no momentum; ``momentum_scales`` None: an fp32 buffer. Non-finite gradient
+    groups are skipped and counted as in ``adam_step_``."""
+    if param.numel() == 0:
+        return
+    sc = scalars
+    g = grad.float()
+    theta = R.merge(param, rho) if rho is not None else param.float()
+    if sc.decoupled:
+        theta = theta * sc.decay
+    else:
+        g = g + theta * sc.weight_decay
+    moments = []
+    if momentum_buffer is not None:
+        m = _decayed_first_moment(momentum_buffer, momentum_scales, cols, companded, sc.momentum_decay)
+        m = m + g * sc.momentum_gain
+        d = g + m * sc.momentum if sc.nesterov else m
+        moments.append((momentum_buffer, momentum_scales, m, False))
+    else:
+        d = g
+    theta = theta - d * sc.lr
+    _store_(param, grad, rho, theta, moments, cols=cols, companded=companded, skipped=skipped)
+
+
+@torch.no_grad()
+def lion_step_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_scales: torch.Tensor | None,
+    rho: torch.Tensor | None,
+    *,
+    cols: int | None,
+    scalars: LionScalars,
+    companded: bool,
+    skipped: torch.Tensor | None,
+) -> None:
+    """One Lion step on one local tensor, in place. ``exp_avg_scales`` None: an fp32 momentum. The sign is
+    taken as ``(c > 0) - (c < 0)`` (0 for a NaN, where torch.sign gives NaN: only reachable through a
+    non-finite gradient, whose group is skipped anyway)."""
+    if param.numel() == 0:
+        return
+    sc = scalars
+    g = grad.float()
+    theta = R.merge(param, rho) if rho is not None else param.float()
+    theta = theta * sc.decay
+    m = _decayed_first_moment(exp_avg, exp_avg_scales, cols, companded, 1.0)
+    c = m * sc.beta1 + g * sc.one_minus_beta1
+    direction = (c > 0).float() - (c < 0).float()
+    theta = theta - direction * sc.lr
+    m = m * sc.beta2 + g * sc.one_minus_beta2
+    _store_(param, grad, rho, theta, [(exp_avg, exp_avg_scales, m, False)], cols=cols, companded=companded,
+            skipped=skipped)

@@ -1,4 +1,4 @@
-"""Per-step scalars of the Adam update, computed once on the host and rounded to fp32.
+"""Per-step scalars of the updates (Adam, SGD, Lion), computed once on the host and rounded to fp32.
 
 The eager reference and the Triton kernel both receive exactly these fp32 values, so their arithmetic
 starts from the same bits.
@@ -42,3 +42,48 @@ class AdamScalars:
             decay=f32(1.0 - lr * weight_decay) if decoupled else 1.0,
             step_size=f32(lr / bc1), inv_bias_correction2_sqrt=f32(1.0 / math.sqrt(bc2)), decoupled=decoupled,
         )
+
+
+@dataclass(frozen=True)
+class SGDScalars:
+    """SGD with momentum, as ``torch.optim.SGD``: ``buf = momentum * buf + (1 - dampening) * g``, except at
+    the first step, where the buffer starts as the gradient itself (``momentum_decay`` 0, ``momentum_gain``
+    1); the step moves by ``buf`` or, with Nesterov, by ``g + momentum * buf``."""
+
+    momentum_decay: float  # factor of the stored buffer: momentum, 0 at the first step
+    momentum_gain: float  # factor of the gradient: 1 - dampening, 1 at the first step
+    momentum: float  # Nesterov's look-ahead factor
+    weight_decay: float
+    decay: float  # 1 - lr * weight_decay (decoupled only)
+    lr: float
+    decoupled: bool
+    nesterov: bool
+
+    @classmethod
+    def make(cls, *, lr: float, momentum: float, dampening: float, weight_decay: float, nesterov: bool, step: int,
+             decoupled: bool) -> "SGDScalars":
+        first = step == 1
+        return cls(
+            momentum_decay=0.0 if first else f32(momentum), momentum_gain=1.0 if first else f32(1.0 - dampening),
+            momentum=f32(momentum), weight_decay=f32(weight_decay),
+            decay=f32(1.0 - lr * weight_decay) if decoupled else 1.0, lr=f32(lr), decoupled=decoupled,
+            nesterov=nesterov,
+        )
+
+
+@dataclass(frozen=True)
+class LionScalars:
+    """Lion (Chen et al., 2023): ``theta -= lr * sign(beta1 * m + (1 - beta1) * g)``, then
+    ``m = beta2 * m + (1 - beta2) * g``; weight decay decoupled (``decay = 1 - lr * weight_decay``)."""
+
+    beta1: float
+    beta2: float
+    one_minus_beta1: float
+    one_minus_beta2: float
+    decay: float
+    lr: float
+
+    @classmethod
+    def make(cls, *, lr: float, beta1: float, beta2: float, weight_decay: float) -> "LionScalars":
+        return cls(beta1=f32(beta1), beta2=f32(beta2), one_minus_beta1=f32(1.0 - beta1),
+                   one_minus_beta2=f32(1.0 - beta2), decay=f32(1.0 - lr * weight_decay), lr=f32(lr))

@@ -2,5 +2,7 @@
 
 from .adam import FlashAdam, FlashAdamW
 from .base import FlashOptimizer
+from .lion import FlashLion
+from .sgd import FlashSGD, FlashSGDW
 
-__all__ = ["FlashAdam", "FlashAdamW", "FlashOptimizer"]
+__all__ = ["FlashAdam", "FlashAdamW", "FlashLion", "FlashOptimizer", "FlashSGD", "FlashSGDW"]

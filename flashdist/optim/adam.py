@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import torch
-
-from ..checkpoint.state import FORMATS
-from ..functional.adam import BACKENDS, flash_adam
+from ..functional.adam import flash_adam
 from .base import FlashOptimizer, check_number
 
 
@@ -54,16 +51,10 @@ class FlashAdamW(FlashOptimizer):
                  weight_decay: float = 1e-2, *, master_weight_bits: int | None = 24, quantize_states: bool = True,
                  companded: bool = True, backend: str = "auto", state_dict_format: str = "portable",
                  flat_layout: bool = False):
-        if backend not in BACKENDS:
-            raise ValueError(f"flashdist: backend must be one of {BACKENDS}, got {backend!r}")
-        if state_dict_format not in FORMATS:
-            raise ValueError(f"flashdist: state_dict_format must be one of {FORMATS}, got {state_dict_format!r}")
-        self.backend = backend
-        self.state_dict_format = state_dict_format
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         master_weight_bits=master_weight_bits, quantize_states=quantize_states,
                         companded=companded, flat_layout=flat_layout)
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, backend=backend, state_dict_format=state_dict_format)
 
     def _check_hyperparameters(self, group: dict) -> None:
         check_number("lr", group["lr"], low=0.0)

@@ -52,16 +52,32 @@ def check_number(name: str, value: Any, *, low: float, high: float | None = None
 
 
 class FlashOptimizer(torch.optim.Optimizer):
-    """Base class. Subclasses set ``_moments`` (state names of their moments, e.g. ("exp_avg", "exp_avg_sq"))
-    and implement ``_check_hyperparameters`` and ``_step_bucket``."""
+    """Base class. Subclasses set ``_moments`` (state names of their moments, e.g. ("exp_avg", "exp_avg_sq"),
+    or override ``moments_of`` when a group's hyper-parameters decide them) and implement
+    ``_check_hyperparameters`` and ``_step_bucket``."""
 
     _moments: tuple[str, ...] = ()
+    _torch_counts_steps = True  # the torch optimizer this one replaces keeps state["step"] (SGD does not)
 
-    def __init__(self, params, defaults: dict):
+    def __init__(self, params, defaults: dict, *, backend: str = "auto", state_dict_format: str = "portable"):
+        from ..checkpoint.state import FORMATS
+        from ..functional.backend import BACKENDS
+
+        if backend not in BACKENDS:
+            raise ValueError(f"flashdist: backend must be one of {BACKENDS}, got {backend!r}")
+        if state_dict_format not in FORMATS:
+            raise ValueError(f"flashdist: state_dict_format must be one of {FORMATS}, got {state_dict_format!r}")
+        self.backend = backend
+        self.state_dict_format = state_dict_format
         self.skipped = None  # int32 counter of skipped (non-finite) groups, on the parameters' device
         self._plans: dict[tuple, _Plan] = {}
         self._dtensor_groups: set[int] = set()  # ids of param groups that hold DTensor parameters
         super().__init__(params, defaults)
+
+    def moments_of(self, group: dict) -> tuple[str, ...]:
+        """State names of the moments the parameters of ``group`` keep (fp32, or as ``<name>_codes`` and
+        ``<name>_scales``)."""
+        return self._moments
 
     # ----- construction -------------------------------------------------------------------------------
 
@@ -138,7 +154,7 @@ class FlashOptimizer(torch.optim.Optimizer):
         if not isinstance(step, torch.Tensor):
             state["step"] = torch.tensor(float(step or 0.0))
         layout = state_layout(shape, group.get("flat_layout", False)) if group["quantize_states"] else None
-        for name in self._moments:
+        for name in self.moments_of(group):
             loaded = state.get(name)
             if loaded is not None and tuple(loaded.shape) != shape:
                 raise ValueError(f"flashdist: state '{name}' of a parameter of shape {shape} has shape "
@@ -174,7 +190,7 @@ class FlashOptimizer(torch.optim.Optimizer):
         if not state or not isinstance(state.get("step"), torch.Tensor):
             return False
         quantized = group["quantize_states"] and (group.get("flat_layout", False) or p.ndim >= 2)
-        size = 1 + len(self._moments) * (2 if quantized else 1)
+        size = 1 + len(self.moments_of(group)) * (2 if quantized else 1)
         return len(state) == size + R.splits(p.dtype, group["master_weight_bits"])
 
     # ----- queries -------------------------------------------------------------------------------------
@@ -321,9 +337,10 @@ class _Bucket:
         states = [opt.state[p] for p in params]
         self.device = D.local(params[0]).device
         self.params = [D.local(p) for p in params]
-        self.quantized = f"{opt._moments[0]}_codes" in states[0]
+        names = opt.moments_of(group)
+        self.quantized = bool(names) and f"{names[0]}_codes" in states[0]
         self.moments, self.scales = [], []
-        for name in opt._moments:
+        for name in names:
             key = f"{name}_codes" if self.quantized else name
             self.moments.append([D.local(s[key]) for s in states])
             self.scales.append([D.local(s[f"{name}_scales"]) for s in states] if self.quantized else None)
@@ -363,8 +380,9 @@ class _Plan:
         self.sizes = list(map(len, self.states))
         self.step: int | None = None  # the common step count, once known
         by_layout: dict[tuple, list[int]] = defaultdict(list)
+        codes = f"{opt.moments_of(group)[0]}_codes" if opt.moments_of(group) else None
         for i, (p, s) in enumerate(zip(params, self.states)):
-            by_layout[("rho" in s, f"{opt._moments[0]}_codes" in s, D.local(p).device)].append(i)
+            by_layout[("rho" in s, codes in s, D.local(p).device)].append(i)
         self.buckets = [_Bucket(opt, group, [params[i] for i in index], index) for index in by_layout.values()]
         for bucket in self.buckets:
             bucket.everything = len(self.buckets) == 1

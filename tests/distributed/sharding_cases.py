@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from flashdist import FlashAdam, FlashAdamW
+from flashdist import FlashAdam, FlashAdamW, FlashLion, FlashSGD, FlashSGDW
 from flashdist import distributed as D
 
 def single_threaded(fn):
@@ -76,6 +76,10 @@ OPTIMIZERS = {
     "adamw-24bit-companded": (FlashAdamW, dict(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1)),
     "adam-32bit-linear": (FlashAdam, dict(lr=3e-3, weight_decay=0.01, master_weight_bits=32, companded=False)),
     "adamw-fp32-moments": (FlashAdamW, dict(lr=1e-2, quantize_states=False)),
+    "sgd-nesterov": (FlashSGD, dict(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=1e-3)),
+    "sgdw-dampened-linear": (FlashSGDW, dict(lr=1e-2, momentum=0.8, dampening=0.1, weight_decay=0.1,
+                                             companded=False)),
+    "lion": (FlashLion, dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)),
 }
 
 

@@ -11,7 +11,7 @@ from harness import run_ranks
 from torch import nn
 
 import flashdist
-from flashdist import FlashAdamW, checkpoint
+from flashdist import FlashAdamW, FlashLion, FlashSGD, checkpoint
 from flashdist import distributed as D
 
 STEPS_BEFORE, STEPS_AFTER = 2, 2
@@ -46,11 +46,19 @@ def _shard(model):
     return model
 
 
-def _build(fmt: str, distributed: bool):
+OPTIMIZERS = {
+    "adamw": (FlashAdamW, dict(lr=1e-2)),
+    "sgd-nesterov": (FlashSGD, dict(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=1e-3)),
+    "lion": (FlashLion, dict(lr=1e-3, weight_decay=0.1)),
+}
+
+
+def _build(fmt: str, distributed: bool, name: str = "adamw"):
     model = _model()
     if distributed:
         _shard(model)
-    return model, FlashAdamW(model.named_parameters(), lr=1e-2, state_dict_format=fmt)
+    cls, kwargs = OPTIMIZERS[name]
+    return model, cls(model.named_parameters(), state_dict_format=fmt, **kwargs)
 
 
 def _train(model, opt, first: int, n: int):
@@ -76,23 +84,23 @@ def _distributed() -> bool:
     return torch.distributed.is_initialized()
 
 
-def _save_job(rank, world, path, fmt):
-    model, opt = _build(fmt, _distributed())
+def _save_job(rank, world, path, fmt, name="adamw"):
+    model, opt = _build(fmt, _distributed(), name)
     _train(model, opt, 0, STEPS_BEFORE)
     checkpoint.save(path, model, opt, extra={"step": STEPS_BEFORE})
     return _gather(model, opt)
 
 
-def _resume_job(rank, world, path, fmt):
-    model, opt = _build(fmt, _distributed())
+def _resume_job(rank, world, path, fmt, name="adamw"):
+    model, opt = _build(fmt, _distributed(), name)
     extra = checkpoint.load(path, model, opt)
     loaded = _gather(model, opt)
     _train(model, opt, extra["step"], STEPS_AFTER)
     return loaded, _gather(model, opt)
 
 
-def _uninterrupted():
-    model, opt = _build("compressed", False)
+def _uninterrupted(name="adamw"):
+    model, opt = _build("compressed", False, name)
     _train(model, opt, 0, STEPS_BEFORE + STEPS_AFTER)
     return _gather(model, opt)
 
@@ -119,6 +127,19 @@ def test_reshard_is_exact(tmp_path, fmt, save_world, load_worlds):
         loaded, after = _run(_resume_job, world, path, fmt)
         _assert_same(saved, loaded, f"{fmt} {save_world}->{world} loaded")
         _assert_same(final, after, f"{fmt} {save_world}->{world} resumed")
+
+
+@pytest.mark.parametrize("fmt", ["compressed", "portable"])
+@pytest.mark.parametrize("name", ["sgd-nesterov", "lion"])
+def test_family_reshard_is_exact(tmp_path, fmt, name):
+    """FlashSGD and FlashLion checkpoints: 3 ranks -> 2 ranks and -> one process without a process group."""
+    path = str(tmp_path / "ck")
+    saved = _run(_save_job, 3, path, fmt, name)
+    final = _uninterrupted(name)
+    for world in (2, None):
+        loaded, after = _run(_resume_job, world, path, fmt, name)
+        _assert_same(saved, loaded, f"{name} {fmt} 3->{world} loaded")
+        _assert_same(final, after, f"{name} {fmt} 3->{world} resumed")
 
 
 def _fp32_export_job(rank, world, path):

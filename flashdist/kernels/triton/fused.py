@@ -85,7 +85,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from ...quant import codes as Q
-from ..scalars import AdamScalars
+from ..scalars import AdamScalars, LionScalars, SGDScalars
 
 
 def _exact_from_env() -> bool:
@@ -112,6 +112,10 @@ TABLE_BLOCKS = 8  # consecutive blocks of one tensor per program of the table la
 LARGE_GROUPS = 64  # groups of 32 slots per program in a per-tensor launch (2048 slots)
 NUM_WARPS = 4
 PLAN_CACHE_SIZE = 32  # cached launch plans (a few per optimizer: one per bucket of step count / layout)
+
+# the update of a call (the kernel's constexpr ALGO)
+ADAM, SGD, LION = 0, 1, 2
+_ADAM, _SGD, _LION = tl.constexpr(ADAM), tl.constexpr(SGD), tl.constexpr(LION)
 
 _GROUP = tl.constexpr(Q.GROUP)
 _INV127 = tl.constexpr(Q.INV127)
@@ -295,12 +299,14 @@ def _step_block(
     ALIGNED: tl.constexpr,  # cols is a multiple of 32
     ALIGN16: tl.constexpr,  # every address is a multiple of 16 bytes
     COMPANDED: tl.constexpr, DECOUPLED: tl.constexpr, COUNT_SKIPPED: tl.constexpr,
+    ALGO: tl.constexpr,  # ADAM, SGD or LION: the update, and the moments it keeps (see the module doc)
+    HAS_M: tl.constexpr,  # a first moment / momentum buffer exists (SGD without momentum keeps none)
+    NESTEROV: tl.constexpr,  # SGD only: Nesterov momentum
     EXACT: tl.constexpr,  # IEEE division and sqrt (else the GPU's approximate ones; see the module doc)
     FAST_DIV: tl.constexpr,  # with EXACT off: libdevice's fast division (compiled only, not interpreted)
     RHO_LOG2: tl.constexpr,  # log2 of rho.RHO_STEPS: 7 (int8), 15 (int16)
     GROUPS: tl.constexpr,  # groups of 32 slots in this block
 ):
-    RHO_STEPS = 1 << RHO_LOG2
     RHO_SHIFT = 15 - RHO_LOG2  # fp32 grid steps per rho step at a bf16 param, as a shift
     # Typed pointers. bf16 data (params, grads, scales) moves as int16 bits.
     if P_KIND == 0:
@@ -320,20 +326,24 @@ def _step_block(
             m_ptr = m_addr.to(tl.int64).to(tl.pointer_type(tl.uint8))
         else:
             m_ptr = m_addr.to(tl.int64).to(tl.pointer_type(tl.int8))
-        v_ptr = v_addr.to(tl.int64).to(tl.pointer_type(tl.uint8))
         ms_ptr = ms_addr.to(tl.int64).to(tl.pointer_type(tl.int16))
-        vs_ptr = vs_addr.to(tl.int64).to(tl.pointer_type(tl.int16))
         if ALIGN16:  # 8 (not 16): 8-byte loads of the codes give the layout of the 16-byte bf16 loads
             m_ptr = tl.multiple_of(m_ptr, 8)
-            v_ptr = tl.multiple_of(v_ptr, 8)
             ms_ptr = tl.multiple_of(ms_ptr, 16)
-            vs_ptr = tl.multiple_of(vs_ptr, 16)
-    else:
+        if ALGO == _ADAM:  # Adam's second moment
+            v_ptr = v_addr.to(tl.int64).to(tl.pointer_type(tl.uint8))
+            vs_ptr = vs_addr.to(tl.int64).to(tl.pointer_type(tl.int16))
+            if ALIGN16:
+                v_ptr = tl.multiple_of(v_ptr, 8)
+                vs_ptr = tl.multiple_of(vs_ptr, 16)
+    elif HAS_M:
         m_ptr = m_addr.to(tl.int64).to(tl.pointer_type(tl.float32))
-        v_ptr = v_addr.to(tl.int64).to(tl.pointer_type(tl.float32))
         if ALIGN16:
             m_ptr = tl.multiple_of(m_ptr, 16)
-            v_ptr = tl.multiple_of(v_ptr, 16)
+        if ALGO == _ADAM:  # Adam's second moment
+            v_ptr = v_addr.to(tl.int64).to(tl.pointer_type(tl.float32))
+            if ALIGN16:
+                v_ptr = tl.multiple_of(v_ptr, 16)
     if RHO_KIND == 1:
         rho_ptr = rho_addr.to(tl.int64).to(tl.pointer_type(tl.int8))
     elif RHO_KIND == 2:
@@ -379,16 +389,27 @@ def _step_block(
         keep = mask & ~bad
         n_bad = tl.sum(bad.to(tl.int32))
 
-    # Moments (codes.dequantize_exp_avg / dequantize_exp_avg_sq). Masked slots read code 0.
-    # Decayed moments beta1 * m, beta2 * v (codes.dequantize_exp_avg / dequantize_exp_avg_sq with the betas
-    # as factors): each code's value times one per-group multiplier. Masked slots read code 0.
+    # Moments: Adam's and SGD's decayed beta1 * m (SGD: momentum * buffer) and Adam's beta2 * v
+    # (codes.dequantize_exp_avg / dequantize_exp_avg_sq with the betas as factors), Lion's m itself: each
+    # code's value times one per-group multiplier. Masked slots read code 0.
     if QUANTIZED:
         m_scale = (tl.load(ms_ptr + gid, mask=gvalid, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
         m_code = tl.load(m_ptr + offs, mask=mask, other=0).to(tl.int32)
         if COMPANDED:
-            m = tl.load(table_ptr + m_code) * (m_scale * beta1)[:, None]  # y / (2 - |y|) of y = code / 127
+            m_mult = m_scale
         else:
-            m = m_code.to(tl.float32) * ((m_scale * _INV127) * beta1)[:, None]
+            m_mult = m_scale * _INV127
+        if ALGO != _LION:
+            m_mult = m_mult * beta1
+        if COMPANDED:
+            m = tl.load(table_ptr + m_code) * m_mult[:, None]  # y / (2 - |y|) of y = code / 127
+        else:
+            m = m_code.to(tl.float32) * m_mult[:, None]
+    elif HAS_M:
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+        if ALGO != _LION:
+            m = m * beta1
+    if QUANTIZED and ALGO == _ADAM:
         v_scale = (tl.load(vs_ptr + gid, mask=gvalid, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
         v_scale = v_scale * _INV255
         v_code = tl.load(v_ptr + offs, mask=mask, other=0).to(tl.int32)
@@ -396,8 +417,7 @@ def _step_block(
             v = (v_code * v_code).to(tl.float32) * ((v_scale * v_scale) * beta2)[:, None]
         else:
             v = v_code.to(tl.float32) * (v_scale * beta2)[:, None]
-    else:
-        m = tl.load(m_ptr + offs, mask=mask, other=0.0) * beta1
+    elif ALGO == _ADAM:
         v = tl.load(v_ptr + offs, mask=mask, other=0.0) * beta2
 
     # Master weight (rho.merge).
@@ -412,19 +432,34 @@ def _step_block(
         if RHO_KIND != 0:
             theta = _merge_fp16(theta, tl.load(rho_ptr + offs, mask=mask, other=0).to(tl.int32), RHO_LOG2)
 
-    # The Adam(W) update, in the reference's order.
+    # The update, in the reference's order (reference.adam_step_, sgd_step_, lion_step_).
     if DECOUPLED:
         theta = theta * decay
     else:
         g = g + theta * weight_decay
-    m = m + g * one_minus_beta1
-    v = v + (g * g) * one_minus_beta2
-    if EXACT:
-        u = tl.sqrt_rn(v)
-    else:
-        u = tl.sqrt(v)
-    denom = u * inv_bc2_sqrt + eps
-    theta = theta - _divide(m, denom, EXACT, FAST_DIV) * step_size
+    if ALGO == _ADAM:
+        m = m + g * one_minus_beta1
+        v = v + (g * g) * one_minus_beta2
+        if EXACT:
+            u = tl.sqrt_rn(v)
+        else:
+            u = tl.sqrt(v)
+        denom = u * inv_bc2_sqrt + eps
+        theta = theta - _divide(m, denom, EXACT, FAST_DIV) * step_size
+    elif ALGO == _SGD:
+        if HAS_M:
+            m = m + g * one_minus_beta1
+            if NESTEROV:
+                d = g + m * beta2
+            else:
+                d = m
+        else:
+            d = g
+        theta = theta - d * step_size
+    else:  # Lion: the sign of an interpolation moves theta; the momentum is a second interpolation
+        c = m * beta1 + g * one_minus_beta1
+        theta = theta - tl.where(c > 0, 1.0, tl.where(c < 0, -1.0, 0.0)) * step_size
+        m = m * beta2 + g * one_minus_beta2
 
     # New moments (codes.quantize_exp_avg / quantize_exp_avg_sq): codes against the exact group absmax
     # A, stored rounded to bf16 as the scale. Masked slots hold exact zeros (zero code, gradient and
@@ -444,6 +479,7 @@ def _step_block(
             q = (m * lift[:, None]) * tl.div_rn(tl.full(a.shape, 127.0, tl.float32), a * lift)[:, None]
         tl.store(m_ptr + offs, _round_half_away_to_int(q).to(tl.int8), mask=keep)
         tl.store(ms_ptr + gid, _f32_to_bf16_bits(absmax).to(tl.int16), mask=keep_group)
+    if QUANTIZED and ALGO == _ADAM:
         if COMPANDED:
             # x = sqrt(v) is 0 or at least 2^-74.5 (the root of the smallest subnormal), so 255 / A cannot
             # overflow and the reference's lift by 2^64 (A < 2^-64) changes no bit: it is left out here
@@ -458,9 +494,10 @@ def _step_block(
         # q >= +0: rounding half away from zero is truncating q + 0.5
         tl.store(v_ptr + offs, (q + 0.5).to(tl.uint8), mask=keep)
         tl.store(vs_ptr + gid, _f32_to_bf16_bits(absmax).to(tl.int16), mask=keep_group)
-    else:
-        tl.store(m_ptr + offs, m, mask=keep)
+    elif ALGO == _ADAM:
         tl.store(v_ptr + offs, v, mask=keep)
+    if HAS_M and not QUANTIZED:
+        tl.store(m_ptr + offs, m, mask=keep)
 
     # New parameter and rho (rho.split; without rho, theta rounded to the param dtype).
     if P_KIND == 0:
@@ -490,7 +527,7 @@ def _step_block(
 
 
 @triton.jit
-def _adam_table_kernel(
+def _table_kernel(
     work_ptr,  # int32 (items, 3): (tensor index, first block, number of blocks) of each program
     tensors_ptr,  # int64 (tensors, TABLE_STRIDE): addresses of p, g, m, v, ms, vs, rho; numel, ngroups, cols, gpr
     table_ptr,  # fp32 codes.EXP_AVG_TABLE on this device
@@ -498,8 +535,8 @@ def _adam_table_kernel(
     beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, decay, step_size, inv_bc2_sqrt,
     P_KIND: tl.constexpr, G_KIND: tl.constexpr, RHO_KIND: tl.constexpr, QUANTIZED: tl.constexpr,
     ALIGNED: tl.constexpr, ALIGN16: tl.constexpr, COMPANDED: tl.constexpr, DECOUPLED: tl.constexpr,
-    COUNT_SKIPPED: tl.constexpr, EXACT: tl.constexpr, FAST_DIV: tl.constexpr, RHO_LOG2: tl.constexpr,
-    GROUPS: tl.constexpr,
+    COUNT_SKIPPED: tl.constexpr, ALGO: tl.constexpr, HAS_M: tl.constexpr, NESTEROV: tl.constexpr,
+    EXACT: tl.constexpr, FAST_DIV: tl.constexpr, RHO_LOG2: tl.constexpr, GROUPS: tl.constexpr,
 ):
     item = tl.program_id(0)
     t = tl.load(work_ptr + 3 * item)
@@ -518,13 +555,13 @@ def _adam_table_kernel(
             p_addr, g_addr, m_addr, v_addr, ms_addr, vs_addr, rho_addr, table_ptr, skipped_ptr, first + j,
             numel, ngroups, cols, gpr,
             beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, decay, step_size, inv_bc2_sqrt,
-            P_KIND, G_KIND, RHO_KIND, QUANTIZED, ALIGNED, ALIGN16, COMPANDED, DECOUPLED, COUNT_SKIPPED, EXACT,
-            FAST_DIV, RHO_LOG2, GROUPS,
+            P_KIND, G_KIND, RHO_KIND, QUANTIZED, ALIGNED, ALIGN16, COMPANDED, DECOUPLED, COUNT_SKIPPED, ALGO,
+            HAS_M, NESTEROV, EXACT, FAST_DIV, RHO_LOG2, GROUPS,
         )
 
 
 @triton.jit
-def _adam_tensor_kernel(
+def _tensor_kernel(
     p_addr, g_addr, m_addr, v_addr, ms_addr, vs_addr, rho_addr,  # int addresses of one tensor's data (0: none)
     table_ptr,  # fp32 codes.EXP_AVG_TABLE on this device
     skipped_ptr,  # int32 skip counter (any int32 tensor when COUNT_SKIPPED is False)
@@ -532,8 +569,8 @@ def _adam_tensor_kernel(
     beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, decay, step_size, inv_bc2_sqrt,
     P_KIND: tl.constexpr, G_KIND: tl.constexpr, RHO_KIND: tl.constexpr, QUANTIZED: tl.constexpr,
     ALIGNED: tl.constexpr, ALIGN16: tl.constexpr, COMPANDED: tl.constexpr, DECOUPLED: tl.constexpr,
-    COUNT_SKIPPED: tl.constexpr, EXACT: tl.constexpr, FAST_DIV: tl.constexpr, RHO_LOG2: tl.constexpr,
-    GROUPS: tl.constexpr,
+    COUNT_SKIPPED: tl.constexpr, ALGO: tl.constexpr, HAS_M: tl.constexpr, NESTEROV: tl.constexpr,
+    EXACT: tl.constexpr, FAST_DIV: tl.constexpr, RHO_LOG2: tl.constexpr, GROUPS: tl.constexpr,
     WIDE: tl.constexpr,  # numel >= 2^31: int64 index arithmetic
 ):
     blk = tl.program_id(0)
@@ -543,15 +580,15 @@ def _adam_tensor_kernel(
         p_addr, g_addr, m_addr, v_addr, ms_addr, vs_addr, rho_addr, table_ptr, skipped_ptr, blk, numel, ngroups,
         cols, gpr,
         beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, decay, step_size, inv_bc2_sqrt,
-        P_KIND, G_KIND, RHO_KIND, QUANTIZED, ALIGNED, ALIGN16, COMPANDED, DECOUPLED, COUNT_SKIPPED, EXACT, FAST_DIV,
-        RHO_LOG2, GROUPS,
+        P_KIND, G_KIND, RHO_KIND, QUANTIZED, ALIGNED, ALIGN16, COMPANDED, DECOUPLED, COUNT_SKIPPED, ALGO, HAS_M,
+        NESTEROV, EXACT, FAST_DIV, RHO_LOG2, GROUPS,
     )
 
 
 # ----- host side: plans (buckets, tables) and launches -----------------------------------------------------
 
 # TRITON_INTERPRET was set when triton was imported: kernels run in numpy, which has no libdevice
-_INTERPRETED = not isinstance(_adam_table_kernel, triton.runtime.JITFunction)
+_INTERPRETED = not isinstance(_table_kernel, triton.runtime.JITFunction)
 
 
 class _Bucket:
@@ -571,7 +608,7 @@ class _Bucket:
 
 class _Plan:
     __slots__ = ("buckets", "dummy", "exp_avg_table", "device", "layout", "param_ptrs", "numels", "grad_dtypes",
-                 "grad_ptrs", "exp_avg_ids", "refs", "__weakref__")
+                 "grad_ptrs", "state_ids", "refs", "__weakref__")
 
     def __init__(self, buckets, device, layout, param_ptrs, numels, grad_dtypes, grad_ptrs):
         self.buckets = buckets
@@ -583,11 +620,11 @@ class _Plan:
         self.numels = numels  # of each tensor in the call's lists
         self.grad_dtypes = grad_dtypes
         self.grad_ptrs = grad_ptrs  # gradient addresses the tables hold
-        self.exp_avg_ids: list[int] = []
+        self.state_ids: list[int] = []
         self.refs: list[weakref.ref] = []  # weak references to the state tensors that drop this plan when freed
 
-    def watch(self, states: list[Sequence[torch.Tensor]]) -> None:
-        """Record the first moments' ids, and drop the plan from the cache as soon as any state tensor is
+    def watch(self, first: Sequence[torch.Tensor], states: list[Sequence[torch.Tensor]]) -> None:
+        """Record the ids of the ``first`` state list (the first moments), and drop the plan from the cache as soon as any state tensor is
         freed (after which the plan would point at freed memory, and its id may name a new tensor)."""
         this = weakref.ref(self)
 
@@ -596,7 +633,7 @@ class _Plan:
             if plan is not None and plan in _PLANS:
                 _PLANS.remove(plan)
 
-        self.exp_avg_ids = list(map(id, states[0]))
+        self.state_ids = list(map(id, first))
         self.refs = [weakref.ref(t, freed) for kind in states for t in kind]
 
     def set_grads(self, grads: Sequence[torch.Tensor], ptrs: list[int]) -> bool:
@@ -632,13 +669,13 @@ class _Plan:
 _PLANS: list[_Plan] = []
 
 
-def _find_plan(layout: tuple, param_ptrs: list[int], exp_avgs: Sequence[torch.Tensor]) -> _Plan | None:
+def _find_plan(layout: tuple, param_ptrs: list[int], first: Sequence[torch.Tensor]) -> _Plan | None:
     ids = None
     for plan in _PLANS:
         if plan.param_ptrs == param_ptrs and plan.layout == layout:
             if ids is None:
-                ids = list(map(id, exp_avgs))
-            if plan.exp_avg_ids == ids:
+                ids = list(map(id, first))
+            if plan.state_ids == ids:
                 return plan
     return None
 
@@ -655,15 +692,19 @@ def _check(i: int, what: str, t: torch.Tensor, numel: int, dtypes: tuple, device
         raise ValueError(f"{where} is not contiguous (strides {t.stride()}); the fused step reads flat storage")
 
 
-def _build_plan(layout, param_ptrs, params, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales, rhos,
-                cols) -> _Plan:
+def _build_plan(layout, param_ptrs, params, grads, moments, scales, rhos, cols) -> _Plan:
+    """``moments``: the call's moment lists (none, the first, or Adam's first and second); ``scales`` their
+    scale lists when quantized, else None."""
     device = params[0].device
-    quantized = exp_avg_scales is not None
-    lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs, "exp_avg_scales": exp_avg_scales,
-             "exp_avg_sq_scales": exp_avg_sq_scales, "rhos": rhos, "cols": cols if quantized else None}
+    quantized = scales is not None
+    lists = {"grads": grads, "rhos": rhos, "cols": cols if quantized else None}
+    for k, values in enumerate(moments):
+        lists[f"moments[{k}]"] = values
+        lists[f"scales[{k}]"] = scales[k] if quantized else None
     for name, values in lists.items():
         if values is not None and len(values) != len(params):
             raise ValueError(f"flashdist: {len(params)} params but {len(values)} {name}")
+    names = ("first moment", "second moment")
     floats = tuple(_FLOAT_KIND)
     buckets: dict[tuple, _Bucket] = {}
     small: dict[tuple, list[tuple]] = {}  # bucket key -> (index, table row, blocks) of each small tensor
@@ -671,24 +712,25 @@ def _build_plan(layout, param_ptrs, params, grads, exp_avgs, exp_avg_sqs, exp_av
         n = p.numel()
         _check(i, "param", p, n, floats, device)
         _check(i, "grad", grads[i], n, floats, device)
+        # addresses of p, g, m, v, their scales, rho (0: none)
+        data = [p, grads[i], *(m[i] for m in moments), *[None] * (2 - len(moments))]
         if quantized:
             c = int(cols[i])
             if c <= 0 or n % c:
                 raise ValueError(f"flashdist: tensor {i} has {n} elements, not a whole number of rows of {c}")
             gpr = -(-c // Q.GROUP)
             ngroups = n // c * gpr
-            _check(i, "exp_avg codes", exp_avgs[i], n, (torch.int8,), device)
-            _check(i, "exp_avg_sq codes", exp_avg_sqs[i], n, (torch.uint8,), device)
-            _check(i, "exp_avg scales", exp_avg_scales[i], ngroups, (torch.bfloat16,), device)
-            _check(i, "exp_avg_sq scales", exp_avg_sq_scales[i], ngroups, (torch.bfloat16,), device)
-            data = [p, grads[i], exp_avgs[i], exp_avg_sqs[i], exp_avg_scales[i], exp_avg_sq_scales[i]]
+            for k, (m, sc) in enumerate(zip(moments, scales)):
+                _check(i, f"{names[k]} codes", m[i], n, (torch.uint8,) if k else (torch.int8,), device)
+                _check(i, f"{names[k]} scales", sc[i], ngroups, (torch.bfloat16,), device)
+            data += [*(sc[i] for sc in scales), *[None] * (2 - len(scales))]
             aligned = c % Q.GROUP == 0
             table_blocks, large_blocks = -(-ngroups // TABLE_GROUPS), -(-ngroups // LARGE_GROUPS)
         else:
             c, gpr, ngroups = n, 0, n
-            _check(i, "exp_avg", exp_avgs[i], n, (torch.float32,), device)
-            _check(i, "exp_avg_sq", exp_avg_sqs[i], n, (torch.float32,), device)
-            data = [p, grads[i], exp_avgs[i], exp_avg_sqs[i], None, None]
+            for k, m in enumerate(moments):
+                _check(i, names[k], m[i], n, (torch.float32,), device)
+            data += [None, None]
             aligned = True  # not read without quantization
             table_blocks = -(-n // (TABLE_GROUPS * Q.GROUP))
             large_blocks = -(-n // (LARGE_GROUPS * Q.GROUP))
@@ -740,6 +782,52 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)  # no wait for the work queued before the step
 
 
+def _step_multi(algo: int, params, grads, moments: list, scales: list | None, rhos, cols, scalars: tuple, *,
+                companded: bool, decoupled: bool, nesterov: bool, skipped: torch.Tensor | None) -> None:
+    """One step of update ``algo`` on every tensor of the lists: one launch per bucket (see the module doc).
+    ``scalars``: the kernel's nine fp32 scalars, in its order."""
+    if not params:
+        return
+    device = params[0].device
+    quantized = scales is not None
+    layout = (device, algo, len(moments), quantized, rhos[0].dtype if rhos is not None else None,
+              list(cols) if quantized else None, LARGE_NUMEL, TABLE_GROUPS, TABLE_BLOCKS, LARGE_GROUPS)
+    param_ptrs = list(map(_data_ptr, params))
+    grad_ptrs = list(map(_data_ptr, grads))
+    # the first state list identifies the state (load_state_dict replaces it); without any, the params do
+    first_state = moments[0] if moments else (rhos if rhos is not None else [])
+    plan = _find_plan(layout, param_ptrs, first_state)
+    if plan is not None and grad_ptrs != plan.grad_ptrs and not plan.set_grads(grads, grad_ptrs):
+        _PLANS.remove(plan)
+        plan = None
+    if plan is None:
+        plan = _build_plan(layout, param_ptrs, params, grads, moments, scales, rhos, cols)
+        states = [*moments, *(scales or [])]
+        if rhos is not None:
+            states.append(rhos)
+        plan.watch(first_state, states)
+        _PLANS.insert(0, plan)
+        del _PLANS[PLAN_CACHE_SIZE:]
+    elif _PLANS[0] is not plan:
+        _PLANS.remove(plan)
+        _PLANS.insert(0, plan)
+
+    if skipped is not None and (skipped.dtype != torch.int32 or skipped.device != device):
+        raise ValueError(f"flashdist: skipped must be an int32 tensor on {device}, got {skipped.dtype} on "
+                         f"{skipped.device}")
+    counter = plan.dummy if skipped is None else skipped
+    for bucket in plan.buckets:
+        flags = dict(bucket.flags, COMPANDED=companded, DECOUPLED=decoupled, COUNT_SKIPPED=skipped is not None,
+                     ALGO=algo, HAS_M=bool(moments), NESTEROV=nesterov, EXACT=EXACT,
+                     FAST_DIV=not EXACT and not _INTERPRETED, num_warps=NUM_WARPS, enable_fp_fusion=False)
+        if bucket.items:
+            _table_kernel[(bucket.items,)](bucket.work, bucket.tensors, plan.exp_avg_table, counter, *scalars,
+                                           GROUPS=TABLE_GROUPS, **flags)
+        for _, grid, args, wide in bucket.large:
+            _tensor_kernel[grid](*args[:7], plan.exp_avg_table, counter, *args[7:], *scalars, GROUPS=LARGE_GROUPS,
+                                 WIDE=wide, **flags)
+
+
 def adam_step_multi(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
@@ -761,46 +849,32 @@ def adam_step_multi(
     device, or None. Every tensor must be contiguous (checked when the launch plan is built, and for a
     gradient whenever its address changes).
     """
-    if not params:
-        return
-    device = params[0].device
-    quantized = exp_avg_scales is not None
-    layout = (device, quantized, rhos[0].dtype if rhos is not None else None, list(cols) if quantized else None,
-              LARGE_NUMEL, TABLE_GROUPS, TABLE_BLOCKS, LARGE_GROUPS)
-    param_ptrs = list(map(_data_ptr, params))
-    grad_ptrs = list(map(_data_ptr, grads))
-    plan = _find_plan(layout, param_ptrs, exp_avgs)
-    if plan is not None and grad_ptrs != plan.grad_ptrs and not plan.set_grads(grads, grad_ptrs):
-        _PLANS.remove(plan)
-        plan = None
-    if plan is None:
-        plan = _build_plan(layout, param_ptrs, params, grads, exp_avgs, exp_avg_sqs, exp_avg_scales,
-                           exp_avg_sq_scales, rhos, cols)
-        states = [exp_avgs, exp_avg_sqs]
-        if quantized:
-            states += [exp_avg_scales, exp_avg_sq_scales]
-        if rhos is not None:
-            states.append(rhos)
-        plan.watch(states)
-        _PLANS.insert(0, plan)
-        del _PLANS[PLAN_CACHE_SIZE:]
-    elif _PLANS[0] is not plan:
-        _PLANS.remove(plan)
-        _PLANS.insert(0, plan)
+    sc = scalars
+    args = (sc.beta1, sc.beta2, sc.one_minus_beta1, sc.one_minus_beta2, sc.eps, sc.weight_decay, sc.decay,
+            sc.step_size, sc.inv_bias_correction2_sqrt)
+    scales = [exp_avg_scales, exp_avg_sq_scales] if exp_avg_scales is not None else None
+    _step_multi(ADAM, params, grads, [exp_avgs, exp_avg_sqs], scales, rhos, cols, args, companded=companded,
+                decoupled=sc.decoupled, nesterov=False, skipped=skipped)
 
-    if skipped is not None and (skipped.dtype != torch.int32 or skipped.device != device):
-        raise ValueError(f"flashdist: skipped must be an int32 tensor on {device}, got {skipped.dtype} on "
-                         f"{skipped.device}")
-    counter = plan.dummy if skipped is None else skipped
-    sc = (scalars.beta1, scalars.beta2, scalars.one_minus_beta1, scalars.one_minus_beta2, scalars.eps,
-          scalars.weight_decay, scalars.decay, scalars.step_size, scalars.inv_bias_correction2_sqrt)
-    for bucket in plan.buckets:
-        flags = dict(bucket.flags, COMPANDED=companded, DECOUPLED=scalars.decoupled,
-                     COUNT_SKIPPED=skipped is not None, EXACT=EXACT, FAST_DIV=not EXACT and not _INTERPRETED,
-                     num_warps=NUM_WARPS, enable_fp_fusion=False)
-        if bucket.items:
-            _adam_table_kernel[(bucket.items,)](bucket.work, bucket.tensors, plan.exp_avg_table, counter, *sc,
-                                                GROUPS=TABLE_GROUPS, **flags)
-        for _, grid, args, wide in bucket.large:
-            _adam_tensor_kernel[grid](*args[:7], plan.exp_avg_table, counter, *args[7:], *sc, GROUPS=LARGE_GROUPS,
-                                      WIDE=wide, **flags)
+
+def sgd_step_multi(params, grads, momentum_buffers, momentum_scales, rhos, *, cols, scalars: SGDScalars,
+                   companded: bool, skipped: torch.Tensor | None) -> None:
+    """``reference.sgd_step_`` on every tensor of the lists (``momentum_buffers`` None: no momentum), in one
+    launch per bucket; arguments as ``adam_step_multi``."""
+    sc = scalars
+    args = (sc.momentum_decay, sc.momentum, sc.momentum_gain, 0.0, 0.0, sc.weight_decay, sc.decay, sc.lr, 0.0)
+    moments = [momentum_buffers] if momentum_buffers is not None else []
+    scales = [momentum_scales] if momentum_scales is not None else None
+    _step_multi(SGD, params, grads, moments, scales, rhos, cols, args, companded=companded,
+                decoupled=sc.decoupled, nesterov=sc.nesterov, skipped=skipped)
+
+
+def lion_step_multi(params, grads, exp_avgs, exp_avg_scales, rhos, *, cols, scalars: LionScalars,
+                    companded: bool, skipped: torch.Tensor | None) -> None:
+    """``reference.lion_step_`` on every tensor of the lists, in one launch per bucket; arguments as
+    ``adam_step_multi``."""
+    sc = scalars
+    args = (sc.beta1, sc.beta2, sc.one_minus_beta1, sc.one_minus_beta2, 0.0, 0.0, sc.decay, sc.lr, 0.0)
+    scales = [exp_avg_scales] if exp_avg_scales is not None else None
+    _step_multi(LION, params, grads, [exp_avgs], scales, rhos, cols, args, companded=companded, decoupled=True,
+                nesterov=False, skipped=skipped)

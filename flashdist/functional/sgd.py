@@ -1,0 +1,56 @@
+"""Functional FlashSGD(W) step on lists of plain local tensors: the layer under the optimizer classes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..kernels import reference
+from ..kernels.scalars import SGDScalars
+from .backend import resolve_backend
+
+
+def flash_sgd(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    momentum_buffers: Sequence[torch.Tensor] | None,
+    momentum_scales: Sequence[torch.Tensor] | None,
+    rhos: Sequence[torch.Tensor] | None,
+    *,
+    cols: Sequence[int] | None,
+    lr: float,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool,
+    step: int,
+    decoupled: bool,
+    companded: bool = True,
+    skipped: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> None:
+    """One SGD step (``decoupled=False``: torch.optim.SGD, L2 weight decay added to the gradient) or SGDW
+    step, in place, on local tensors.
+
+    ``momentum_buffers`` is None without momentum; otherwise int8 codes with bf16 ``momentum_scales`` of
+    shape (rows, ceil(cols/32)) (``cols[i]`` the row length), or fp32 buffers when ``momentum_scales`` is
+    None. At ``step`` 1 the buffer becomes the gradient itself, as in torch.optim.SGD. ``rhos``, ``skipped``
+    and ``backend`` as in ``flash_adam``.
+    """
+    if not params:
+        return
+    scalars = SGDScalars.make(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                              nesterov=nesterov, step=step, decoupled=decoupled)
+    if resolve_backend(backend, params[0].device) == "triton":
+        from ..kernels.triton.fused import sgd_step_multi
+
+        sgd_step_multi(params, grads, momentum_buffers, momentum_scales, rhos, cols=cols, scalars=scalars,
+                       companded=companded, skipped=skipped)
+        return
+    for i, p in enumerate(params):
+        reference.sgd_step_(
+            p, grads[i], momentum_buffers[i] if momentum_buffers is not None else None,
+            momentum_scales[i] if momentum_scales is not None else None, rhos[i] if rhos is not None else None,
+            cols=cols[i] if cols is not None else None, scalars=scalars, companded=companded, skipped=skipped,
+        )
