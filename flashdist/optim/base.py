@@ -215,8 +215,9 @@ class FlashOptimizer(torch.optim.Optimizer):
 
     # ----- step ----------------------------------------------------------------------------------------
 
-    def _check_grads(self) -> list[list[torch.Tensor]]:
-        """All checks that can fail, before anything changes. Returns the parameters with a grad, per group.
+    def _check_grads(self) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+        """All checks that can fail, before anything changes. Returns the parameters with a grad and their
+        grads, per group.
 
         Cheap by design (it runs every step): torch itself refuses a gradient of another shape, so only the
         layout (sparse) and, for DTensor parameters, the gradient's placements are checked."""
@@ -239,7 +240,7 @@ class FlashOptimizer(torch.optim.Optimizer):
                     problem = D.grad_layout_problem(p, p.grad) if D.is_dtensor(p) else None
                     if problem:
                         raise RuntimeError(f"flashdist: {self._name(group, p)} {problem}")
-            active.append(with_grad)
+            active.append((with_grad, grads))
         return active
 
     @staticmethod
@@ -259,13 +260,13 @@ class FlashOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         active = self._check_grads()
-        for group, params in zip(self.param_groups, active):
-            self._step_params(group, params)
+        for group, (params, grads) in zip(self.param_groups, active):
+            self._step_params(group, params, grads)
         return loss
 
-    def _step_params(self, group: dict, params: list[torch.Tensor]) -> None:
-        """Step these parameters of ``group`` (all have a gradient): one functional call per bucket of one
-        layout and one step count.
+    def _step_params(self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor] | None = None) -> None:
+        """Step these parameters of ``group`` (all have a gradient; ``grads``: their ``.grad``, when the caller
+        has the list already): one functional call per bucket of one layout and one step count.
 
         The per-parameter bookkeeping (state lookups, local views, buckets) lives in a cached plan, so that a
         step over thousands of tensors costs a few list operations in Python: the plan is reused while the
@@ -293,8 +294,11 @@ class FlashOptimizer(torch.optim.Optimizer):
             return
         plan.step += 1
         for bucket in plan.buckets:
-            grads = list(map(_GRAD, params)) if bucket.everything else [params[i].grad for i in bucket.index]
-            self._step_bucket(group, bucket, grads, plan.step, self._skipped_counter(bucket.device))
+            if bucket.everything:
+                bucket_grads = grads if grads is not None else list(map(_GRAD, params))
+            else:
+                bucket_grads = [params[i].grad for i in bucket.index]
+            self._step_bucket(group, bucket, bucket_grads, plan.step, self._skipped_counter(bucket.device))
 
     def _step_bucket(self, group: dict, bucket: "_Bucket", grads: list[torch.Tensor], step: int,
                      skipped: torch.Tensor) -> None:
