@@ -1,4 +1,4 @@
-"""Gradient release: step each parameter as soon as its reduced gradient exists, then free the gradient.
+"""Gradient release: step parameters as soon as their reduced gradients exist, then free the gradients.
 
 Usage::
 
@@ -6,7 +6,7 @@ Usage::
     release = flashdist.enable_gradient_release(model, optimizer)
     for batch in loader:
         loss = model(batch).mean()
-        loss.backward()      # each parameter is stepped, and its gradient freed, during backward
+        loss.backward()      # the parameters are stepped, and their gradients freed, during backward
         optimizer.step()     # applies nothing new: it marks the end of the iteration (see below)
         scheduler.step()     # learning-rate schedulers keep working: the next backward reads group["lr"]
     release.remove()         # back to ordinary steps
@@ -16,17 +16,33 @@ instead of 7.125 (bf16 parameter 2, int8 rho 1, two 8-bit moments with their sca
 FSDP2 the unsharded gradients of one FSDP group still exist until their reduce-scatter, as without release.
 
 How it works. A ``register_post_accumulate_grad_hook`` on every trainable parameter of ``model`` that the
-optimizer holds. In one process the hook runs when autograd has finished accumulating that parameter's
-gradient; under FSDP2 (``fully_shard``) it runs on the sharded DTensor parameter right after the
-reduce-scatter (and, for HSDP, the all-reduce) wrote its gradient shard. The hook steps that one
-parameter with the same arithmetic as ``optimizer.step()`` and sets ``param.grad = None``. The result is
-the ordinary step's (bit for bit with the eager reference backend: every parameter is stepped on its own
-either way).
+optimizer holds records the parameter as pending once its gradient is final; pending parameters are
+stepped in batches, each batch with one call of the optimizer's multi-tensor step per param group (one
+fused launch plan, cached for that fixed list of parameters), after which their gradients are freed:
+
+- Under FSDP2 (``fully_shard``) the hooks run on the sharded DTensor parameters right after the
+  reduce-scatter (and, for HSDP, the all-reduce) of their FSDP parameter group wrote the gradient shards,
+  all of one group in one go. A batch is one FSDP group: it is stepped in the hook of the group's last
+  parameter, on the stream FSDP2 runs the hooks on, before FSDP2 records the event that the rest of the
+  step waits for. A group in which some parameter got no gradient is stepped when the next group's
+  gradients arrive, or at the end of backward. The gradient shards of one group are views of one
+  reduce-scatter buffer, which lives until the last of them is dropped: stepping the group together holds
+  no byte longer than stepping its parameters one by one did.
+- Parameters outside FSDP2 (one process) are stepped in arrival order in batches of about ``bucket_mb``
+  MiB of gradients (default 64; 0 steps each parameter on its own): at most one batch of gradients is
+  held beyond what stepping each parameter at once would hold.
+- At the end of every backward pass (a callback queued on autograd's engine by the first hook of that
+  pass, which runs after FSDP2's own end-of-backward work) whatever is still pending is stepped. So no
+  gradient outlives ``backward()``.
+
+The result is the ordinary step's: the same arithmetic on the same gradients, bit for bit with the eager
+reference backend (which steps tensor by tensor either way) and with the fused kernel (whose arithmetic
+is per element). ``handle.optimizer_calls`` counts the batches stepped.
 
 What ``optimizer.step()`` does while release is active: what it always does, step the parameters that
 hold a gradient. After a backward under release none does (parameters that are not in ``model`` or were
-added to the optimizer later are stepped there as usual). It also ends the iteration: a parameter may be
-stepped by release once per ``optimizer.step()`` call, which is how accumulation is detected.
+added to the optimizer later are stepped there as usual). It also ends the iteration: a parameter may
+receive one gradient per ``optimizer.step()`` call, which is how accumulation is detected.
 
 Incompatible, and refused where flashdist can see it:
 
@@ -51,6 +67,9 @@ Incompatible, and refused where flashdist can see it:
 """
 
 from __future__ import annotations
+
+import functools
+import operator
 
 import torch
 
@@ -104,36 +123,73 @@ def _remove_clip_guards(handle: "GradientRelease") -> None:
 _SCALER_ATTRS = ("grad_scale", "found_inf")
 
 
+_SINGLE = -1  # the batch of parameters outside any FSDP2 group
+
+
+class _Batch:
+    """Parameters whose final gradients arrived and that are not stepped yet: one FSDP2 group's, or a
+    bucket of parameters outside FSDP2."""
+
+    __slots__ = ("params", "count", "nbytes", "streams")
+
+    def __init__(self):
+        self.params: dict[int, list[torch.Tensor]] = {}  # index of the param group -> params, arrival order
+        self.count = 0
+        self.nbytes = 0
+        self.streams: list = []  # CUDA streams the hooks ran on (where the gradients were written)
+
+
 class GradientRelease:
     """Handle returned by :func:`enable_gradient_release`. ``remove()`` (or leaving a ``with`` block)
-    unregisters every hook and restores ordinary steps; ``active`` says whether release is on."""
+    unregisters every hook and restores ordinary steps; ``active`` says whether release is on;
+    ``optimizer_calls`` counts the batched optimizer calls issued so far (one per FSDP2 group and param
+    group per backward, under FSDP2)."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: FlashOptimizer):
+    def __init__(self, model: torch.nn.Module, optimizer: FlashOptimizer, bucket_mb: float = 64.0):
         if not isinstance(optimizer, FlashOptimizer):
             raise TypeError(f"flashdist: enable_gradient_release needs a flashdist optimizer (FlashAdamW, "
                             f"FlashAdam, ...), got {type(optimizer).__name__}")
         if getattr(optimizer, "_gradient_release", None) is not None:
             raise RuntimeError("flashdist: gradient release is already enabled for this optimizer; call "
                                "remove() on its handle before enabling it again")
+        if (not isinstance(bucket_mb, (int, float)) or isinstance(bucket_mb, bool) or not bucket_mb >= 0
+                or bucket_mb == float("inf")):
+            raise ValueError(f"flashdist: bucket_mb must be a finite number >= 0, got {bucket_mb!r}")
         _refuse_late_reducing_wrappers(model)
-        owner: dict[int, dict] = {}
-        for group in optimizer.param_groups:
+        owner: dict[int, tuple[dict, int]] = {}
+        for index, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
-                owner[id(p)] = group
+                owner[id(p)] = (group, index)
         self._optimizer = optimizer
         self._params: dict[int, tuple[torch.Tensor, dict, str]] = {}
+        self._group_index: dict[int, int] = {}
         for name, p in model.named_parameters():
-            group = owner.get(id(p))
-            if group is None or not p.requires_grad:
+            found = owner.get(id(p))
+            if found is None or not p.requires_grad:
                 continue  # not this optimizer's, or frozen: nothing for a hook to do
             if p.grad is not None:
                 raise RuntimeError(f"flashdist: parameter '{name}' holds a gradient; release steps each "
                                    "gradient as it arrives, so call optimizer.zero_grad() before enabling it")
-            self._params[id(p)] = (p, group, name)
+            self._params[id(p)] = (p, found[0], name)
+            self._group_index[id(p)] = found[1]
         if not self._params:
             raise ValueError("flashdist: enable_gradient_release found no trainable parameter of the model "
                              "in the optimizer; build the optimizer from model.parameters()")
-        self._stepped: set[int] = set()
+        units = _fsdp_units(model)
+        self._unit_of = {pid: units.get(pid, _SINGLE) for pid in self._params}
+        self._expected: dict[int, int] = {}  # FSDP2 group -> released parameters it reduces
+        for unit in self._unit_of.values():
+            self._expected[unit] = self._expected.get(unit, 0) + 1
+        self._bucket_bytes = int(bucket_mb * 2**20)
+        self._pending: dict[int, _Batch] = {}
+        self._open: int | None = None  # the FSDP2 group whose gradients arrived last and are pending
+        self._seen: set[int] = set()  # parameters that received their gradient since optimizer.step()
+        self._queued: set[int] = set()  # autograd graph tasks whose end-of-backward callback is queued
+        self._lists: dict[tuple[int, int], list[torch.Tensor]] = {}  # last list stepped per (unit, group)
+        self.optimizer_calls = 0
+        # Plans cached by earlier ordinary steps bind the parameters' step counters to their own lists;
+        # release steps other lists, so start (and end, in remove()) from fresh plans.
+        optimizer._invalidate_plans()
         self._handles = [p.register_post_accumulate_grad_hook(self._on_gradient)
                          for p, _, _ in self._params.values()]
         self._handles.append(optimizer.register_step_pre_hook(self._on_optimizer_step))
@@ -151,10 +207,16 @@ class GradientRelease:
         """Unregister the hooks; later backward passes leave gradients for ``optimizer.step()`` again."""
         for handle in self._handles:
             handle.remove()
+        was_active = bool(self._handles)
         self._handles = []
-        self._stepped.clear()
+        self._seen.clear()
+        self._pending.clear()  # only after a failed backward: those parameters keep their gradients
+        self._open = None
+        self._lists.clear()
         _remove_clip_guards(self)
         opt = self._optimizer
+        if was_active:
+            opt._invalidate_plans()
         if getattr(opt, "_gradient_release", None) is self:
             opt._gradient_release = None
             vars(opt).pop("_step_supports_amp_scaling", None)
@@ -168,11 +230,12 @@ class GradientRelease:
     # ----- hooks ---------------------------------------------------------------------------------------
 
     def _on_gradient(self, p: torch.Tensor) -> None:
-        entry = self._params.get(id(p))
+        pid = id(p)
+        entry = self._params.get(pid)
         if entry is None or p.grad is None:
             return
-        _, group, name = entry
-        if id(p) in self._stepped:
+        name = entry[2]
+        if pid in self._seen:
             raise RuntimeError(
                 f"flashdist: parameter '{name}' received a second gradient before optimizer.step(). Gradient "
                 "accumulation cannot be combined with gradient release: each backward pass already stepped "
@@ -188,11 +251,88 @@ class GradientRelease:
         problem = D.grad_layout_problem(p, grad)
         if problem:
             raise RuntimeError(f"flashdist: parameter '{name}' {problem}")
+        self._seen.add(pid)
+
+        task = torch._C._current_graph_task_id()
+        if task >= 0 and task not in self._queued:
+            # Step whatever is still pending at the end of this backward pass. FSDP2 queues its own
+            # end-of-backward callback (which reduces the groups whose reduce-scatter had not run, e.g. the
+            # root's) before any gradient exists, and callbacks run in order, so this one runs after it.
+            torch.autograd.Variable._execution_engine.queue_callback(
+                functools.partial(self._end_of_backward, task))
+            self._queued.add(task)
+
+        unit = self._unit_of[pid]
+        if unit != _SINGLE and self._open is not None and self._open != unit:
+            # FSDP2 runs the hooks of one group together: another group's gradients mean that the previous
+            # group's reduce is over, whatever it still lacks will not come in this pass.
+            self._flush(self._open)
+        batch = self._pending.get(unit)
+        if batch is None:
+            batch = self._pending[unit] = _Batch()
+        batch.params.setdefault(self._group_index[pid], []).append(p)
+        batch.count += 1
+        local = D.local(grad)
+        if local.is_cuda:
+            stream = torch.cuda.current_stream(local.device)
+            if stream not in batch.streams:
+                batch.streams.append(stream)
+        if unit != _SINGLE:
+            if batch.count == self._expected[unit]:
+                self._flush(unit)
+            else:
+                self._open = unit
+        else:
+            batch.nbytes += local.numel() * local.element_size()
+            if batch.nbytes >= self._bucket_bytes:
+                self._flush(unit)
+        if task < 0:  # a hook outside autograd's backward (no end-of-backward callback): step now
+            self._flush_all()
+
+    def _end_of_backward(self, task: int) -> None:
+        self._queued.discard(task)
+        if self._handles:
+            self._flush_all()
+
+    def _flush_all(self) -> None:
+        for unit in list(self._pending):
+            self._flush(unit)
+
+    def _flush(self, unit: int) -> None:
+        """Step the pending parameters of ``unit``: one optimizer call per param group; free their grads."""
+        batch = self._pending.pop(unit, None)
+        if self._open == unit:
+            self._open = None
+        if batch is None:
+            return
+        opt = self._optimizer
+        params_by_group = sorted(batch.params.items())
+        if batch.streams:
+            # Run on the current stream, after the work that wrote the gradients; tell the caching
+            # allocator that the gradients, allocated on their stream, are read on this one too.
+            current = torch.cuda.current_stream(batch.streams[0].device)
+            others = [stream for stream in batch.streams if stream != current]
+            for stream in others:
+                current.wait_stream(stream)
+            if others:
+                for _, params in params_by_group:
+                    for p in params:
+                        D.local(p.grad).record_stream(current)
         with torch.no_grad():
-            self._optimizer._check_hyperparameters(group)
-            self._optimizer._step_params(group, [p])
-        p.grad = None
-        self._stepped.add(id(p))
+            for index, params in params_by_group:
+                group = opt.param_groups[index]
+                last = self._lists.get((unit, index))
+                if last is not None and (len(last) != len(params) or any(map(operator.is_not, last, params))):
+                    # Another list than last time (a parameter that had a gradient then has none now, or
+                    # the reverse): the optimizer's plan cached for the old list would keep stepping its
+                    # own copy of the step counters, so let every plan be rebuilt from the state.
+                    opt._invalidate_plans()
+                self._lists[(unit, index)] = params
+                opt._check_hyperparameters(group)
+                opt._step_params(group, params)
+                self.optimizer_calls += 1
+                for p in params:
+                    p.grad = None
 
     def _on_optimizer_step(self, optimizer, args, kwargs) -> None:
         scaler_attrs = [a for a in _SCALER_ATTRS if a in vars(optimizer)]
@@ -204,7 +344,8 @@ class GradientRelease:
                 "backward, before the scaler can unscale or check the gradients, so the parameters were "
                 "updated with scaled gradients. Train in bf16 without a GradScaler, or remove() the release "
                 "handle and restart from a checkpoint.")
-        self._stepped.clear()
+        self._flush_all()  # nothing is pending after a completed backward; after a failed one, step them
+        self._seen.clear()
 
 
 def _refuse_late_reducing_wrappers(model: torch.nn.Module) -> None:
@@ -223,9 +364,64 @@ def _refuse_late_reducing_wrappers(model: torch.nn.Module) -> None:
                             "after release would have stepped them; shard with FSDP2 (fully_shard) instead")
 
 
-def enable_gradient_release(model: torch.nn.Module, optimizer: FlashOptimizer) -> GradientRelease:
+# ----- which FSDP2 unit reduces each parameter ---------------------------------------------------------
+
+
+def _fsdp_units(model: torch.nn.Module) -> dict[int, int]:
+    """``id(param) -> unit`` for every parameter that an FSDP2 parameter group (one ``fully_shard`` call,
+    one reduce-scatter) manages; units are numbered from 0. Parameters outside FSDP2 are absent.
+
+    FSDP2's own record (``state._fsdp_param_groups``, ``_fsdp_param_group`` before torch 2.12) is the
+    authority; where it is missing the module structure gives the same answer (a parameter belongs to the
+    innermost ``fully_shard`` module above it). A wrong answer would only delay steps, never change them:
+    every pending parameter is stepped by the end of backward at the latest."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return {}
+    fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not fsdp_modules:
+        return {}
+    unit_of: dict[int, int] = {}
+    try:
+        groups, seen = [], set()
+        for module in fsdp_modules:
+            state = module._get_fsdp_state()
+            found = getattr(state, "_fsdp_param_groups", None)
+            if found is None:
+                one = state._fsdp_param_group
+                found = [one] if one is not None else []
+            for pg in found:
+                if id(pg) not in seen:
+                    seen.add(id(pg))
+                    groups.append(pg)
+        for unit, pg in enumerate(groups):
+            for fsdp_param in pg.fsdp_params:
+                unit_of[id(fsdp_param.sharded_param)] = unit
+        return unit_of
+    except (AttributeError, AssertionError, TypeError):  # private API moved: derive it from the modules
+        unit_of.clear()
+    index = {id(m): i for i, m in enumerate(fsdp_modules)}
+
+    def walk(module: torch.nn.Module, unit: int | None) -> None:
+        unit = index.get(id(module), unit)
+        if unit is not None:
+            for p in module.parameters(recurse=False):
+                unit_of.setdefault(id(p), unit)
+        for child in module.children():
+            walk(child, unit)
+
+    walk(model, None)
+    return unit_of
+
+
+def enable_gradient_release(model: torch.nn.Module, optimizer: FlashOptimizer, *,
+                            bucket_mb: float = 64.0) -> GradientRelease:
     """Step every trainable parameter of ``model`` held by ``optimizer`` as soon as its (reduced) gradient
     exists, and free that gradient: single process, or with ``model`` sharded by FSDP2's ``fully_shard``.
+    Parameters are stepped in batches: under FSDP2 one batch per FSDP group, right after its reduce-scatter;
+    outside FSDP2 batches of about ``bucket_mb`` MiB of gradients (0: one parameter per batch); whatever is
+    pending at the end of backward is stepped then.
 
     Returns a :class:`GradientRelease` handle; ``handle.remove()`` restores ordinary steps. Keep calling
     ``optimizer.step()`` once per iteration: it ends the iteration (a second backward before it raises,
@@ -233,4 +429,4 @@ def enable_gradient_release(model: torch.nn.Module, optimizer: FlashOptimizer) -
     ``torch.amp.GradScaler`` are incompatible and refused with a clear error; see
     :mod:`flashdist.gradient_release`.
     """
-    return GradientRelease(model, optimizer)
+    return GradientRelease(model, optimizer, bucket_mb)

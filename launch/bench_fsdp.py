@@ -1,5 +1,6 @@
 """FSDP2 training benchmark: per-rank peak memory, persistent bytes per parameter and step time of a
-Llama-shaped model with FlashAdamW (24-bit; and with gradient release), torch.optim.AdamW with fp32 master
+Llama-shaped model with FlashAdamW (24-bit; and with gradient release, which steps each FSDP group with one
+batched optimizer call right after its reduce-scatter), torch.optim.AdamW with fp32 master
 weights (fp32 parameters + bf16 compute through MixedPrecisionPolicy) and, when importable, flashoptim.
 
     torchrun --standalone --nproc_per_node=2 launch/bench_fsdp.py --model 1b --out runs/fsdp.json
@@ -64,22 +65,36 @@ def run_case(case, cfg, args, device, rank):
     model, opt, release = build(case, cfg, device, args.cpu)
     g = torch.Generator(device="cpu").manual_seed(rank)
     x = torch.randint(0, cfg.vocab, (args.batch, args.seq + 1), generator=g).to(device)
-    times, losses, report = [], [], None
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times, losses, report, phases = [], [], None, []
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     for i in range(args.warmup + args.steps):
-        if i == args.warmup and device.type == "cuda":
+        if i == args.warmup and cuda:
             torch.cuda.reset_peak_memory_stats()
+        # GPU time of forward, backward (with release: the steps of the FSDP groups too) and step + zero_grad,
+        # from events on the compute stream: no synchronization between the phases
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if cuda else []
         sync()
         t0 = time.perf_counter()
+        if events:
+            events[0].record()
         loss = model(x[:, :-1], x[:, 1:])
+        if events:
+            events[1].record()
         loss.backward()
+        if events:
+            events[2].record()
         if report is None:
             report = flashdist.memory_report(opt)  # before the step: gradients held (none under release)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if events:
+            events[3].record()
         sync()
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
+            if events:
+                phases.append([events[k].elapsed_time(events[k + 1]) for k in range(3)])
         losses.append(loss.item())
     after_step = flashdist.memory_report(opt)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
@@ -90,13 +105,75 @@ def run_case(case, cfg, args, device, rank):
            "step_ms_median": 1e3 * statistics.median(times), "step_ms_min": 1e3 * min(times),
            "peak_gib_rank0": peak, "persistent_bytes_per_param": persistent, "memory_report": report,
            "first_loss": losses[0], "last_loss": losses[-1]}
+    if phases:
+        for k, name in enumerate(("forward", "backward", "optimizer")):  # optimizer: step() + zero_grad()
+            row[f"{name}_ms_median"] = statistics.median(ph[k] for ph in phases)
     if release is not None:
+        # batched optimizer calls per iteration: one per FSDP group and param group (not one per parameter)
+        row["release_calls_per_step"] = release.optimizer_calls / (args.warmup + args.steps)
         release.remove()
     del model, opt
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
+
+
+class _CheckNet(torch.nn.Module):
+    """For --check: every parameter gets a gradient; 'big' is large enough that its local shard takes the
+    fused kernel's per-tensor launch, the others its table launch; 1-D parameters keep fp32 moments."""
+
+    def __init__(self, div: int = 1):  # div > 1: every width divided, for a CPU smoke run
+        super().__init__()
+        torch.manual_seed(0)
+        n = 16384 // div
+        self.inp = torch.nn.Linear(1024, 8192 // div)
+        self.big = torch.nn.Linear(8192 // div, n, bias=False)  # 134 M: 67 M per rank on 2 ranks
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(n, 512), torch.nn.Tanh(),
+                                                              torch.nn.Linear(512, n)) for _ in range(2))
+        self.norm = torch.nn.LayerNorm(n)
+
+    def forward(self, x):
+        x = self.big(torch.tanh(self.inp(x)))
+        for block in self.blocks:
+            x = x + block(x)
+        return self.norm(x).float().pow(2).mean()
+
+
+def check_release_exact(device: torch.device, rank: int, steps: int = 3) -> dict:
+    """Train the same model twice, FlashAdamW with and without gradient release, on the same batches, and
+    compare every local parameter and state tensor bit for bit. Deterministic algorithms are requested,
+    so that the two backward passes produce the same gradients."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    runs = []
+    for release in (False, True):
+        model = _CheckNet(1 if device.type == "cuda" else 32).to(device=device, dtype=torch.bfloat16)
+        for module in (model.inp, model.big, *model.blocks):
+            fully_shard(module)
+        fully_shard(model)
+        opt = flashdist.FlashAdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+        handle = flashdist.enable_gradient_release(model, opt) if release else None
+        g = torch.Generator(device="cpu").manual_seed(1 + rank)
+        for _ in range(steps):
+            model(torch.randn(64, 1024, generator=g).to(device, torch.bfloat16)).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        tensors = []
+        for p in model.parameters():
+            tensors.append(p.to_local() if hasattr(p, "to_local") else p)
+            for value in opt.state[p].values():
+                tensors.append(value.to_local() if hasattr(value, "to_local") else value)
+        runs.append([t.detach().clone() for t in tensors])
+        calls = handle.optimizer_calls / steps if handle is not None else None
+        if handle is not None:
+            handle.remove()
+        del model, opt
+    differ = torch.tensor([sum(not torch.equal(a, b) for a, b in zip(*runs)), len(runs[0])], device=device)
+    dist.all_reduce(differ)
+    torch.use_deterministic_algorithms(False)
+    return {"tensors_differing": int(differ[0]), "tensors": int(differ[1]), "release_calls_per_step": calls}
 
 
 def main() -> None:
@@ -109,7 +186,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--cpu", action="store_true", help="gloo on the CPU (smoke runs)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--check", action="store_true",
+                    help="first check that gradient release gives bit-identical parameters and state")
     args = ap.parse_args()
+    if args.check:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, before its init
     cuda = torch.cuda.is_available() and not args.cpu
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -117,6 +198,14 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     cfg = LlamaConfig.named(args.model)
+    check = None
+    if args.check:
+        check = check_release_exact(device, rank)
+        if rank == 0:
+            print(json.dumps({"release_exactness_check": check}), flush=True)
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
     rows = []
     for case in args.cases:
         try:
@@ -141,9 +230,27 @@ def main() -> None:
             rel = f"{r['step_ms_median'] / base['step_ms_median']:.2f}x" if base else "-"
             print(f"| {r['case']} | {r['persistent_bytes_per_param']:.2f} | {r['peak_gib_rank0']:.1f} | "
                   f"{r['step_ms_median']:.1f} | {rel} |")
+        if any("backward_ms_median" in r for r in rows):
+            print("\nGPU time per phase, median (events on the compute stream; under release the backward")
+            print("includes the steps of the FSDP groups):")
+            print("| optimizer | forward ms | backward ms | step() + zero_grad() ms | iteration ms, min |")
+            print("|---|---|---|---|---|")
+            for r in rows:
+                if "backward_ms_median" in r:
+                    print(f"| {r['case']} | {r['forward_ms_median']:.1f} | {r['backward_ms_median']:.1f} | "
+                          f"{r['optimizer_ms_median']:.1f} | {r['step_ms_min']:.1f} |")
+        flash = {r["case"]: r for r in rows if "error" not in r}
+        if "flash_24bit" in flash and "flash_24bit_release" in flash:
+            a, b = flash["flash_24bit"], flash["flash_24bit_release"]
+            same = (a["first_loss"], a["last_loss"]) == (b["first_loss"], b["last_loss"])
+            why = "equal" if same else ("not equal: the attention backward is not deterministic; --check "
+                                        "compares release bit for bit on an MLP")
+            print(f"\nrelease: {b['release_calls_per_step']:g} optimizer calls per step; last loss "
+                  f"{b['last_loss']:.6f} vs {a['last_loss']:.6f} without release ({why})")
         if args.out:
             meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "world": world,
-                    "device": torch.cuda.get_device_name() if cuda else "cpu", "args": vars(args)}
+                    "device": torch.cuda.get_device_name() if cuda else "cpu", "args": vars(args),
+                    "release_exactness_check": check}
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     dist.destroy_process_group()

@@ -1,5 +1,7 @@
 """Gradient release, in one process and under FSDP2: the same result as the ordinary step, gradients freed
-during backward, remove() restoring ordinary steps, and the refusals (accumulation, GradScaler)."""
+during backward, parameters stepped in batches (one optimizer call per FSDP2 group and param group, or per
+bucket of gradients in one process), remove() restoring ordinary steps, and the refusals (accumulation,
+GradScaler, clipping, DDP)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,9 @@ import copy
 import pytest
 import torch
 from harness import run_ranks
-from sharding_cases import assert_bitwise_equal, make_mixed_net, make_optimizer, shard_mixed_net, snapshot
+from sharding_cases import (OPTIMIZERS, MixedNet, assert_bitwise_equal, make_mixed_net, make_optimizer,
+                            shard_mixed_net, snapshot)
+from torch import nn
 
 import flashdist
 from flashdist import enable_gradient_release
@@ -37,6 +41,64 @@ def _train(model, optimizer, *, release: bool, rank: int = 0, steps: int = STEPS
         handle.remove()
 
 
+class GatedNet(MixedNet):
+    """MixedNet whose ``cube`` takes part only while ``use_cube``: a parameter that has a gradient in some
+    iterations and none in others (its optimizer step count falls behind the others')."""
+
+    use_cube = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.uneven(x))
+        extra = self.few.sum(1).sum() + self.gain[:7].sum() * 0.1
+        if self.use_cube:
+            extra = extra + self.cube.mean()
+        h = (h + extra * 0.01) * self.gain[:7]
+        return self.head(h.float()).sum(-1)
+
+
+def make_gated_net() -> GatedNet:
+    model = make_mixed_net()
+    model.__class__ = GatedNet  # same parameters, same initial values
+    return model
+
+
+def _train_gated(model, optimizer, *, release: bool, rank: int = 0, steps: int = 4) -> None:
+    """cube used at steps 0, 2, 3 only. The reference (ordinary step) drops the optimizer's cached plans
+    before each step: a plan reused after another list of parameters stepped some of its parameters keeps
+    its own copy of their step counts (flashdist/optim/base.py), which release must not inherit."""
+    handle = enable_gradient_release(model, optimizer) if release else None
+    for step in range(steps):
+        model.use_cube = step != 1
+        _loss(model, step, rank).backward()
+        if release:
+            assert all(p.grad is None for p in model.parameters()), "release left a gradient behind"
+        else:
+            optimizer._invalidate_plans()
+        optimizer.step()
+        optimizer.zero_grad()
+    if handle is not None:
+        handle.remove()
+
+
+def spy_calls(optimizer) -> list[list[str]]:
+    """Record the names of the parameters of every non-empty ``_step_params`` call (the batched optimizer
+    call) and, after each name list, whether every other trainable parameter held no gradient then."""
+    calls: list = []
+    original = optimizer._step_params
+    names = {id(p): n for g in optimizer.param_groups for n, p in zip(g["param_names"], g["params"])}
+    every = [p for g in optimizer.param_groups for p in g["params"]]
+
+    def spy(group, params, *args, **kwargs):
+        if params:
+            stepped = {id(p) for p in params}
+            held = sorted(names[id(p)] for p in every if p.grad is not None and id(p) not in stepped)
+            calls.append((sorted(names[id(p)] for p in params), held))
+        return original(group, params, *args, **kwargs)
+
+    optimizer._step_params = spy
+    return calls
+
+
 @pytest.fixture
 def pair():
     """The same model and optimizer twice."""
@@ -52,6 +114,81 @@ def test_release_matches_ordinary_step_bitwise(pair):
     _train(ref, ref_optimizer, release=False)
     assert_bitwise_equal(snapshot(model, optimizer), snapshot(ref, ref_optimizer), "release vs ordinary step")
     assert int(optimizer.state[model.uneven.weight]["step"]) == STEPS
+
+
+@pytest.mark.parametrize("config", sorted(OPTIMIZERS))
+def test_release_matches_ordinary_step_for_every_optimizer(config):
+    model, ref = make_mixed_net(), make_mixed_net()
+    optimizer, ref_optimizer = make_optimizer(model, config), make_optimizer(ref, config)
+    _train(model, optimizer, release=True)
+    _train(ref, ref_optimizer, release=False)
+    assert_bitwise_equal(snapshot(model, optimizer), snapshot(ref, ref_optimizer), f"{config}: release")
+
+
+def test_one_process_steps_one_batch_per_param_group(pair):
+    """Small model, default bucket: the whole backward is one batch, one optimizer call per param group,
+    stepped by the end-of-backward callback; frozen and unused parameters are not in it."""
+    (model, optimizer), _ = pair
+    calls = spy_calls(optimizer)
+    handle = enable_gradient_release(model, optimizer)
+    for step in range(2):
+        calls.clear()
+        _loss(model, step).backward()
+        assert sorted(c[0] for c in calls) == [["cube", "few"], ["gain", "head.bias", "head.weight", "uneven.bias",
+                                                                 "uneven.weight"]]
+        assert handle.optimizer_calls == 2 * (step + 1)
+        assert all(p.grad is None for p in model.parameters())
+        optimizer.step()
+    handle.remove()
+
+
+@pytest.mark.parametrize("bucket_mb", [0, 600 / 2**20], ids=["per-parameter", "600-bytes"])
+def test_one_process_buckets_bound_the_gradients_held(pair, bucket_mb):
+    """With a small bucket the gradients are stepped and freed during backward, in several calls: whenever a
+    batch is stepped, the gradients held in all (that batch included) are under one bucket plus the one
+    gradient that filled it; the result is the ordinary step's, bit for bit."""
+    (model, optimizer), (ref, ref_optimizer) = pair
+    calls = spy_calls(optimizer)
+    sizes = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
+    handle = enable_gradient_release(model, optimizer, bucket_mb=bucket_mb)
+    for step in range(STEPS):
+        calls.clear()
+        _loss(model, step).backward()
+        stepped = [n for names, _ in calls for n in names]
+        assert sorted(stepped) == sorted(n for n, p in model.named_parameters()
+                                         if p.requires_grad and n != "unused"), "each parameter once"
+        if bucket_mb == 0:
+            assert all(len(names) == 1 and not held for names, held in calls), calls
+        else:
+            assert len(calls) >= 3, calls
+            largest = max(sizes.values())
+            for names, held in calls:  # one batch: under a bucket, plus the gradient that filled it
+                assert sum(sizes[n] for n in names + held) < 600 + largest, (names, held)
+        optimizer.step()
+        optimizer.zero_grad()
+    handle.remove()
+    _train(ref, ref_optimizer, release=False)
+    assert_bitwise_equal(snapshot(model, optimizer), snapshot(ref, ref_optimizer), "bucketed release")
+
+
+def test_parameter_without_gradient_in_some_steps():
+    """A parameter that skips a step falls one step count behind the others, as with the ordinary step; the
+    batch that lacks it is another list of parameters, whose stepping must not disturb the step counts."""
+    model, ref = make_gated_net(), make_gated_net()
+    optimizer = make_optimizer(model, "adamw-24bit-companded")
+    ref_optimizer = make_optimizer(ref, "adamw-24bit-companded")
+    _train_gated(model, optimizer, release=True)
+    _train_gated(ref, ref_optimizer, release=False)
+    assert_bitwise_equal(snapshot(model, optimizer), snapshot(ref, ref_optimizer), "gated release")
+    assert int(optimizer.state[model.cube]["step"]) == 3 and int(optimizer.state[model.few]["step"]) == 4
+
+
+def test_refuses_bad_bucket_size(pair):
+    (model, optimizer), _ = pair
+    for bad in (-1, float("nan"), float("inf"), "8", True):
+        with pytest.raises(ValueError, match="bucket_mb"):
+            enable_gradient_release(model, optimizer, bucket_mb=bad)
+    enable_gradient_release(model, optimizer, bucket_mb=0).remove()
 
 
 def test_remove_restores_ordinary_steps(pair):
@@ -160,9 +297,16 @@ def _fsdp2_release(rank: int, world_size: int, mesh_shape: tuple[int, ...]):
     optimizer = make_optimizer(model, "adamw-24bit-companded")
     ref_optimizer = make_optimizer(ref, "adamw-24bit-companded")
 
-    # the hook fires on the sharded parameter with its reduced gradient (after the reduce-scatter and, for
-    # HSDP, the all-reduce across replicas): the same result as the ordinary step
+    # the hooks fire on the sharded parameters with their reduced gradients (after the reduce-scatter and,
+    # for HSDP, the all-reduce across replicas): the same result as the ordinary step. One optimizer call per
+    # FSDP group and param group: the head group (param group 0), the root group's part of param group 0
+    # (its 'unused' parameter gets no gradient, so the root is stepped at the end of backward) and of 1
+    calls = spy_calls(optimizer)
     _train(model, optimizer, release=True, rank=rank)
+    assert sorted(names for names, _ in calls) == sorted(STEPS * [["head.bias", "head.weight"], ["cube", "few"],
+                                                                 ["gain", "uneven.bias", "uneven.weight"]]), calls
+    assert all(not held for names, held in calls if names[0] == "head.bias"), "the head group is stepped first"
+    del optimizer._step_params
     _train(ref, ref_optimizer, release=False, rank=rank)
     assert_bitwise_equal(snapshot(model, optimizer), snapshot(ref, ref_optimizer), "FSDP2 release vs ordinary")
 
@@ -186,6 +330,79 @@ def _fsdp2_release(rank: int, world_size: int, mesh_shape: tuple[int, ...]):
     else:
         raise AssertionError("a second backward without optimizer.step() was not refused")
     handle.remove()
+
+
+class Stack(nn.Module):
+    """Three layers, each its own FSDP group, and a root parameter: every parameter gets a gradient."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.layers = nn.ModuleList(nn.Linear(40, 40) for _ in range(3))
+        self.scale = nn.Parameter(torch.rand(40) + 0.5)
+        self.to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return (x * self.scale).float().sum(-1)
+
+
+def _sharded_stack(mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    model = Stack()
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    # a param group split across the FSDP groups: weights and 'scale' in one, biases in the other
+    named = list(model.named_parameters())
+    optimizer = flashdist.FlashAdamW([{"params": [(n, p) for n, p in named if not n.endswith("bias")]},
+                                      {"params": [(n, p) for n, p in named if n.endswith("bias")], "lr": 3e-2}],
+                                     lr=1e-2, weight_decay=0.1, backend="reference")
+    return model, optimizer
+
+
+def _fsdp2_batches(rank: int, world_size: int):
+    """Each FSDP group is stepped, one call per param group, as soon as its reduce-scatter is done: while a
+    group is stepped no other group holds a gradient. Parameters that get a gradient in some iterations
+    only (GatedNet) step correctly."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    (model, optimizer), (ref, ref_optimizer) = _sharded_stack(mesh), _sharded_stack(mesh)
+    calls = spy_calls(optimizer)
+    handle = enable_gradient_release(model, optimizer)
+    for step in range(STEPS):
+        calls.clear()
+        _loss(model, step, rank).backward()
+        assert all(p.grad is None for p in model.parameters())
+        # (FSDP2 reduces layers.0, whose input needs no gradient, in its end-of-backward callback)
+        assert sorted(names for names, _ in calls) == [
+            ["layers.0.bias"], ["layers.0.weight"], ["layers.1.bias"], ["layers.1.weight"], ["layers.2.bias"],
+            ["layers.2.weight"], ["scale"]], calls
+        for names, held in calls:  # only the same FSDP group's other param group may still hold gradients
+            assert all(h.split(".")[:2] == names[0].split(".")[:2] for h in held), (names, held)
+        optimizer.step()
+        optimizer.zero_grad()
+    assert handle.optimizer_calls == 7 * STEPS
+    handle.remove()
+    del optimizer._step_params
+    _train(ref, ref_optimizer, release=False, rank=rank)
+    assert_bitwise_equal(snapshot(model, optimizer), snapshot(ref, ref_optimizer), "FSDP2 stack release")
+
+    gated, gated_ref = (shard_mixed_net(make_gated_net(), mesh) for _ in range(2))
+    gated_optimizer = make_optimizer(gated, "adamw-24bit-companded")
+    gated_ref_optimizer = make_optimizer(gated_ref, "adamw-24bit-companded")
+    _train_gated(gated, gated_optimizer, release=True, rank=rank)
+    _train_gated(gated_ref, gated_ref_optimizer, release=False, rank=rank)
+    assert_bitwise_equal(snapshot(gated, gated_optimizer), snapshot(gated_ref, gated_ref_optimizer),
+                         "FSDP2 gated release")
+
+
+@pytest.mark.slow
+def test_fsdp2_release_steps_one_batch_per_group():
+    run_ranks(_fsdp2_batches, 2)
 
 
 @pytest.mark.slow
