@@ -406,3 +406,21 @@ def test_master_weight_of_unknown_tensor():
     opt = FlashAdamW([_param()])
     with pytest.raises(KeyError, match="not a parameter"):
         opt.master_weight(torch.zeros(2))
+
+
+def test_step_counts_follow_each_parameter_when_the_set_with_grads_changes():
+    """Steps over [a, b], [a], [a, b]: a has taken 3 steps and b 2, as with torch.optim.AdamW (bias
+    corrections by each parameter's own count), whichever cached step plans were used."""
+    torch.manual_seed(0)
+    a, b = (torch.nn.Parameter(torch.randn(4, 64)) for _ in range(2))
+    ra, rb = (torch.nn.Parameter(t.detach().double().clone()) for t in (a, b))
+    opt = FlashAdamW([a, b], lr=1e-2, quantize_states=False, master_weight_bits=32)
+    ref = torch.optim.AdamW([ra, rb], lr=1e-2, foreach=False)
+    for with_grad in ([a, b], [a], [a, b], [b], [a, b]):
+        for p, r in ((a, ra), (b, rb)):
+            p.grad = torch.randn_like(p) if any(p is q for q in with_grad) else None
+            r.grad = p.grad.double() if p.grad is not None else None
+        opt.step()
+        ref.step()
+    assert int(opt.state[a]["step"]) == 4 and int(opt.state[b]["step"]) == 4
+    assert torch.allclose(a.double(), ra, atol=1e-6) and torch.allclose(b.double(), rb, atol=1e-6)

@@ -71,6 +71,7 @@ class FlashOptimizer(torch.optim.Optimizer):
         self.state_dict_format = state_dict_format
         self.skipped = None  # int32 counter of skipped (non-finite) groups, on the parameters' device
         self._plans: dict[tuple, _Plan] = {}
+        self._plan_keys: dict[int, tuple] = {}  # id(param) -> key of the plan that holds its step counter
         self._dtensor_groups: set[int] = set()  # ids of param groups that hold DTensor parameters
         super().__init__(params, defaults)
 
@@ -280,6 +281,13 @@ class FlashOptimizer(torch.optim.Optimizer):
                 if not self._state_ready(p, group):
                     self._init_state(p, group)
             plan = self._plans[key] = _Plan(self, group, params)
+            # A parameter's step counter lives in the plan that last took it: a plan that held it before
+            # (another list of parameters with gradients) keeps a stale copy, so it must not be reused.
+            for p in params:
+                old = self._plan_keys.get(id(p))
+                if old is not None and old != key:
+                    self._plans.pop(old, None)
+                self._plan_keys[id(p)] = key
         plan.counts.add_(1.0)  # every state["step"] of the plan is a view into this one tensor
         if plan.step is None:  # parameters at different step counts: bucket by count (rare)
             counts = [int(t) for t in plan.counts.tolist()]
@@ -306,6 +314,7 @@ class FlashOptimizer(torch.optim.Optimizer):
 
     def _invalidate_plans(self) -> None:
         self._plans.clear()
+        self._plan_keys.clear()
 
     # ----- state dict ----------------------------------------------------------------------------------
 

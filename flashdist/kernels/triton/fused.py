@@ -111,7 +111,9 @@ TABLE_GROUPS = 32  # groups of 32 slots per block in the table launch (1024 slot
 TABLE_BLOCKS = 8  # consecutive blocks of one tensor per program of the table launch
 LARGE_GROUPS = 64  # groups of 32 slots per program in a per-tensor launch (2048 slots)
 NUM_WARPS = 4
-PLAN_CACHE_SIZE = 32  # cached launch plans (a few per optimizer: one per bucket of step count / layout)
+# cached launch plans: a few per optimizer call site (one per bucket of step count / layout), and gradient
+# release steps each FSDP2 group with a call of its own (an 8B Llama has 33 groups, two layouts each)
+PLAN_CACHE_SIZE = 256
 
 # the update of a call (the kernel's constexpr ALGO)
 ADAM, SGD, LION = 0, 1, 2
