@@ -23,8 +23,11 @@ fused launch plan, cached for that fixed list of parameters), after which their 
 - Under FSDP2 (``fully_shard``) the hooks run on the sharded DTensor parameters right after the
   reduce-scatter (and, for HSDP, the all-reduce) of their FSDP parameter group wrote the gradient shards,
   all of one group in one go. A batch is one FSDP group: it is stepped in the hook of the group's last
-  parameter, on the stream FSDP2 runs the hooks on, before FSDP2 records the event that the rest of the
-  step waits for. A group in which some parameter got no gradient is stepped when the next group's
+  parameter. On CUDA the step is queued on a side stream of flashdist's (one per device) that waits for
+  the stream FSDP2 runs the hooks on (the reduce-scatter stream: a step queued there would hold back the
+  following reduce-scatters and the all-gathers NCCL orders behind them); the caller's stream waits for
+  the side stream at the end of backward, so the next forward, ``optimizer.step()`` or a checkpoint sees
+  the stepped parameters. A group in which some parameter got no gradient is stepped when the next group's
   gradients arrive, or at the end of backward. The gradient shards of one group are views of one
   reduce-scatter buffer, which lives until the last of them is dropped: stepping the group together holds
   no byte longer than stepping its parameters one by one did.
@@ -68,8 +71,8 @@ Incompatible, and refused where flashdist can see it:
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import operator
 
 import torch
 
@@ -185,7 +188,10 @@ class GradientRelease:
         self._open: int | None = None  # the FSDP2 group whose gradients arrived last and are pending
         self._seen: set[int] = set()  # parameters that received their gradient since optimizer.step()
         self._queued: set[int] = set()  # autograd graph tasks whose end-of-backward callback is queued
-        self._lists: dict[tuple[int, int], list[torch.Tensor]] = {}  # last list stepped per (unit, group)
+        # CUDA: the steps run on a stream of their own per device (see _flush); the streams that have
+        # steps the caller's stream has not waited for yet
+        self._side_streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._unjoined: set[torch.device] = set()
         self.optimizer_calls = 0
         # Plans cached by earlier ordinary steps bind the parameters' step counters to their own lists;
         # release steps other lists, so start (and end, in remove()) from fresh plans.
@@ -212,7 +218,7 @@ class GradientRelease:
         self._seen.clear()
         self._pending.clear()  # only after a failed backward: those parameters keep their gradients
         self._open = None
-        self._lists.clear()
+        self._join_side_streams()
         _remove_clip_guards(self)
         opt = self._optimizer
         if was_active:
@@ -293,6 +299,7 @@ class GradientRelease:
         self._queued.discard(task)
         if self._handles:
             self._flush_all()
+        self._join_side_streams()
 
     def _flush_all(self) -> None:
         for unit in list(self._pending):
@@ -307,32 +314,39 @@ class GradientRelease:
             return
         opt = self._optimizer
         params_by_group = sorted(batch.params.items())
+        context = contextlib.nullcontext()
         if batch.streams:
-            # Run on the current stream, after the work that wrote the gradients; tell the caching
-            # allocator that the gradients, allocated on their stream, are read on this one too.
-            current = torch.cuda.current_stream(batch.streams[0].device)
-            others = [stream for stream in batch.streams if stream != current]
-            for stream in others:
-                current.wait_stream(stream)
-            if others:
-                for _, params in params_by_group:
-                    for p in params:
-                        D.local(p.grad).record_stream(current)
-        with torch.no_grad():
+            # Under FSDP2 the hooks run on the reduce-scatter stream: a step queued there would hold back
+            # the following reduce-scatters (and the all-gathers NCCL orders behind them). So the steps run
+            # on a side stream of their own that waits for the streams that wrote the gradients; the
+            # gradients are marked as read there (the caching allocator then keeps their memory until the
+            # step ran), and the caller's stream waits for the side stream at the end of backward.
+            device = batch.streams[0].device
+            side = self._side_streams.get(device)
+            if side is None:
+                side = self._side_streams[device] = torch.cuda.Stream(device=device)
+            for stream in batch.streams:
+                side.wait_stream(stream)
+            for _, params in params_by_group:
+                for p in params:
+                    D.local(p.grad).record_stream(side)
+            self._unjoined.add(device)
+            context = torch.cuda.stream(side)
+        with torch.no_grad(), context:
             for index, params in params_by_group:
                 group = opt.param_groups[index]
-                last = self._lists.get((unit, index))
-                if last is not None and (len(last) != len(params) or any(map(operator.is_not, last, params))):
-                    # Another list than last time (a parameter that had a gradient then has none now, or
-                    # the reverse): the optimizer's plan cached for the old list would keep stepping its
-                    # own copy of the step counters, so let every plan be rebuilt from the state.
-                    opt._invalidate_plans()
-                self._lists[(unit, index)] = params
                 opt._check_hyperparameters(group)
                 opt._step_params(group, params)
                 self.optimizer_calls += 1
                 for p in params:
                     p.grad = None
+
+    def _join_side_streams(self) -> None:
+        """Make the current stream of each device wait for the steps queued on its side stream: whatever
+        runs next (the next forward's all-gathers, a checkpoint, an evaluation) sees the stepped parameters."""
+        for device in self._unjoined:
+            torch.cuda.current_stream(device).wait_stream(self._side_streams[device])
+        self._unjoined.clear()
 
     def _on_optimizer_step(self, optimizer, args, kwargs) -> None:
         scaler_attrs = [a for a in _SCALER_ATTRS if a in vars(optimizer)]
@@ -345,6 +359,7 @@ class GradientRelease:
                 "updated with scaled gradients. Train in bf16 without a GradScaler, or remove() the release "
                 "handle and restart from a checkpoint.")
         self._flush_all()  # nothing is pending after a completed backward; after a failed one, step them
+        self._join_side_streams()
         self._seen.clear()
 
 
