@@ -390,7 +390,9 @@ class _Plan:
         self.counts = torch.tensor([float(s["step"]) for s in self.states], dtype=torch.float32)
         for i, s in enumerate(self.states):
             s["step"] = self.counts[i]
-        self.sizes = list(map(len, self.states))
+        # A loader writing straight into optimizer.state (DeepSpeed's universal checkpoints, so flat_layout
+        # groups only) adds keys: counted at each step there, to rebuild the plan from the new state.
+        self.sizes = list(map(len, self.states)) if group.get("flat_layout", False) else None
         self.step: int | None = None  # the common step count, once known
         by_layout: dict[tuple, list[int]] = defaultdict(list)
         codes = f"{opt.moments_of(group)[0]}_codes" if opt.moments_of(group) else None
@@ -401,7 +403,6 @@ class _Plan:
             bucket.everything = len(self.buckets) == 1
 
     def matches(self, params: list[torch.Tensor]) -> bool:
-        """Same parameters, and no state replaced or added behind the optimizer's back (a loader writing
-        straight into ``optimizer.state``, as DeepSpeed's universal checkpoints do, adds keys)."""
+        """Same parameters, and (flat_layout groups) no state added behind the optimizer's back."""
         return (len(params) == len(self.params) and all(map(operator.is_, params, self.params))
-                and list(map(len, self.states)) == self.sizes)
+                and (self.sizes is None or list(map(len, self.states)) == self.sizes))
