@@ -64,9 +64,9 @@ def _parser() -> argparse.ArgumentParser:
                        description="Read SRC (DCP directory of any world size, torch file, safetensors file, or "
                                    "the folder of a DeepSpeed ZeRO 1/2/3 checkpoint saved with a flashdist "
                                    "optimizer) and write DST. DST is written to DST.tmp and renamed when complete. "
-                                   "A DeepSpeed checkpoint becomes the checkpoint FSDP2 + FlashAdamW resume from "
-                                   "(flashdist.checkpoint.load, any world size): parameters in the model's dtype "
-                                   "with rho (the 24-bit master weights; bf16-master runs exactly), the portable "
+                                   "A DeepSpeed checkpoint becomes the checkpoint FSDP2 + the same flashdist optimizer "
+                                   "resume from (flashdist.checkpoint.load, any world size): parameters in the model's "
+                                   "dtype with rho (the 24-bit master weights; bf16-master runs exactly), the portable "
                                    "optimizer state keyed by parameter name. Every rank's files must be there.")
     p.add_argument("src")
     p.add_argument("dst")

@@ -1,12 +1,15 @@
-"""Train a byte-level GPT on the Python standard library's sources with FSDP2 and FlashAdamW (or AdamW).
+"""Train a byte-level GPT on the Python standard library's sources with FSDP2 and a flashdist optimizer (or AdamW).
 
     torchrun --nproc_per_node=2 launch/train.py --steps 200 --ckpt-dir runs/ckpt --ckpt-every 100
     torchrun --nproc_per_node=2 launch/train.py --steps 300 --ckpt-dir runs/ckpt --resume
 
 CPU + gloo by default (one thread per rank), CUDA + NCCL when GPUs are present. Without torchrun it runs
-in one process without FSDP2. ``--optimizer adamw`` is torch.optim.AdamW with fp32 master weights (fp32
-parameters, bf16 compute through FSDP2's MixedPrecisionPolicy); ``flash`` is FlashAdamW on bf16
-parameters. Writes ``summary.json``, ``log.jsonl`` and ``loss.png`` into ``--out-dir``.
+in one process without FSDP2. ``--optimizer``: ``flash_adamw`` (the default; ``flash`` is the old name)
+is FlashAdamW on bf16 parameters, ``flash_sgd`` FlashSGD (momentum 0.9, L2 decay as torch.optim.SGD) and
+``flash_lion`` FlashLion, both on bf16 parameters too; ``adamw`` is torch.optim.AdamW with fp32 master
+weights (fp32 parameters, bf16 compute through FSDP2's MixedPrecisionPolicy). ``--lr`` and
+``--weight-decay`` default to values that suit each optimizer (DEFAULTS below). Writes ``summary.json``,
+``log.jsonl`` and ``loss.png`` into ``--out-dir``.
 """
 
 from __future__ import annotations
@@ -31,22 +34,34 @@ from model import GPT, GPTConfig  # noqa: E402
 import flashdist  # noqa: E402
 from flashdist import checkpoint  # noqa: E402
 
+# --optimizer -> default (lr, weight decay). Lion's sign update moves every coordinate by lr: a 3x smaller lr than
+# AdamW's and a 3x larger decay (the same lr * weight_decay). SGD's update is lr times a gradient-sized momentum
+# buffer, and its decay is L2 (added to the gradient, as torch.optim.SGD), so a small one. Measured on the CPU
+# model of launch/convergence.py, 100 steps: SGD lr 0.1 beat 0.03, 0.3 and 1; Lion 1e-3 beat 3e-4.
+DEFAULTS = {"flash_adamw": (3e-3, 0.1), "adamw": (3e-3, 0.1), "flash_lion": (1e-3, 0.3), "flash_sgd": (0.1, 1e-4)}
+OPTIMIZERS = list(DEFAULTS) + ["flash"]  # flash: FlashAdamW's old name here
+
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--optimizer", choices=["flash", "adamw"], default="flash")
+    ap.add_argument("--optimizer", choices=OPTIMIZERS, default="flash_adamw",
+                    help="flash_adamw (FlashAdamW), flash_sgd (FlashSGD), flash_lion (FlashLion) on bf16 "
+                         "parameters, or adamw (torch.optim.AdamW, fp32 parameters); flash = flash_adamw")
     ap.add_argument("--master-weight-bits", choices=["24", "32", "none"], default="24",
-                    help="FlashAdamW: rho bits (none = plain bf16 weights)")
-    ap.add_argument("--no-companding", action="store_true", help="FlashAdamW: linear 8-bit moments (ablation)")
-    ap.add_argument("--no-quantize-states", action="store_true", help="FlashAdamW: fp32 moments")
+                    help="flash optimizers: rho bits (none = plain bf16 weights)")
+    ap.add_argument("--no-companding", action="store_true", help="flash optimizers: linear 8-bit moments (ablation)")
+    ap.add_argument("--no-quantize-states", action="store_true", help="flash optimizers: fp32 moments")
+    ap.add_argument("--momentum", type=float, default=None, help="flash_sgd: momentum (default 0.9; 0: no buffer)")
     ap.add_argument("--state-dict-format", choices=["portable", "compressed"], default="portable")
     ap.add_argument("--grad-release", action="store_true", help="step each parameter during backward")
     ap.add_argument("--steps", type=int, default=200, help="length of the run (the LR schedule's horizon)")
     ap.add_argument("--stop-at", type=int, default=None, help="stop early at this step (resume later)")
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--lr", type=float, default=None,
+                    help="peak learning rate; default: " + ", ".join(f"{k} {v[0]:g}" for k, v in DEFAULTS.items()))
     ap.add_argument("--min-lr-ratio", type=float, default=0.1)
     ap.add_argument("--warmup", type=int, default=20)
-    ap.add_argument("--weight-decay", type=float, default=0.1)
+    ap.add_argument("--weight-decay", type=float, default=None,
+                    help="default: " + ", ".join(f"{k} {v[1]:g}" for k, v in DEFAULTS.items()))
     ap.add_argument("--clip", type=float, default=1.0, help="global grad-norm clip (0: off; off with release)")
     ap.add_argument("--batch-size", type=int, default=16, help="sequences per rank per step")
     ap.add_argument("--seq-len", type=int, default=128)
@@ -67,12 +82,20 @@ def parse_args(argv=None):
                          "run bf16 matmuls ~10x slower). Parameters stay bf16 for FlashAdamW either way.")
     ap.add_argument("--no-fsdp", action="store_true", help="plain single-process model even under torchrun")
     args = ap.parse_args(argv)
+    if args.optimizer == "flash":
+        args.optimizer = "flash_adamw"
+    lr, weight_decay = DEFAULTS[args.optimizer]
+    args.lr = lr if args.lr is None else args.lr
+    args.weight_decay = weight_decay if args.weight_decay is None else args.weight_decay
     if args.grad_release and args.clip:
         ap.error("--grad-release steps during backward, before a global gradient norm exists: use --clip 0")
     if args.resume and not args.ckpt_dir:
         ap.error("--resume needs --ckpt-dir")
     if args.optimizer == "adamw" and (args.grad_release or args.no_companding or args.master_weight_bits != "24"):
-        ap.error("--grad-release, --no-companding and --master-weight-bits are FlashAdamW options")
+        ap.error("--grad-release, --no-companding and --master-weight-bits are options of the flash optimizers")
+    if args.momentum is not None and args.optimizer != "flash_sgd":
+        ap.error("--momentum is a flash_sgd option")
+    args.momentum = 0.9 if args.momentum is None else args.momentum
     return args
 
 
@@ -118,7 +141,7 @@ def build(args, run: Run):
     cfg = GPTConfig(vocab=VOCAB, seq_len=args.seq_len, d_model=args.d_model, n_layer=args.n_layer, n_head=args.n_head)
     torch.manual_seed(args.seed)
     model = GPT(cfg).to(run.device)
-    if args.optimizer == "flash":
+    if args.optimizer != "adamw":
         model = model.to(torch.bfloat16)
     if run.distributed and not args.no_fsdp:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -136,9 +159,14 @@ def build(args, run: Run):
         opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), foreach=True)
     else:
         bits = None if args.master_weight_bits == "none" else int(args.master_weight_bits)
-        opt = flashdist.FlashAdamW(groups, lr=args.lr, betas=(0.9, 0.95), master_weight_bits=bits,
-                                   companded=not args.no_companding, quantize_states=not args.no_quantize_states,
-                                   state_dict_format=args.state_dict_format)
+        common = dict(lr=args.lr, master_weight_bits=bits, companded=not args.no_companding,
+                      quantize_states=not args.no_quantize_states, state_dict_format=args.state_dict_format)
+        if args.optimizer == "flash_sgd":
+            opt = flashdist.FlashSGD(groups, momentum=args.momentum, **common)
+        elif args.optimizer == "flash_lion":
+            opt = flashdist.FlashLion(groups, betas=(0.9, 0.99), **common)
+        else:
+            opt = flashdist.FlashAdamW(groups, betas=(0.9, 0.95), **common)
     min_ratio = args.min_lr_ratio
 
     def schedule(step):

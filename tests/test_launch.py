@@ -59,10 +59,38 @@ def test_adamw_and_release_variants_run(tmp_path):
     assert summary["memory_report"]["grads"] == 0
 
 
+def test_flash_sgd_trains(tmp_path):
+    """--optimizer flash_sgd with its defaults (lr 0.1, momentum 0.9): the loss falls; one 8-bit moment."""
+    _train("--optimizer", "flash_sgd", "--steps", "6", "--out-dir", str(tmp_path / "sgd"))
+    summary = json.loads((tmp_path / "sgd" / "summary.json").read_text())
+    assert summary["optimizer"] == "flash_sgd" and 5.5 < summary["bytes_per_param"] < 6.5  # AdamW's: 6.5-7.5
+    log = _log(tmp_path / "sgd")
+    assert log[-1]["loss"] < log[0]["loss"] - 0.5  # measured 5.55 -> 4.21
+    assert log[-1]["val_loss"] < log[2]["val_loss"]
+
+
 def test_bad_options_are_refused():
     proc = subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"), "--grad-release"],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "--clip 0" in proc.stderr
+
+
+def test_optimizer_defaults_and_refusals(capsys):
+    """Per-optimizer default lr / weight decay, explicit values win, `flash` is FlashAdamW's old name."""
+    sys.path.insert(0, str(ROOT / "launch"))
+    import train
+
+    parse = train.parse_args
+    assert (parse([]).optimizer, parse([]).lr, parse([]).weight_decay) == ("flash_adamw", 3e-3, 0.1)
+    assert parse(["--optimizer", "flash"]).optimizer == "flash_adamw"
+    lion = parse(["--optimizer", "flash_lion"])
+    assert (lion.lr, lion.weight_decay) == (1e-3, 0.3)
+    sgd = parse(["--optimizer", "flash_sgd", "--weight-decay", "0"])
+    assert (sgd.lr, sgd.weight_decay, sgd.momentum) == (0.1, 0.0, 0.9)
+    assert parse(["--optimizer", "flash_sgd", "--lr", "0.5", "--momentum", "0"]).lr == 0.5
+    with pytest.raises(SystemExit):
+        parse(["--optimizer", "flash_lion", "--momentum", "0.5"])
+    assert "--momentum is a flash_sgd option" in capsys.readouterr().err
 
 
 def test_deepspeed_recipe_trains_and_resumes(tmp_path):

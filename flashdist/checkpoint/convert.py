@@ -279,7 +279,7 @@ def reformat(optim: dict, fmt: str, progress: Progress = _quiet) -> dict:
                 codes, scales = entry.pop(f"{m}_codes"), entry.pop(f"{m}_scales")
                 layout = state_layout(tuple(codes.shape), group.get("flat_layout", False))
                 entry[m] = dequantize_moment(m, codes, scales, layout[1], companded)
-            elif fmt == "compressed" and m in entry and entry[m].is_floating_point():
+            elif fmt == "compressed" and isinstance(entry.get(m), torch.Tensor) and entry[m].is_floating_point():
                 values = entry[m]
                 layout = state_layout(tuple(values.shape), group.get("flat_layout", False)) \
                     if group.get("quantize_states", True) else None

@@ -230,6 +230,9 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
             details.append(f"not in this model/optimizer: {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
         if wrong:
             details.append("other shapes: " + ", ".join(f"{k} {tuple(have[k])} vs {want[k]}" for k in wrong[:8]))
+        hint = _optimizer_hint(have, want)
+        if hint:
+            details.insert(0, hint)
         raise CheckpointError(f"flashdist: checkpoint {where} does not match this model and optimizer: "
                               + "; ".join(details))
     try:
@@ -240,6 +243,41 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     set_optimizer_state_dict(model, optimizer, state["optim"])  # validates everything before it copies
     set_model_state_dict(model, state["model"])
     return state["extra"]
+
+
+_OPTIMIZERS_BY_MOMENTS = {("exp_avg", "exp_avg_sq"): "FlashAdamW/FlashAdam", ("exp_avg",): "FlashLion",
+                          ("momentum_buffer",): "FlashSGD/FlashSGDW with momentum", (): "FlashSGD without momentum"}
+
+
+def _optimizer_hint(have, want) -> str:
+    """Why the optimizer-state keys differ, when that is the reason: another optimizer, the other state-dict
+    format, or rho on one side only. Empty when the state keys agree."""
+    def state_keys(keys):  # the last part of optim.state.<fqn>.<key>
+        return {k.rsplit(".", 1)[-1] for k in keys if k.startswith("optim.state.")}
+
+    def moments(keys):
+        return tuple(sorted({k.removesuffix("_codes").removesuffix("_scales") for k in keys} - {"step", "rho"}))
+
+    def fmt(keys):
+        return "compressed" if any(k.endswith("_codes") for k in keys) else "portable"
+
+    saved, mine = state_keys(have), state_keys(want)
+    if saved == mine or not saved or not mine:
+        return ""
+    if moments(saved) != moments(mine):
+        a, b = moments(saved), moments(mine)
+        return (f"the checkpoint's optimizer state holds {list(a) or 'no moments'} "
+                f"({_OPTIMIZERS_BY_MOMENTS.get(a, 'another optimizer')}), this optimizer's {list(b) or 'none'} "
+                f"({_OPTIMIZERS_BY_MOMENTS.get(b, 'another optimizer')}): build the optimizer the checkpoint was saved "
+                "with")
+    if fmt(saved) != fmt(mine):
+        return (f"the checkpoint's optimizer state is {fmt(saved)}, this optimizer saves {fmt(mine)}: build it with "
+                f"state_dict_format='{fmt(saved)}' (or `flashdist convert --format {fmt(mine)}` the checkpoint)")
+    if ("rho" in saved) != ("rho" in mine):
+        return (f"the checkpoint's optimizer state {'has' if 'rho' in saved else 'has no'} rho, this optimizer "
+                f"{'keeps' if 'rho' in mine else 'keeps no'} rho: build it with the master_weight_bits and parameter "
+                "dtype the checkpoint was saved with")
+    return ""
 
 
 def _short(e: BaseException) -> str:

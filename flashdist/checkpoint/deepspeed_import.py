@@ -2,14 +2,15 @@
 
 :func:`read_deepspeed` reads the folder that ``engine.save_checkpoint`` wrote (every rank's
 ``*_optim_states.pt`` and the model-states files) and returns the nested dict that
-:func:`flashdist.checkpoint.save` writes for FSDP2 + FlashAdamW, tensors full and on the CPU::
+:func:`flashdist.checkpoint.save` writes for FSDP2 + a flashdist optimizer, tensors full and on the CPU::
 
     {"model": {fqn: parameter in the model's dtype (bf16) or buffer},
-     "optim": {"state": {fqn: {"step", "exp_avg", "exp_avg_sq", "rho"}}, "param_groups": [{..., "params": [fqn, ...]}]},
+     "optim": {"state": {fqn: {"step", moments..., "rho"}}, "param_groups": [{..., "params": [fqn, ...]}]},
      "extra": {"step": engine.global_steps}}
 
-Written as DCP (``flashdist convert SRC DST --to dcp``), it loads with ``flashdist.checkpoint.load`` into
-FSDP2 + FlashAdamW at any world size.
+The moments are the optimizer's own: ``exp_avg`` and ``exp_avg_sq`` (FlashAdamW, FlashAdam), ``momentum_buffer``
+(FlashSGD, FlashSGDW; none without momentum), ``exp_avg`` (FlashLion). Written as DCP (``flashdist convert SRC DST
+--to dcp``), it loads with ``flashdist.checkpoint.load`` into FSDP2 + the same optimizer at any world size.
 
 How. DeepSpeed keeps one flat master partition per param group (ZeRO 3: per sub-group) and rank; the
 optimizer's state of that partition (flashdist's portable state dict, or the compressed one) has the
