@@ -66,6 +66,24 @@ def test_save_load_resume_exact(tmp_path, fmt):
     _equal(_snapshot(model, opt), _snapshot(model2, opt2))
 
 
+@pytest.mark.parametrize("saved, loading", [("portable", "compressed"), ("compressed", "portable")])
+def test_load_takes_either_format(tmp_path, saved, loading):
+    """The optimizer's state_dict_format says how it SAVES; a checkpoint in the other format loads too, and
+    re-quantizing unchanged portable moments gives the same codes: the resumed run is exact either way."""
+    model = _model()
+    opt = FlashAdamW(model.parameters(), lr=1e-2, state_dict_format=saved)
+    _train(model, opt, 3)
+    checkpoint.save(tmp_path / "ck", model, opt)
+    model2 = _model(seed=5)
+    opt2 = FlashAdamW(model2.parameters(), lr=1e-2, state_dict_format=loading)
+    checkpoint.load(tmp_path / "ck", model2, opt2)
+    assert opt2.state_dict_format == loading
+    _equal(_snapshot(model, opt), _snapshot(model2, opt2))
+    _train(model, opt, 2)
+    _train(model2, opt2, 2)
+    _equal(_snapshot(model, opt), _snapshot(model2, opt2))
+
+
 def test_never_stepped_and_no_grad_params(tmp_path):
     model = _model()
     opt = FlashAdamW(model.parameters())
@@ -253,3 +271,16 @@ def test_killed_during_save_leaves_previous_checkpoint(tmp_path, moment):
     assert checkpoint.load(path, loaded, opt)["n"] == 1
     for p, e in zip(loaded.parameters(), expected):
         assert torch.equal(p, e)
+
+
+def test_compressed_checkpoint_into_fp32_moments_is_refused_with_the_reason(tmp_path):
+    model = _model()
+    opt = FlashAdamW(model.parameters(), lr=1e-2, state_dict_format="compressed")
+    _train(model, opt, 2)
+    checkpoint.save(tmp_path / "ck", model, opt)
+    model2 = _model(seed=5)
+    opt2 = FlashAdamW(model2.parameters(), lr=1e-2, quantize_states=False)
+    before = _snapshot(model2, opt2)
+    with pytest.raises(checkpoint.CheckpointError, match="compressed .*quantize_states=False"):
+        checkpoint.load(tmp_path / "ck", model2, opt2)
+    _equal(before, _snapshot(model2, opt2))

@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pickle
@@ -214,7 +215,10 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     where = resolve(path)
     reader = SafeFileSystemReader(str(where))
     metadata = reader.read_metadata()
-    state = _clone(_state(model, optimizer, None))
+    # Read the optimizer state in the format it was saved in, whatever this optimizer saves:
+    # load_state_dict takes both
+    with _state_dict_format(optimizer, _saved_format(metadata)):
+        state = _clone(_state(model, optimizer, None))
     state["extra"] = _template_for_extra(metadata)
     want = {k: v for k, v in _flat_shapes(state).items() if not k.startswith("extra.")}
     have = {k: getattr(m, "size", None) for k, m in metadata.state_dict_metadata.items() if not k.startswith("extra.")}
@@ -245,6 +249,29 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     return state["extra"]
 
 
+def _saved_format(metadata) -> str | None:
+    """"compressed" when the checkpoint's optimizer state holds codes, "portable" when it holds float
+    moments only, None when it holds neither (no quantized parameter: the two formats are the same)."""
+    keys = [k for k in metadata.state_dict_metadata if k.startswith("optim.state.")]
+    if any(k.endswith("_codes") for k in keys):
+        return "compressed"
+    return None
+
+
+@contextlib.contextmanager
+def _state_dict_format(optimizer, fmt: str | None):
+    """A flashdist optimizer's state_dict() in format ``fmt`` inside the block (portable when None)."""
+    old = getattr(optimizer, "state_dict_format", None)
+    if old is None:  # not a flashdist optimizer
+        yield
+        return
+    optimizer.state_dict_format = fmt or "portable"
+    try:
+        yield
+    finally:
+        optimizer.state_dict_format = old
+
+
 _OPTIMIZERS_BY_MOMENTS = {("exp_avg", "exp_avg_sq"): "FlashAdamW/FlashAdam", ("exp_avg",): "FlashLion",
                           ("momentum_buffer",): "FlashSGD/FlashSGDW with momentum", (): "FlashSGD without momentum"}
 
@@ -270,9 +297,10 @@ def _optimizer_hint(have, want) -> str:
                 f"({_OPTIMIZERS_BY_MOMENTS.get(a, 'another optimizer')}), this optimizer's {list(b) or 'none'} "
                 f"({_OPTIMIZERS_BY_MOMENTS.get(b, 'another optimizer')}): build the optimizer the checkpoint was saved "
                 "with")
-    if fmt(saved) != fmt(mine):
-        return (f"the checkpoint's optimizer state is {fmt(saved)}, this optimizer saves {fmt(mine)}: build it with "
-                f"state_dict_format='{fmt(saved)}' (or `flashdist convert --format {fmt(mine)}` the checkpoint)")
+    if fmt(saved) != fmt(mine):  # load() reads either format: only 8-bit codes against fp32 moments get here
+        return ("the checkpoint's optimizer state is compressed (8-bit codes), this optimizer keeps fp32 moments "
+                "(quantize_states=False): build it with quantize_states=True, or `flashdist convert --format "
+                "portable` the checkpoint")
     if ("rho" in saved) != ("rho" in mine):
         return (f"the checkpoint's optimizer state {'has' if 'rho' in saved else 'has no'} rho, this optimizer "
                 f"{'keeps' if 'rho' in mine else 'keeps no'} rho: build it with the master_weight_bits and parameter "
