@@ -22,7 +22,9 @@ EXAMPLES = {
                 "  flashdist convert runs/ds/ckpt ckpt_dcp --from deepspeed --to dcp  # DeepSpeed ZeRO 1/2/3 -> DCP "
                 "for FSDP2\n"
                 "  flashdist convert runs/ds/ckpt ckpt_dcp --from deepspeed --to dcp --tag step100 "
-                "--master-weight-bits 32"),
+                "--master-weight-bits 32\n"
+                "  flashdist convert flashoptim.pt ckpt_dcp --from flashoptim --to dcp  # torch.save({'model': ..., "
+                "'optimizer': ...}) of flashoptim's FlashAdamW"),
     "export": "example:\n  flashdist export runs/main/ckpt/latest model.safetensors",
 }
 
@@ -74,11 +76,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["portable", "compressed"], default=None,
                    help="switch the optimizer-state format (compressed -> portable dequantizes; portable -> "
                         "compressed quantizes row-aligned, loadable by FSDP2 at any world size)")
-    p.add_argument("--from", dest="src_kind", choices=["auto", "deepspeed"], default="auto",
-                   help="input kind (default: detected; deepspeed: fail unless SRC is a DeepSpeed folder)")
+    p.add_argument("--from", dest="src_kind", choices=["auto", "deepspeed", "flashoptim"], default="auto",
+                   help="input kind (default: detected; deepspeed: fail unless SRC is a DeepSpeed folder; "
+                        "flashoptim: fail unless SRC is a torch file of flashoptim's model + FlashAdamW state dicts)")
     p.add_argument("--tag", default=None, help="DeepSpeed: the checkpoint tag (default: SRC/latest)")
     p.add_argument("--master-weight-bits", type=int, choices=[24, 32], default=None,
-                   help="DeepSpeed: rho of the output, 24 (int8) or 32 (int16: fp32 masters kept exactly); "
+                   help="DeepSpeed, flashoptim: rho of the output, 24 (int8) or 32 (int16: fp32 masters kept exactly); "
                         "default: the checkpoint's optimizer setting. Build the loading FlashAdamW with the same")
     p.add_argument("--force", action="store_true", help="replace DST if it exists")
     p = sub.add_parser("export", help="fp32 master weights as safetensors", epilog=EXAMPLES["export"],
@@ -123,6 +126,10 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "convert":
             if args.src_kind == "deepspeed" and C.detect(args.src) != "deepspeed":
                 raise CheckpointError(f"flashdist: {args.src} is not a DeepSpeed checkpoint directory")
+            if args.src_kind == "flashoptim" and C.detect(args.src) != "flashoptim":
+                raise CheckpointError(f"flashdist: {args.src} is not a flashoptim checkpoint (a torch file of "
+                                      "{'model': model.state_dict(), 'optimizer': optimizer.state_dict()} whose "
+                                      "param groups carry flashoptim's master_bytewidth)")
             out = C.convert(args.src, args.dst, to=args.to, fmt=args.format, force=args.force, progress=progress,
                             tag=args.tag, master_weight_bits=args.master_weight_bits)
             print(f"wrote {out}")

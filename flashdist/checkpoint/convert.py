@@ -12,6 +12,8 @@ A checkpoint here is the nested dict that :func:`flashdist.checkpoint.save` writ
 - DeepSpeed ZeRO 1/2/3 folder (``engine.save_checkpoint`` with a flashdist optimizer): read only, through
   :func:`flashdist.checkpoint.deepspeed_import.read_deepspeed` (every rank's partitions reassembled per
   parameter; portable optimizer state; parameter + rho).
+- flashoptim torch file (``{"model": ..., "optimizer": ...}`` of the FlashOptim paper's library): read only,
+  through :func:`flashdist.checkpoint.flashoptim_import.read_flashoptim`.
 
 Every write goes to a temporary path that is renamed into place once complete, and refuses to replace an
 existing path unless asked to.
@@ -36,7 +38,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from .dcp import CheckpointError, SafeFileSystemReader, SafeLoadPlanner, _short, resolve
 from .state import FORMAT_VERSION, FORMATS, dequantize_moment, quantize_moment
 
-KINDS = ("dcp", "torch", "safetensors", "deepspeed")
+KINDS = ("dcp", "torch", "safetensors", "deepspeed", "flashoptim")
 Progress = Callable[[str, int, int], None]
 
 
@@ -63,7 +65,9 @@ def detect(path: str | os.PathLike) -> str:
     with open(path, "rb") as f:
         head = f.read(8)
     if head[:2] == b"PK":
-        return "torch"
+        from .flashoptim_import import is_flashoptim_file
+
+        return "flashoptim" if is_flashoptim_file(path) else "torch"
     if len(head) == 8:
         n = int.from_bytes(head, "little")
         if 0 < n < 100 * 2**20 and path.stat().st_size >= 8 + n:
@@ -147,9 +151,14 @@ def read(path: str | os.PathLike, *, tag: str | None = None, master_weight_bits:
     """The whole checkpoint as a nested dict (tensors on the CPU). ``tag`` and ``master_weight_bits`` apply to
     DeepSpeed folders only (see :func:`flashdist.checkpoint.deepspeed_import.read_deepspeed`)."""
     kind = detect(path)
-    if kind != "deepspeed" and (tag is not None or master_weight_bits is not None):
+    if (kind != "deepspeed" and tag is not None) or (kind not in ("deepspeed", "flashoptim") and
+                                                     master_weight_bits is not None):
         raise CheckpointError(f"flashdist: {path} is a {kind} checkpoint; a tag and master_weight_bits apply to "
-                              "DeepSpeed checkpoints only")
+                              "DeepSpeed checkpoints only (master_weight_bits: flashoptim files too)")
+    if kind == "flashoptim":
+        from .flashoptim_import import read_flashoptim
+
+        return read_flashoptim(path, master_weight_bits=master_weight_bits)
     if kind == "dcp":
         return read_dcp(path)
     if kind == "torch":
@@ -409,8 +418,10 @@ def export(src: str | os.PathLike, dst: str | os.PathLike, *, force: bool = Fals
 
     dst = Path(dst)
     tmp = _prepare(dst, force)
-    # a DeepSpeed folder's fp32 master partitions survive all 32 bits in an int16 rho (24 bits would round them)
-    weights = master_weights(read(src, master_weight_bits=32) if detect(src) == "deepspeed" else read(src), progress)
+    # a DeepSpeed folder's fp32 master partitions (a flashoptim file's ECC masters) survive all 32 bits in an
+    # int16 rho (24 bits would round them)
+    weights = master_weights(read(src, master_weight_bits=32) if detect(src) in ("deepspeed", "flashoptim")
+                             else read(src), progress)
     save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp))
     _commit(tmp, dst)
     return dst
