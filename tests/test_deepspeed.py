@@ -294,6 +294,22 @@ def _local_state(engine) -> list[dict]:
     return out
 
 
+def _save_resume_run(config: dict, root: str, key: str) -> dict:
+    """Train SAVE_AT steps, save, train AFTER more; a second engine loads the checkpoint and trains the same
+    AFTER steps. Losses and this rank's optimizer state of both, and the saved fp32 masters."""
+    engine = _engine(config)
+    run = {"before": _train(engine, 0, SAVE_AT)}
+    engine.save_checkpoint(os.path.join(root, key), tag="saved")
+    run["saved_masters"] = fds.fp32_master_weights(engine)
+    run["after"] = _train(engine, SAVE_AT, AFTER)
+    run["state"] = _local_state(engine)
+    resumed = _engine(config)
+    fds.load_checkpoint(resumed, os.path.join(root, key), tag="saved")
+    run["resumed_after"] = _train(resumed, SAVE_AT, AFTER)
+    run["resumed_state"] = _local_state(resumed)
+    return run
+
+
 FAMILY = {"FlashSGD": {"lr": 0.1, "momentum": 0.9, "nesterov": True}, "FlashLion": {"lr": 3e-4, "weight_decay": 0.3}}
 
 
@@ -306,34 +322,12 @@ def _rank_zero_runs(rank: int, world: int, root: str) -> dict:
                                         params={"lr": 1e-3, "weight_decay": 0.1, "torch_adam": True}))
         out[f"z{stage}-torch-adamw"] = _train(reference, 0, SAVE_AT + AFTER)
         for mode in MODES:
-            key = f"z{stage}-{mode}"
-            config = _config_for(stage, mode, world)
-            engine = _engine(config)
-            run = {"before": _train(engine, 0, SAVE_AT)}
-            engine.save_checkpoint(os.path.join(root, key), tag="saved")
-            run["saved_masters"] = fds.fp32_master_weights(engine)
-            run["after"] = _train(engine, SAVE_AT, AFTER)
-            run["state"] = _local_state(engine)
-            resumed = _engine(config)
-            fds.load_checkpoint(resumed, os.path.join(root, key), tag="saved")
-            run["resumed_after"] = _train(resumed, SAVE_AT, AFTER)
-            run["resumed_state"] = _local_state(resumed)
-            out[key] = run
+            out[f"z{stage}-{mode}"] = _save_resume_run(_config_for(stage, mode, world), root, f"z{stage}-{mode}")
     # The rest of the family under every stage, bf16 masters + rho: train, save, resume.
     for stage in STAGES:
         for name, params in FAMILY.items():
-            key = f"z{stage}-{name}"
             config = _config_for(stage, "bf16-masters", world, optimizer=name, params=params)
-            engine = _engine(config)
-            run = {"before": _train(engine, 0, SAVE_AT)}
-            engine.save_checkpoint(os.path.join(root, key), tag="saved")
-            run["after"] = _train(engine, SAVE_AT, AFTER)
-            run["state"] = _local_state(engine)
-            resumed = _engine(config)
-            fds.load_checkpoint(resumed, os.path.join(root, key), tag="saved")
-            run["resumed_after"] = _train(resumed, SAVE_AT, AFTER)
-            run["resumed_state"] = _local_state(resumed)
-            out[key] = run
+            out[f"z{stage}-{name}"] = _save_resume_run(config, root, f"z{stage}-{name}")
     # 24-bit masters: bf16 master partitions with rho against fp32 ones, and without rho. A small learning
     # rate against weights of size ~1 (embeddings, norms) is where bf16 rounding loses updates.
     slow = {"lr": 3e-4, "weight_decay": 0.0}

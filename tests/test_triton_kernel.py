@@ -103,13 +103,7 @@ class Case:
         self.shape, self.grad_dtype, self.quantized = shape, grad_dtype, quantized
         self.cols = _cols(shape)
         n = torch.Size(shape).numel()
-        # gradient magnitude of each run of 32 values, the same at every step (tiny, small, unit, huge): a
-        # group whose gradient drops by 1e14 from one step to the next sends fp16 parameters to inf
-        self.magnitudes = torch.tensor([1e-10, 1e-3, 1.0, 1e4])[
-            torch.randint(0, 4, (n // 32 + 1,), generator=gen)].repeat_interleave(32)[:n]
-        # parameters across magnitudes, with exact zeros (smallest half-ulp) and fp16 subnormals
-        mag = torch.tensor([0.0, 6e-6, 0.02, 1.0, 30.0])[torch.randint(0, 5, (n,), generator=gen)]
-        t = {"p": (torch.randn(n, generator=gen) * mag).reshape(shape).to(param_dtype)}
+        t = {"p": self.draw_param(n, param_dtype, gen)}
         if quantized:
             rows, gpr = n // self.cols, -(-self.cols // Q.GROUP)
             t["m"] = torch.zeros(shape, dtype=torch.int8)
@@ -129,6 +123,16 @@ class Case:
                                  skipped=None)
         self.kernel = t
         self.ref = {k: v.clone() for k, v in t.items()}
+
+    def draw_param(self, n: int, param_dtype, gen) -> torch.Tensor:
+        """The parameter, and the gradient magnitude of each run of 32 values (the same at every step: tiny,
+        small, unit, huge; a group whose gradient drops by 1e14 from one step to the next sends fp16
+        parameters to inf). Parameters span magnitudes, with exact zeros (smallest half-ulp) and fp16
+        subnormals."""
+        self.magnitudes = torch.tensor([1e-10, 1e-3, 1.0, 1e4])[
+            torch.randint(0, 4, (n // 32 + 1,), generator=gen)].repeat_interleave(32)[:n]
+        mag = torch.tensor([0.0, 6e-6, 0.02, 1.0, 30.0])[torch.randint(0, 5, (n,), generator=gen)]
+        return (torch.randn(n, generator=gen) * mag).reshape(self.shape).to(param_dtype)
 
     def new_grad(self, gen, finite=False) -> torch.Tensor:
         n = torch.Size(self.shape).numel()
@@ -440,10 +444,7 @@ class FamilyCase:
         self.companded = layout != "q-linear"
         self.cols = _cols(shape)
         n = torch.Size(shape).numel()
-        self.magnitudes = torch.tensor([1e-10, 1e-3, 1.0, 1e4])[
-            torch.randint(0, 4, (n // 32 + 1,), generator=gen)].repeat_interleave(32)[:n]
-        mag = torch.tensor([0.0, 6e-6, 0.02, 1.0, 30.0])[torch.randint(0, 5, (n,), generator=gen)]
-        t = {"p": (torch.randn(n, generator=gen) * mag).reshape(shape).to(param_dtype)}
+        t = {"p": self.draw_param(n, param_dtype, gen)}
         if self.quantized:
             t["m"] = torch.zeros(shape, dtype=torch.int8)
             t["ms"] = torch.zeros(n // self.cols if n else 0, -(-self.cols // Q.GROUP), dtype=torch.bfloat16)
@@ -456,7 +457,7 @@ class FamilyCase:
             _family_step(None, [self], [self.new_grad(gen, finite=True)], step, None, sides=("kernel",))
         self.ref = {k: v.clone() for k, v in t.items()}
 
-    new_grad = Case.new_grad
+    draw_param, new_grad = Case.draw_param, Case.new_grad
 
 
 def _family_step(k, cases, grads, step, skipped, sides=("kernel", "ref")):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..functional.adam import flash_adam
-from .base import FlashOptimizer, check_number
+from .base import FlashOptimizer, check_betas, check_number
 
 
 class FlashAdamW(FlashOptimizer):
@@ -58,11 +58,7 @@ class FlashAdamW(FlashOptimizer):
 
     def _check_hyperparameters(self, group: dict) -> None:
         check_number("lr", group["lr"], low=0.0)
-        betas = group["betas"]
-        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-            raise ValueError(f"flashdist: betas must be a pair of numbers, got {betas!r}")
-        check_number("betas[0]", betas[0], low=0.0, high=1.0, high_open=True)
-        check_number("betas[1]", betas[1], low=0.0, high=1.0, high_open=True)
+        check_betas(group["betas"], high_open=True)
         check_number("eps", group["eps"], low=0.0)
         check_number("weight_decay", group["weight_decay"], low=0.0)
 

@@ -51,6 +51,14 @@ def check_number(name: str, value: Any, *, low: float, high: float | None = None
         raise ValueError(f"flashdist: {name} must be in {bound}, got {value!r}")
 
 
+def check_betas(betas: Any, *, high_open: bool) -> None:
+    """A pair of numbers in [0, 1) (``high_open``: Adam) or [0, 1] (Lion)."""
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"flashdist: betas must be a pair of numbers, got {betas!r}")
+    check_number("betas[0]", betas[0], low=0.0, high=1.0, high_open=high_open)
+    check_number("betas[1]", betas[1], low=0.0, high=1.0, high_open=high_open)
+
+
 class FlashOptimizer(torch.optim.Optimizer):
     """Base class. Subclasses set ``_moments`` (state names of their moments, e.g. ("exp_avg", "exp_avg_sq"),
     or override ``moments_of`` when a group's hyper-parameters decide them) and implement

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..functional.lion import flash_lion
-from .base import FlashOptimizer, check_number
+from .base import FlashOptimizer, check_betas, check_number
 
 
 class FlashLion(FlashOptimizer):
@@ -44,11 +44,7 @@ class FlashLion(FlashOptimizer):
 
     def _check_hyperparameters(self, group: dict) -> None:
         check_number("lr", group["lr"], low=0.0)
-        betas = group["betas"]
-        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-            raise ValueError(f"flashdist: betas must be a pair of numbers, got {betas!r}")
-        check_number("betas[0]", betas[0], low=0.0, high=1.0)
-        check_number("betas[1]", betas[1], low=0.0, high=1.0)
+        check_betas(group["betas"], high_open=False)
         check_number("weight_decay", group["weight_decay"], low=0.0)
 
     def _step_bucket(self, group, bucket, grads, step, skipped):
