@@ -241,6 +241,16 @@ class GradientRelease:
         if entry is None or p.grad is None:
             return
         name = entry[2]
+        task = torch._C._current_graph_task_id()
+        if task >= 0 and task not in self._queued and self._queued:
+            # A new backward pass while the end-of-backward callback of an earlier one never ran: that pass
+            # raised. What it left pending is not stepped (its parameters keep their gradients, which
+            # optimizer.zero_grad() clears), and its parameters may receive a gradient again.
+            self._queued.clear()
+            self._seen.clear()
+            self._pending.clear()
+            self._open = None
+            self._join_side_streams()
         if pid in self._seen:
             raise RuntimeError(
                 f"flashdist: parameter '{name}' received a second gradient before optimizer.step(). Gradient "
@@ -259,7 +269,6 @@ class GradientRelease:
             raise RuntimeError(f"flashdist: parameter '{name}' {problem}")
         self._seen.add(pid)
 
-        task = torch._C._current_graph_task_id()
         if task >= 0 and task not in self._queued:
             # Step whatever is still pending at the end of this backward pass. FSDP2 queues its own
             # end-of-backward callback (which reduces the groups whose reduce-scatter had not run, e.g. the
@@ -313,7 +322,10 @@ class GradientRelease:
         if batch is None:
             return
         opt = self._optimizer
-        params_by_group = sorted(batch.params.items())
+        # (a parameter whose gradient was cleared meanwhile, e.g. by zero_grad() after a failed backward, is
+        # left out)
+        params_by_group = [(index, kept) for index, params in sorted(batch.params.items())
+                           if (kept := [p for p in params if p.grad is not None])]
         context = contextlib.nullcontext()
         if batch.streams:
             # Under FSDP2 the hooks run on the reduce-scatter stream: a step queued there would hold back

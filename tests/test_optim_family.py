@@ -315,3 +315,21 @@ def test_nonfinite_gradient_is_contained_and_counted():
             now = opt.state[p][k]
             assert torch.equal(now[0, :1] if k.endswith("_scales") else now[0, :32],
                                v[0, :1] if k.endswith("_scales") else v[0, :32]), k
+
+
+@pytest.mark.parametrize("saved_momentum, momentum", [(0.0, 0.9), (0.9, 0.0)], ids=["off-into-on", "on-into-off"])
+def test_load_that_would_switch_momentum_is_refused_before_any_change(saved_momentum, momentum):
+    """A torch.optim.SGD state dict whose momentum is off (or on, before any step: no buffer saved) would
+    switch FlashSGD's momentum under its state: refused, and the optimizer still steps."""
+    src = torch.nn.Parameter(torch.randn(4, 32))
+    sgd = torch.optim.SGD([src], lr=0.1, momentum=saved_momentum)
+    if saved_momentum == 0:
+        src.grad = torch.randn_like(src)
+        sgd.step()
+    p = torch.nn.Parameter(src.detach().clone())
+    opt = FlashSGD([p], lr=0.1, momentum=momentum)
+    with pytest.raises(ValueError, match="momentum"):
+        opt.load_state_dict(sgd.state_dict())
+    assert opt.param_groups[0]["momentum"] == momentum
+    p.grad = torch.randn_like(p)
+    opt.step()

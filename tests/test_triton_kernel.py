@@ -522,3 +522,23 @@ def test_family_first_sgd_step_starts_the_buffer_from_the_gradient(kernels):
     expected = p - g * scalars.lr
     kernels.sgd_step_multi([p], [g], [buf], None, None, cols=None, scalars=scalars, companded=True, skipped=None)
     assert torch.equal(buf, g) and torch.equal(p, expected)
+
+
+@interpreted
+def test_stateless_plan_is_not_reused_for_another_tensor_at_the_same_address(kernels):
+    """SGD without momentum on fp32 parameters keeps no state: the plan watches the parameters, so a new,
+    smaller parameter at a freed one's address gets a plan of its own (not the old sizes)."""
+    scalars = SGDScalars.make(lr=0.1, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, step=1,
+                              decoupled=False)
+    storage = torch.zeros(4096 + 64)
+    big = storage[:4096].view(64, 64)
+    kernels.sgd_step_multi([big], [torch.ones(64, 64)], None, None, None, cols=None, scalars=scalars,
+                           companded=True, skipped=None)
+    assert len(kernels._PLANS) == 1
+    del big
+    assert len(kernels._PLANS) == 0  # the parameter is gone: so is its plan
+    small = storage[:64].view(8, 8)  # the same address, 64 elements
+    storage[64:] = 5.0
+    kernels.sgd_step_multi([small], [torch.ones(8, 8)], None, None, None, cols=None, scalars=scalars,
+                           companded=True, skipped=None)
+    assert torch.equal(storage[64:], torch.full((4096,), 5.0))  # nothing written past the 64 elements

@@ -24,6 +24,7 @@ FORMAT_VERSION = 1
 FORMATS = ("portable", "compressed")
 LAYOUT_KEYS = ("master_weight_bits", "quantize_states", "companded", "flat_layout")
 _META_KEYS = ("flashdist_format", "flashdist_version")
+_KEPT_GROUP_KEYS = ("params", "param_names") + _META_KEYS + LAYOUT_KEYS  # not taken from a loaded group
 
 
 def _is_second_moment(name: str) -> bool:
@@ -188,6 +189,10 @@ def load_state_dict(opt, sd: dict) -> None:
                 opt._init_state(p, group)  # flat_layout groups create their state lazily
                 plan.extend((op, group) for op in _plan_param(opt, group, p, param_name(group, i, p), saved[pid]))
             index += 1
+    # The hyper-parameters the groups will have after the load (torch's load_state_dict takes the saved
+    # ones), checked too: e.g. FlashSGD refuses a momentum switched on or off under the state it holds.
+    for group, sgroup in zip(opt.param_groups, groups):
+        opt._check_hyperparameters({**group, **{k: v for k, v in sgroup.items() if k not in _KEPT_GROUP_KEYS}})
     # Everything checked: apply.
     for (kind, dest, value, mine), group in plan:
         if kind == "copy":
@@ -204,5 +209,5 @@ def load_state_dict(opt, sd: dict) -> None:
             scales.copy_(new_scales)
     for group, sgroup in zip(opt.param_groups, groups):
         for k, v in sgroup.items():
-            if k not in ("params", "param_names") + _META_KEYS + LAYOUT_KEYS:
+            if k not in _KEPT_GROUP_KEYS:
                 group[k] = v

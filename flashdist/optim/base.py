@@ -297,9 +297,20 @@ class FlashOptimizer(torch.optim.Optimizer):
                     self._plans.pop(old, None)
                 self._plan_keys[id(p)] = key
         plan.counts.add_(1.0)  # every state["step"] of the plan is a view into this one tensor
+        try:
+            self._step_plan(group, plan, params, grads)
+        except BaseException:
+            # a failure before the first launch (a check of the functional step) changed nothing: neither
+            # may the step counts; the plan is rebuilt next time
+            plan.counts.sub_(1.0)
+            plan.step = None
+            self._plans.pop(key, None)
+            raise
+
+    def _step_plan(self, group: dict, plan: "_Plan", params: list[torch.Tensor],
+                   grads: list[torch.Tensor] | None) -> None:
         if plan.step is None:  # parameters at different step counts: bucket by count (rare)
             counts = [int(t) for t in plan.counts.tolist()]
-            plan.step = counts[0] if len(set(counts)) == 1 else None
             for bucket in plan.buckets:
                 by_count = defaultdict(list)
                 for i in bucket.index:
@@ -307,14 +318,15 @@ class FlashOptimizer(torch.optim.Optimizer):
                 for count, index in by_count.items():
                     self._step_bucket(group, bucket.subset(index), [params[i].grad for i in index], count,
                                       self._skipped_counter(bucket.device))
+            plan.step = counts[0] if len(set(counts)) == 1 else None
             return
-        plan.step += 1
         for bucket in plan.buckets:
             if bucket.everything:
                 bucket_grads = grads if grads is not None else list(map(_GRAD, params))
             else:
                 bucket_grads = [params[i].grad for i in bucket.index]
-            self._step_bucket(group, bucket, bucket_grads, plan.step, self._skipped_counter(bucket.device))
+            self._step_bucket(group, bucket, bucket_grads, plan.step + 1, self._skipped_counter(bucket.device))
+        plan.step += 1
 
     def _step_bucket(self, group: dict, bucket: "_Bucket", grads: list[torch.Tensor], step: int,
                      skipped: torch.Tensor) -> None:

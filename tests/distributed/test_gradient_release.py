@@ -412,3 +412,68 @@ def test_fsdp2_release_matches_ordinary_step(mesh_shape):
     for n in mesh_shape:
         world_size *= n
     run_ranks(_fsdp2_release, world_size, mesh_shape)
+
+
+class _FailOnce(torch.autograd.Function):
+    """Identity whose backward raises while ``armed``: a backward pass that fails midway, after the
+    parameters behind it (closer to the loss) already received their gradients."""
+
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        if _FailOnce.armed:
+            _FailOnce.armed = False
+            raise RuntimeError("injected failure")
+        return g
+
+
+class FailingNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Linear(40, 32)
+        self.second = nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.second(_FailOnce.apply(torch.tanh(self.first(x))))
+
+
+@pytest.mark.parametrize("zero_grad", [True, False], ids=["zero_grad", "no-zero_grad"])
+def test_a_failed_backward_leaves_release_usable(zero_grad):
+    """The failed pass stepped nothing it had not finished (the bucket holds everything); afterwards
+    zero_grad() + step() does not crash, the next backward is not mistaken for accumulation, and training
+    goes on exactly like an ordinary run that skipped the failed iteration."""
+    model = FailingNet().to(torch.bfloat16)
+    reference = copy.deepcopy(model)
+    opt = flashdist.FlashAdamW(model.parameters(), lr=1e-2)
+    ref_opt = flashdist.FlashAdamW(reference.parameters(), lr=1e-2)
+    release = enable_gradient_release(model, opt, bucket_mb=1024)
+    _FailOnce.armed = True
+    with pytest.raises(RuntimeError, match="injected failure"):
+        _loss(model, 0).backward()
+    assert model.second.weight.grad is not None  # reached before the failure, not stepped
+    if zero_grad:
+        opt.zero_grad()
+        opt.step()  # nothing left to step: no error
+        assert int(opt.state[model.second.weight]["step"]) == 0
+    else:
+        opt.step()  # steps what the failed pass left (as the ordinary step would)
+    for step in range(1, 3):
+        _loss(model, step).backward()
+        opt.step()
+        opt.zero_grad()
+    release.remove()
+    if zero_grad:
+        for step in range(1, 3):
+            _loss(reference, step).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        assert_bitwise_equal(snapshot(model, opt), snapshot(reference, ref_opt), "after a failed backward")
+    else:
+        assert int(opt.state[model.second.weight]["step"]) == 3
+        assert int(opt.state[model.first.weight]["step"]) == 2

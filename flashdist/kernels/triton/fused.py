@@ -796,8 +796,10 @@ def _step_multi(algo: int, params, grads, moments: list, scales: list | None, rh
               list(cols) if quantized else None, LARGE_NUMEL, TABLE_GROUPS, TABLE_BLOCKS, LARGE_GROUPS)
     param_ptrs = list(map(_data_ptr, params))
     grad_ptrs = list(map(_data_ptr, grads))
-    # the first state list identifies the state (load_state_dict replaces it); without any, the params do
-    first_state = moments[0] if moments else (rhos if rhos is not None else [])
+    # The first state list identifies the state (a replaced state tensor gets a new plan). Without any state
+    # (SGD without momentum on parameters without rho) the parameters themselves are watched: a plan must
+    # not outlive the tensors whose sizes its tables hold, since another tensor may take the same address.
+    first_state = moments[0] if moments else (rhos if rhos is not None else params)
     plan = _find_plan(layout, param_ptrs, first_state)
     if plan is not None and grad_ptrs != plan.grad_ptrs and not plan.set_grads(grads, grad_ptrs):
         _PLANS.remove(plan)
@@ -807,7 +809,7 @@ def _step_multi(algo: int, params, grads, moments: list, scales: list | None, rh
         states = [*moments, *(scales or [])]
         if rhos is not None:
             states.append(rhos)
-        plan.watch(first_state, states)
+        plan.watch(first_state, states or [params])
         _PLANS.insert(0, plan)
         del _PLANS[PLAN_CACHE_SIZE:]
     elif _PLANS[0] is not plan:
