@@ -327,7 +327,17 @@ class GradientRelease:
         params_by_group = [(index, kept) for index, params in sorted(batch.params.items())
                            if (kept := [p for p in params if p.grad is not None])]
         context = contextlib.nullcontext()
-        if batch.streams:
+        if len({stream.device for stream in batch.streams}) > 1:
+            # one process, parameters on several GPUs: step each on its device's current stream, after the
+            # streams that wrote its gradients
+            for stream in batch.streams:
+                torch.cuda.current_stream(stream.device).wait_stream(stream)
+            for _, params in params_by_group:
+                for p in params:
+                    grad = D.local(p.grad)
+                    if grad.is_cuda:
+                        grad.record_stream(torch.cuda.current_stream(grad.device))
+        elif batch.streams:
             # Under FSDP2 the hooks run on the reduce-scatter stream: a step queued there would hold back
             # the following reduce-scatters (and the all-gathers NCCL orders behind them). So the steps run
             # on a side stream of their own that waits for the streams that wrote the gradients; the

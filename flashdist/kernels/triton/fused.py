@@ -625,6 +625,14 @@ class _Plan:
         self.state_ids: list[int] = []
         self.refs: list[weakref.ref] = []  # weak references to the state tensors that drop this plan when freed
 
+    def used_on(self, stream) -> None:
+        """Mark the plan's device tables as read by work queued on ``stream`` (caching allocator)."""
+        self.dummy.record_stream(stream)
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.record_stream(stream)
+                bucket.tensors.record_stream(stream)
+
     def watch(self, first: Sequence[torch.Tensor], states: list[Sequence[torch.Tensor]]) -> None:
         """Record the ids of the ``first`` state list (the first moments), and drop the plan from the cache as soon as any state tensor is
         freed (after which the plan would point at freed memory, and its id may name a new tensor)."""
@@ -820,6 +828,10 @@ def _step_multi(algo: int, params, grads, moments: list, scales: list | None, rh
         raise ValueError(f"flashdist: skipped must be an int32 tensor on {device}, got {skipped.dtype} on "
                          f"{skipped.device}")
     counter = plan.dummy if skipped is None else skipped
+    if device.type == "cuda":
+        # the plan's device tables may have been allocated on another stream (gradient release steps on a
+        # side stream): keep their memory from being reused there while this launch may still read them
+        plan.used_on(torch.cuda.current_stream(device))
     for bucket in plan.buckets:
         flags = dict(bucket.flags, COMPANDED=companded, DECOUPLED=decoupled, COUNT_SKIPPED=skipped is not None,
                      ALGO=algo, HAS_M=bool(moments), NESTEROV=nesterov, EXACT=EXACT,
