@@ -303,6 +303,7 @@ class GradientRelease:
                 self._flush(unit)
         if task < 0:  # a hook outside autograd's backward (no end-of-backward callback): step now
             self._flush_all()
+            self._join_side_streams()
 
     def _end_of_backward(self, task: int) -> None:
         self._queued.discard(task)
