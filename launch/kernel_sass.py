@@ -1,0 +1,99 @@
+"""Compile the fused step kernel for an NVIDIA GPU without one, and count what it compiles to.
+
+    python launch/kernel_sass.py                 # a table: instructions and registers per specialisation
+    python launch/kernel_sass.py --arch 90 --json out.json
+
+Triton compiles for a target given by compute capability, and its wheel ships ptxas and cuobjdump, so the
+table launch of flashdist/kernels/triton/fused.py is compiled here for sm_90 (H100/H200) in every update
+(Adam, SGD, Lion) and layout, and its SASS is counted: static instructions of the kernel (the per-element
+work of one program is that divided by the values each thread holds: 8 at 32 groups of 32 per block and 4
+warps) and registers per thread (occupancy: 65,536 registers per SM). This catches a kernel that no longer
+compiles (the interpreter tests run the kernel as Python, not through the compiler) and shows the effect of a
+change on the instruction budget before any GPU time is spent. Needs triton on Linux; TRITON_INTERPRET must
+not be set (it replaces the compiler).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SCALARS = ("beta1", "beta2", "one_minus_beta1", "one_minus_beta2", "eps", "weight_decay", "decay", "step_size",
+           "inv_bc2_sqrt")
+ALGOS = {"adam": 0, "sgd": 1, "lion": 2}
+
+
+def specialisations():
+    """(name, constexpr overrides) of the table kernel: each update with 8-bit and fp32 moments, exact and
+    approximate, bf16 parameters with int8 rho; SGD without momentum too."""
+    for (algo, code), quantized, exact in itertools.product(ALGOS.items(), (True, False), (True, False)):
+        yield (f"{algo}-{'q8' if quantized else 'fp32m'}-{'exact' if exact else 'approx'}",
+               dict(ALGO=code, HAS_M=True, QUANTIZED=quantized, EXACT=exact, FAST_DIV=not exact))
+    yield "sgd-no-momentum-exact", dict(ALGO=1, HAS_M=False, QUANTIZED=False, EXACT=True, FAST_DIV=False)
+
+
+def compile_one(overrides: dict, arch: int = 90, groups: int | None = None) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import flashdist.kernels.triton.fused as K
+
+    consts = dict(P_KIND=0, G_KIND=0, RHO_KIND=1, QUANTIZED=True, ALIGNED=True, ALIGN16=True, COMPANDED=True,
+                  DECOUPLED=True, COUNT_SKIPPED=True, ALGO=0, HAS_M=True, NESTEROV=False, EXACT=True,
+                  FAST_DIV=False, RHO_LOG2=7, GROUPS=groups or K.TABLE_GROUPS)
+    consts.update(overrides)
+    signature = {"work_ptr": "*i32", "tensors_ptr": "*i64", "table_ptr": "*fp32", "skipped_ptr": "*i32",
+                 **dict.fromkeys(SCALARS, "fp32"), **dict.fromkeys(consts, "constexpr")}
+    compiled = triton.compile(ASTSource(K._table_kernel, signature, constexprs=consts),
+                              target=GPUTarget("cuda", arch, 32),
+                              options=dict(num_warps=K.NUM_WARPS, enable_fp_fusion=False))
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([str(tools / "cuobjdump"), "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
+        usage = subprocess.run([str(tools / "cuobjdump"), "--dump-resource-usage", f.name], capture_output=True,
+                               text=True, check=True).stdout
+    return {"instructions": len(re.findall(r"/\*[0-9a-f]{4}\*/", sass)),
+            "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
+            "spills": int(m.group(1)) if (m := re.search(r"STACK:(\d+)", usage)) else 0}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", type=int, default=90, help="compute capability as an integer (90: sm_90)")
+    ap.add_argument("--only", nargs="*", help="names of the specialisations to compile (default: all)")
+    ap.add_argument("--json", help="write the results to this path")
+    args = ap.parse_args()
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        sys.exit("kernel_sass.py compiles the kernel: unset TRITON_INTERPRET")
+    rows = []
+    for name, overrides in specialisations():
+        if args.only and name not in args.only:
+            continue
+        rows.append(dict(name=name, **compile_one(overrides, args.arch)))
+        print(json.dumps(rows[-1]), flush=True)
+    import triton
+
+    print(f"\nsm_{args.arch}, triton {triton.__version__}\n")
+    print("| specialisation | SASS instructions | registers | stack bytes |\n|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['name']} | {r['instructions']} | {r['registers']} | {r['spills']} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
