@@ -27,11 +27,12 @@ from flashdist.quant import rho as R
 
 sys.path.insert(0, str(Path(__file__).parent / "distributed"))
 from harness import run_ranks  # noqa: E402
+from test_deepspeed import VOCAB, Net  # noqa: E402  (the same tiny language model)
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed "
                                                    "(DS_BUILD_OPS=0 pip install deepspeed; launch/setup.sh does)")]
 
-WORLD, GLOBAL_BATCH, VOCAB, DIM = 2, 24, 64, 48
+WORLD, GLOBAL_BATCH = 2, 24
 LR, WEIGHT_DECAY = 1e-3, 0.1
 SAVE_AT, AFTER = 4, 3  # steps before the checkpoint, steps after it
 RUNS = {  # key -> (ZeRO stage, bf16 master partitions, state_dict_format)
@@ -41,20 +42,6 @@ RUNS = {  # key -> (ZeRO stage, bf16 master partitions, state_dict_format)
     "zero3-bf16-masters": (3, True, "portable"),
     "zero2-fp32-masters-compressed": (2, False, "compressed"),
 }
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, DIM)
-        self.norm = nn.LayerNorm(DIM)
-        self.up = nn.Linear(DIM, 4 * DIM)
-        self.down = nn.Linear(4 * DIM, DIM)
-        self.head = nn.Linear(DIM, VOCAB, bias=False)
-
-    def forward(self, x):
-        h = self.emb(x)
-        return self.head(h + self.down(nn.functional.gelu(self.up(self.norm(h)))))
 
 
 def _groups(model) -> list[dict]:
