@@ -266,6 +266,7 @@ def test_deepspeed_checkpoints_convert_and_fsdp2_continues(tmp_path):
     on DeepSpeed's loss curve (tolerances: tests/test_convert_deepspeed.py)."""
     pytest.importorskip("deepspeed", reason="DeepSpeed is the [deepspeed] extra")
     import test_convert_deepspeed as T
+    from test_deepspeed import DIM
 
     from flashdist.quant import rho as R
 
@@ -276,7 +277,7 @@ def test_deepspeed_checkpoints_convert_and_fsdp2_continues(tmp_path):
         state = read(tmp_path / f"{key}.dcp")["optim"]["state"]["up.weight"]
         moment = "momentum_buffer" if kind == "FlashSGD" else "exp_avg"
         assert set(state) == {"step", "rho", moment} and state[moment].dtype == torch.float32
-        assert state[moment].shape == (4 * T.DIM, T.DIM) and state[moment].abs().max() > 0
+        assert state[moment].shape == (4 * DIM, DIM) and state[moment].abs().max() > 0
         rc, out, _ = T._cli("inspect", tmp_path / key)
         assert rc == 0 and f"ZeRO-{stage}" in out
     resumed = run_ranks(_fsdp_resume_job, 2, str(tmp_path), timeout=300)[0]
