@@ -50,7 +50,7 @@ def compile_one(overrides: dict, arch: int = 90, groups: int | None = None) -> d
 
     consts = dict(P_KIND=0, G_KIND=0, RHO_KIND=1, QUANTIZED=True, ALIGNED=True, ALIGN16=True, COMPANDED=True,
                   DECOUPLED=True, COUNT_SKIPPED=True, ALGO=0, HAS_M=True, NESTEROV=False, EXACT=True,
-                  FAST_DIV=False, RHO_LOG2=7, GROUPS=groups or K.TABLE_GROUPS)
+                  FAST_DIV=False, RHO_LOG2=7, GROUPS=groups or K.TABLE_GROUPS, PREFETCH=64, AHEAD=1)
     consts.update(overrides)
     signature = {"work_ptr": "*i32", "tensors_ptr": "*i64", "table_ptr": "*fp32", "skipped_ptr": "*i32",
                  **dict.fromkeys(SCALARS, "fp32"), **dict.fromkeys(consts, "constexpr")}

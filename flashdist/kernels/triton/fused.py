@@ -100,17 +100,24 @@ def _exact_from_env() -> bool:
 # approximate ones. Read once from FLASHDIST_EXACT; set this module attribute to change it in a process.
 EXACT = _exact_from_env()
 
-# Launch configuration, from launch/bench_step.py --sweep on an H200 (triton 3.6; docs/benchmarks.md). The
-# kernel is bound by instruction issue and latency, not bandwidth, so occupancy decides: 32 groups per block
-# compile to 96 registers (exact) against 146 for 64, and ran the Llama-3.2-1B shapes in 7.4 ms against
-# 8.5 (approximate variant: 6.3 against 6.1); 8 blocks per program beat 1 by 5%; 8 warps lost.
-# Tensors with at least LARGE_NUMEL elements get a launch of their own (only embedding-sized ones: a launch
-# costs tens of microseconds of host time).
+# Launch configuration, from sweeps of the kernel-only step on an H200 (triton 3.6; docs/benchmarks.md). The
+# kernel is bound by instruction issue and memory latency, so what lets warps run independently and keep
+# loads in flight wins: programs of ONE warp (no barrier couples warps: the scale stores and the final skip
+# count convert layouts through shared memory, which with several warps means block-wide barriers), 8 groups
+# of 32 slots per block (8 values per thread; 83 registers exact, 64 approximate), 32 blocks per program
+# walked with an L2 prefetch of the next block (Llama-3.2-1B shapes: 5.9 ms exact / 5.05 approx, against
+# 7.6 / 6.4 at 32 groups, 4 warps and no prefetch). Tensors with at least LARGE_NUMEL elements get a launch
+# of their own (only embedding-sized ones: a launch costs tens of microseconds of host time).
 LARGE_NUMEL = 1 << 26
-TABLE_GROUPS = 32  # groups of 32 slots per block in the table launch (1024 slots)
-TABLE_BLOCKS = 8  # consecutive blocks of one tensor per program of the table launch
-LARGE_GROUPS = 64  # groups of 32 slots per program in a per-tensor launch (2048 slots)
-NUM_WARPS = 4
+TABLE_GROUPS = 8  # groups of 32 slots per block in the table launch (256 slots)
+TABLE_BLOCKS = 32  # consecutive blocks of one tensor per program of the table launch
+LARGE_GROUPS = 8  # groups of 32 slots per block in a per-tensor launch
+LARGE_BLOCKS = 32  # consecutive blocks per program of a per-tensor launch
+NUM_WARPS = 1
+# L2 prefetch of a program's next block while it computes the current one (compiled kernels only)
+PREFETCH = True
+# blocks ahead of the current one that the L2 prefetch asks for
+PREFETCH_AHEAD = 1
 # cached launch plans: a few per optimizer call site (one per bucket of step count / layout), and gradient
 # release steps each FSDP2 group with a call of its own (an 8B Llama has 33 groups, two layouts each)
 PLAN_CACHE_SIZE = 256
@@ -291,7 +298,6 @@ def _signs_differ(a, b):
 def _step_block(
     p_addr, g_addr, m_addr, v_addr, ms_addr, vs_addr, rho_addr,  # int64 addresses of one tensor's data
     table_ptr,  # fp32 codes.EXP_AVG_TABLE on this device (read with COMPANDED quantized moments only)
-    skipped_ptr,  # int32 counter of skipped groups (only used with COUNT_SKIPPED)
     blk,  # block index inside the tensor
     numel, ngroups, cols, gpr,  # elements; groups (quantized); row length; groups per row
     beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, decay, step_size, inv_bc2_sqrt,
@@ -300,7 +306,7 @@ def _step_block(
     QUANTIZED: tl.constexpr,  # 8-bit moments with bf16 group scales (else fp32 moments)
     ALIGNED: tl.constexpr,  # cols is a multiple of 32
     ALIGN16: tl.constexpr,  # every address is a multiple of 16 bytes
-    COMPANDED: tl.constexpr, DECOUPLED: tl.constexpr, COUNT_SKIPPED: tl.constexpr,
+    COMPANDED: tl.constexpr, DECOUPLED: tl.constexpr,
     ALGO: tl.constexpr,  # ADAM, SGD or LION: the update, and the moments it keeps (see the module doc)
     HAS_M: tl.constexpr,  # a first moment / momentum buffer exists (SGD without momentum keeps none)
     NESTEROV: tl.constexpr,  # SGD only: Nesterov momentum
@@ -385,11 +391,11 @@ def _step_block(
         bad_group = tl.max(g_exp, axis=1) == _FP32_EXP_MASK
         keep = mask & ~bad_group[:, None]
         keep_group = gvalid & ~bad_group
-        n_bad = tl.sum(bad_group.to(tl.int32))
+        n_bad = bad_group.to(tl.int32)
     else:
         bad = g_exp == _FP32_EXP_MASK
         keep = mask & ~bad
-        n_bad = tl.sum(bad.to(tl.int32))
+        n_bad = tl.sum(bad.to(tl.int32), axis=1)
 
     # Moments: Adam's and SGD's decayed beta1 * m (SGD: momentum * buffer) and Adam's beta2 * v
     # (codes.dequantize_exp_avg / dequantize_exp_avg_sq with the betas as factors), Lion's m itself: each
@@ -520,8 +526,80 @@ def _step_block(
         tl.store(rho_ptr + offs, r.to(tl.int8), mask=keep)
     elif RHO_KIND == 2:
         tl.store(rho_ptr + offs, r.to(tl.int16), mask=keep)
+    return n_bad  # per group slot of the block: skipped groups (fp32 moments: skipped values)
 
+
+# ----- consecutive blocks of one tensor --------------------------------------------------------------------
+
+
+@triton.jit
+def _prefetch_block(p_addr, g_addr, m_addr, v_addr, rho_addr, blk, P_KIND: tl.constexpr, G_KIND: tl.constexpr,
+                    RHO_KIND: tl.constexpr, QUANTIZED: tl.constexpr, ALGO: tl.constexpr, HAS_M: tl.constexpr,
+                    GROUPS: tl.constexpr, PREFETCH: tl.constexpr):
+    """Ask the L2 cache for the per-value streams (param, grad, rho, moments) of block ``blk``: the
+    ``32 * GROUPS`` values from ``blk * 32 * GROUPS`` (quantized moments with ALIGNED, or fp32 moments), so
+    that a program computes one block while the next one's bytes travel. A hint: nothing waits for it and
+    no register receives data. One 128-byte line per slot of a ``PREFETCH``-slot vector (the lines of every
+    stream, one after the other; a stream that does not start on a line boundary leaves its last partial
+    line to the loads)."""
+    SLOTS: tl.constexpr = GROUPS * 32
+    P_LINES: tl.constexpr = SLOTS * (4 if P_KIND == 2 else 2) // 128
+    G_LINES: tl.constexpr = SLOTS * (4 if G_KIND == 2 else 2) // 128
+    R_LINES: tl.constexpr = SLOTS * RHO_KIND // 128
+    M_LINES: tl.constexpr = (SLOTS * (1 if QUANTIZED else 4) // 128) if HAS_M else 0
+    V_LINES: tl.constexpr = M_LINES if ALGO == _ADAM else 0
+    start = blk.to(tl.int64) * SLOTS
+    k = tl.arange(0, PREFETCH)
+    # byte address of line k's stream at the block's start, minus the lines of the streams before it
+    base = tl.where(k < P_LINES, p_addr + start * (P_LINES * 128 // SLOTS),
+                    g_addr + start * (G_LINES * 128 // SLOTS) - P_LINES * 128)
+    base = tl.where(k < P_LINES + G_LINES, base, rho_addr + start * (R_LINES * 128 // SLOTS) - (P_LINES + G_LINES) * 128)
+    base = tl.where(k < P_LINES + G_LINES + R_LINES, base,
+                    m_addr + start * (M_LINES * 128 // SLOTS) - (P_LINES + G_LINES + R_LINES) * 128)
+    base = tl.where(k < P_LINES + G_LINES + R_LINES + M_LINES, base,
+                    v_addr + start * (V_LINES * 128 // SLOTS) - (P_LINES + G_LINES + R_LINES + M_LINES) * 128)
+    line = ((base >> 7) << 7) + k.to(tl.int64) * 128
+    live = (k < P_LINES + G_LINES + R_LINES + M_LINES + V_LINES).to(tl.int32)
+    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+                              "=r,l,r", [line, live], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _step_blocks(
+    p_addr, g_addr, m_addr, v_addr, ms_addr, vs_addr, rho_addr, table_ptr, skipped_ptr,
+    first, count,  # blocks first .. first + count - 1 of the tensor
+    numel, ngroups, cols, gpr,
+    beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, decay, step_size, inv_bc2_sqrt,
+    P_KIND: tl.constexpr, G_KIND: tl.constexpr, RHO_KIND: tl.constexpr, QUANTIZED: tl.constexpr,
+    ALIGNED: tl.constexpr, ALIGN16: tl.constexpr, COMPANDED: tl.constexpr, DECOUPLED: tl.constexpr,
+    COUNT_SKIPPED: tl.constexpr, ALGO: tl.constexpr, HAS_M: tl.constexpr, NESTEROV: tl.constexpr,
+    EXACT: tl.constexpr, FAST_DIV: tl.constexpr, RHO_LOG2: tl.constexpr, GROUPS: tl.constexpr,
+    PREFETCH: tl.constexpr,  # 0, or slots (a power of two >= the lines of a block) of the next block's L2 prefetch
+    AHEAD: tl.constexpr,  # the prefetch asks for block j + AHEAD while block j is computed
+):
+    """``count`` consecutive blocks of one tensor; the skipped groups are counted per group slot over all of
+    them and added to ``skipped`` with one atomic at the end (a per-block count would be a reduction across
+    the program's warps, through shared memory and barriers, in every block)."""
+    bad = tl.zeros((GROUPS,), tl.int32)
+    if PREFETCH != 0 and (ALIGNED or not QUANTIZED):
+        for j in tl.static_range(1, AHEAD):  # the blocks before the first one the loop asks for
+            if j < count:
+                _prefetch_block(p_addr, g_addr, m_addr, v_addr, rho_addr, first + j, P_KIND, G_KIND, RHO_KIND,
+                                QUANTIZED, ALGO, HAS_M, GROUPS, PREFETCH)
+    for j in range(count):
+        if PREFETCH != 0 and (ALIGNED or not QUANTIZED):
+            if j + AHEAD < count:
+                _prefetch_block(p_addr, g_addr, m_addr, v_addr, rho_addr, first + j + AHEAD, P_KIND, G_KIND,
+                                RHO_KIND, QUANTIZED, ALGO, HAS_M, GROUPS, PREFETCH)
+        bad += _step_block(
+            p_addr, g_addr, m_addr, v_addr, ms_addr, vs_addr, rho_addr, table_ptr, first + j,
+            numel, ngroups, cols, gpr,
+            beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, decay, step_size, inv_bc2_sqrt,
+            P_KIND, G_KIND, RHO_KIND, QUANTIZED, ALIGNED, ALIGN16, COMPANDED, DECOUPLED, ALGO,
+            HAS_M, NESTEROV, EXACT, FAST_DIV, RHO_LOG2, GROUPS,
+        )
     if COUNT_SKIPPED:
+        n_bad = tl.sum(bad)
         tl.atomic_add(skipped_ptr, n_bad, mask=n_bad > 0, sem="relaxed")
 
 
@@ -539,6 +617,7 @@ def _table_kernel(
     ALIGNED: tl.constexpr, ALIGN16: tl.constexpr, COMPANDED: tl.constexpr, DECOUPLED: tl.constexpr,
     COUNT_SKIPPED: tl.constexpr, ALGO: tl.constexpr, HAS_M: tl.constexpr, NESTEROV: tl.constexpr,
     EXACT: tl.constexpr, FAST_DIV: tl.constexpr, RHO_LOG2: tl.constexpr, GROUPS: tl.constexpr,
+    PREFETCH: tl.constexpr, AHEAD: tl.constexpr,
 ):
     item = tl.program_id(0)
     t = tl.load(work_ptr + 3 * item)
@@ -552,14 +631,13 @@ def _table_kernel(
     cols, gpr = tl.load(row + 9).to(tl.int32), tl.load(row + 10).to(tl.int32)
     # several consecutive blocks of one tensor per program: the chain of dependent loads above (work item,
     # then the tensor's row) is paid once for all of them
-    for j in range(count):
-        _step_block(
-            p_addr, g_addr, m_addr, v_addr, ms_addr, vs_addr, rho_addr, table_ptr, skipped_ptr, first + j,
-            numel, ngroups, cols, gpr,
-            beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, decay, step_size, inv_bc2_sqrt,
-            P_KIND, G_KIND, RHO_KIND, QUANTIZED, ALIGNED, ALIGN16, COMPANDED, DECOUPLED, COUNT_SKIPPED, ALGO,
-            HAS_M, NESTEROV, EXACT, FAST_DIV, RHO_LOG2, GROUPS,
-        )
+    _step_blocks(
+        p_addr, g_addr, m_addr, v_addr, ms_addr, vs_addr, rho_addr, table_ptr, skipped_ptr, first, count,
+        numel, ngroups, cols, gpr,
+        beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, decay, step_size, inv_bc2_sqrt,
+        P_KIND, G_KIND, RHO_KIND, QUANTIZED, ALIGNED, ALIGN16, COMPANDED, DECOUPLED, COUNT_SKIPPED, ALGO,
+        HAS_M, NESTEROV, EXACT, FAST_DIV, RHO_LOG2, GROUPS, PREFETCH, AHEAD,
+    )
 
 
 @triton.jit
@@ -568,22 +646,26 @@ def _tensor_kernel(
     table_ptr,  # fp32 codes.EXP_AVG_TABLE on this device
     skipped_ptr,  # int32 skip counter (any int32 tensor when COUNT_SKIPPED is False)
     numel, ngroups, cols, gpr,  # elements; groups (quantized); row length; groups per row
+    nblocks,  # blocks of GROUPS groups in the tensor
     beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, decay, step_size, inv_bc2_sqrt,
     P_KIND: tl.constexpr, G_KIND: tl.constexpr, RHO_KIND: tl.constexpr, QUANTIZED: tl.constexpr,
     ALIGNED: tl.constexpr, ALIGN16: tl.constexpr, COMPANDED: tl.constexpr, DECOUPLED: tl.constexpr,
     COUNT_SKIPPED: tl.constexpr, ALGO: tl.constexpr, HAS_M: tl.constexpr, NESTEROV: tl.constexpr,
     EXACT: tl.constexpr, FAST_DIV: tl.constexpr, RHO_LOG2: tl.constexpr, GROUPS: tl.constexpr,
+    PREFETCH: tl.constexpr, AHEAD: tl.constexpr,
+    BLOCKS: tl.constexpr,  # consecutive blocks per program
     WIDE: tl.constexpr,  # numel >= 2^31: int64 index arithmetic
 ):
-    blk = tl.program_id(0)
+    first = tl.program_id(0) * BLOCKS
     if WIDE:
-        blk = blk.to(tl.int64)
-    _step_block(
-        p_addr, g_addr, m_addr, v_addr, ms_addr, vs_addr, rho_addr, table_ptr, skipped_ptr, blk, numel, ngroups,
-        cols, gpr,
+        first = first.to(tl.int64) * 1
+    count = tl.minimum(nblocks - first, BLOCKS)
+    _step_blocks(
+        p_addr, g_addr, m_addr, v_addr, ms_addr, vs_addr, rho_addr, table_ptr, skipped_ptr, first, count,
+        numel, ngroups, cols, gpr,
         beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, decay, step_size, inv_bc2_sqrt,
         P_KIND, G_KIND, RHO_KIND, QUANTIZED, ALIGNED, ALIGN16, COMPANDED, DECOUPLED, COUNT_SKIPPED, ALGO, HAS_M,
-        NESTEROV, EXACT, FAST_DIV, RHO_LOG2, GROUPS,
+        NESTEROV, EXACT, FAST_DIV, RHO_LOG2, GROUPS, PREFETCH, AHEAD,
     )
 
 
@@ -764,7 +846,8 @@ def _build_plan(layout, param_ptrs, params, grads, moments, scales, rhos, cols) 
             ))
         sizes = [n, ngroups, c, gpr]
         if n >= LARGE_NUMEL or n >= 2**31:  # the table launch indexes with int32
-            buckets[key].large.append([i, (large_blocks,), [*addrs, *sizes], n >= 2**31])
+            grid = (-(-large_blocks // LARGE_BLOCKS),)
+            buckets[key].large.append([i, grid, [*addrs, *sizes, large_blocks], n >= 2**31])
         else:
             small.setdefault(key, []).append((i, addrs + sizes, table_blocks))
     for key, rows in small.items():
@@ -801,7 +884,7 @@ def _step_multi(algo: int, params, grads, moments: list, scales: list | None, rh
     device = params[0].device
     quantized = scales is not None
     layout = (device, algo, len(moments), quantized, rhos[0].dtype if rhos is not None else None,
-              list(cols) if quantized else None, LARGE_NUMEL, TABLE_GROUPS, TABLE_BLOCKS, LARGE_GROUPS)
+              list(cols) if quantized else None, LARGE_NUMEL, TABLE_GROUPS, TABLE_BLOCKS, LARGE_GROUPS, LARGE_BLOCKS)
     param_ptrs = list(map(_data_ptr, params))
     grad_ptrs = list(map(_data_ptr, grads))
     # The first state list identifies the state (a replaced state tensor gets a new plan). Without any state
@@ -835,13 +918,30 @@ def _step_multi(algo: int, params, grads, moments: list, scales: list | None, rh
     for bucket in plan.buckets:
         flags = dict(bucket.flags, COMPANDED=companded, DECOUPLED=decoupled, COUNT_SKIPPED=skipped is not None,
                      ALGO=algo, HAS_M=bool(moments), NESTEROV=nesterov, EXACT=EXACT,
-                     FAST_DIV=not EXACT and not _INTERPRETED, num_warps=NUM_WARPS, enable_fp_fusion=False)
+                     FAST_DIV=not EXACT and not _INTERPRETED, AHEAD=PREFETCH_AHEAD, num_warps=NUM_WARPS,
+                     enable_fp_fusion=False)
         if bucket.items:
             _table_kernel[(bucket.items,)](bucket.work, bucket.tensors, plan.exp_avg_table, counter, *scalars,
-                                           GROUPS=TABLE_GROUPS, **flags)
+                                           GROUPS=TABLE_GROUPS, PREFETCH=_prefetch_slots(flags, TABLE_GROUPS),
+                                           **flags)
         for _, grid, args, wide in bucket.large:
             _tensor_kernel[grid](*args[:7], plan.exp_avg_table, counter, *args[7:], *scalars, GROUPS=LARGE_GROUPS,
-                                 WIDE=wide, **flags)
+                                 PREFETCH=_prefetch_slots(flags, LARGE_GROUPS), BLOCKS=LARGE_BLOCKS, WIDE=wide,
+                                 **flags)
+
+
+def _prefetch_slots(flags: dict, groups: int) -> int:
+    """The kernel's PREFETCH: 0 (none) or a power of two at least the 128-byte lines of one block's
+    per-value streams (``_prefetch_block``)."""
+    if not PREFETCH or _INTERPRETED or (flags["QUANTIZED"] and not flags["ALIGNED"]):
+        return 0  # the interpreter has no inline assembly; unaligned rows make blocks ragged
+    slots = groups * Q.GROUP
+    float_bytes = {0: 2, 1: 2, 2: 4}
+    moment_bytes = 1 if flags["QUANTIZED"] else 4
+    moments = (2 if flags["ALGO"] == ADAM else 1) if flags["HAS_M"] else 0
+    lines = sum(slots * b // 128 for b in (float_bytes[flags["P_KIND"]], float_bytes[flags["G_KIND"]],
+                                             flags["RHO_KIND"], *[moment_bytes] * moments))
+    return 1 << max(lines - 1, 0).bit_length() if lines else 0
 
 
 def adam_step_multi(
