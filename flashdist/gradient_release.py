@@ -22,14 +22,18 @@ fused launch plan, cached for that fixed list of parameters), after which their 
 
 - Under FSDP2 (``fully_shard``) the hooks run on the sharded DTensor parameters right after the
   reduce-scatter (and, for HSDP, the all-reduce) of their FSDP parameter group wrote the gradient shards,
-  all of one group in one go. A batch is one FSDP group: it is stepped in the hook of the group's last
-  parameter. On CUDA the step is queued on a side stream of flashdist's (one per device) that waits for
+  all of one group in one go. A group is complete in the hook of its last parameter; complete groups are
+  stepped together as soon as their gradient shards add up to ``bucket_mb`` MiB (default 64; 0 steps each
+  group as soon as it is complete). Each call costs host time on the thread that runs the backward pass,
+  which FSDP2 often keeps busy issuing kernels: fewer, larger calls leave the GPU waiting less, for at most
+  ``bucket_mb`` of gradient shards held a little longer. On CUDA the step is queued on a side stream of
+  flashdist's (one per device) that waits for
   the stream FSDP2 runs the hooks on (the reduce-scatter stream: a step queued there would hold back the
   following reduce-scatters and the all-gathers NCCL orders behind them); the caller's stream waits for
   the side stream at the end of backward, so the next forward, ``optimizer.step()`` or a checkpoint sees
-  the stepped parameters. A group in which some parameter got no gradient is stepped when the next group's
+  the stepped parameters. A group in which some parameter got no gradient is complete when the next group's
   gradients arrive, or at the end of backward. The gradient shards of one group are views of one
-  reduce-scatter buffer, which lives until the last of them is dropped: stepping the group together holds
+  reduce-scatter buffer, which lives until the last of them is dropped: stepping a group in one call holds
   no byte longer than stepping its parameters one by one did.
 - Parameters outside FSDP2 (one process) are stepped in arrival order in batches of about ``bucket_mb``
   MiB of gradients (default 64; 0 steps each parameter on its own): at most one batch of gradients is
@@ -145,8 +149,7 @@ class _Batch:
 class GradientRelease:
     """Handle returned by :func:`enable_gradient_release`. ``remove()`` (or leaving a ``with`` block)
     unregisters every hook and restores ordinary steps; ``active`` says whether release is on;
-    ``optimizer_calls`` counts the batched optimizer calls issued so far (one per FSDP2 group and param
-    group per backward, under FSDP2)."""
+    ``optimizer_calls`` counts the batched optimizer calls issued so far (one per batch and param group)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: FlashOptimizer, bucket_mb: float = 64.0):
         if not isinstance(optimizer, FlashOptimizer):
@@ -186,6 +189,9 @@ class GradientRelease:
         self._bucket_bytes = int(bucket_mb * 2**20)
         self._pending: dict[int, _Batch] = {}
         self._open: int | None = None  # the FSDP2 group whose gradients arrived last and are pending
+        # complete batches (all the gradients they will get this pass) waiting to be stepped together
+        self._ready: list[_Batch] = []
+        self._ready_bytes = 0
         self._seen: set[int] = set()  # parameters that received their gradient since optimizer.step()
         self._queued: set[int] = set()  # autograd graph tasks whose end-of-backward callback is queued
         # CUDA: the steps run on a stream of their own per device (see _flush); the streams that have
@@ -217,6 +223,8 @@ class GradientRelease:
         self._handles = []
         self._seen.clear()
         self._pending.clear()  # only after a failed backward: those parameters keep their gradients
+        self._ready.clear()
+        self._ready_bytes = 0
         self._open = None
         self._join_side_streams()
         _remove_clip_guards(self)
@@ -249,6 +257,8 @@ class GradientRelease:
             self._queued.clear()
             self._seen.clear()
             self._pending.clear()
+            self._ready.clear()
+            self._ready_bytes = 0
             self._open = None
             self._join_side_streams()
         if pid in self._seen:
@@ -281,26 +291,25 @@ class GradientRelease:
         if unit != _SINGLE and self._open is not None and self._open != unit:
             # FSDP2 runs the hooks of one group together: another group's gradients mean that the previous
             # group's reduce is over, whatever it still lacks will not come in this pass.
-            self._flush(self._open)
+            self._complete(self._open)
         batch = self._pending.get(unit)
         if batch is None:
             batch = self._pending[unit] = _Batch()
         batch.params.setdefault(self._group_index[pid], []).append(p)
         batch.count += 1
         local = D.local(grad)
+        batch.nbytes += local.numel() * local.element_size()
         if local.is_cuda:
             stream = torch.cuda.current_stream(local.device)
             if stream not in batch.streams:
                 batch.streams.append(stream)
         if unit != _SINGLE:
             if batch.count == self._expected[unit]:
-                self._flush(unit)
+                self._complete(unit)
             else:
                 self._open = unit
-        else:
-            batch.nbytes += local.numel() * local.element_size()
-            if batch.nbytes >= self._bucket_bytes:
-                self._flush(unit)
+        elif batch.nbytes >= self._bucket_bytes:
+            self._complete(unit)
         if task < 0:  # a hook outside autograd's backward (no end-of-backward callback): step now
             self._flush_all()
             self._join_side_streams()
@@ -311,44 +320,61 @@ class GradientRelease:
             self._flush_all()
         self._join_side_streams()
 
-    def _flush_all(self) -> None:
-        for unit in list(self._pending):
-            self._flush(unit)
-
-    def _flush(self, unit: int) -> None:
-        """Step the pending parameters of ``unit``: one optimizer call per param group; free their grads."""
-        batch = self._pending.pop(unit, None)
+    def _complete(self, unit: int) -> None:
+        """``unit``'s pending batch has every gradient it gets in this pass: queue it, and step the queued
+        batches together once their gradients reach ``bucket_mb``."""
         if self._open == unit:
             self._open = None
+        batch = self._pending.pop(unit, None)
         if batch is None:
             return
+        self._ready.append(batch)
+        self._ready_bytes += batch.nbytes
+        if self._ready_bytes >= self._bucket_bytes:
+            self._flush()
+
+    def _flush_all(self) -> None:
+        for unit in list(self._pending):
+            self._complete(unit)
+        self._flush()
+
+    def _flush(self) -> None:
+        """Step the queued batches: one optimizer call per param group; free their gradients."""
+        batches, self._ready, self._ready_bytes = self._ready, [], 0
+        if not batches:
+            return
         opt = self._optimizer
-        # (a parameter whose gradient was cleared meanwhile, e.g. by zero_grad() after a failed backward, is
-        # left out)
-        params_by_group = [(index, kept) for index, params in sorted(batch.params.items())
-                           if (kept := [p for p in params if p.grad is not None])]
+        # parameters by param group, in arrival order (a parameter whose gradient was cleared meanwhile, e.g.
+        # by zero_grad() after a failed backward, is left out)
+        merged: dict[int, list[torch.Tensor]] = {}
+        streams: list = []
+        for batch in batches:
+            for index, params in batch.params.items():
+                merged.setdefault(index, []).extend(p for p in params if p.grad is not None)
+            streams.extend(stream for stream in batch.streams if stream not in streams)
+        params_by_group = [(index, merged[index]) for index in sorted(merged) if merged[index]]
         context = contextlib.nullcontext()
-        if len({stream.device for stream in batch.streams}) > 1:
+        if len({stream.device for stream in streams}) > 1:
             # one process, parameters on several GPUs: step each on its device's current stream, after the
             # streams that wrote its gradients
-            for stream in batch.streams:
+            for stream in streams:
                 torch.cuda.current_stream(stream.device).wait_stream(stream)
             for _, params in params_by_group:
                 for p in params:
                     grad = D.local(p.grad)
                     if grad.is_cuda:
                         grad.record_stream(torch.cuda.current_stream(grad.device))
-        elif batch.streams:
+        elif streams:
             # Under FSDP2 the hooks run on the reduce-scatter stream: a step queued there would hold back
             # the following reduce-scatters (and the all-gathers NCCL orders behind them). So the steps run
             # on a side stream of their own that waits for the streams that wrote the gradients; the
             # gradients are marked as read there (the caching allocator then keeps their memory until the
             # step ran), and the caller's stream waits for the side stream at the end of backward.
-            device = batch.streams[0].device
+            device = streams[0].device
             side = self._side_streams.get(device)
             if side is None:
                 side = self._side_streams[device] = torch.cuda.Stream(device=device)
-            for stream in batch.streams:
+            for stream in streams:
                 side.wait_stream(stream)
             for _, params in params_by_group:
                 for p in params:
@@ -457,9 +483,10 @@ def enable_gradient_release(model: torch.nn.Module, optimizer: FlashOptimizer, *
                             bucket_mb: float = 64.0) -> GradientRelease:
     """Step every trainable parameter of ``model`` held by ``optimizer`` as soon as its (reduced) gradient
     exists, and free that gradient: single process, or with ``model`` sharded by FSDP2's ``fully_shard``.
-    Parameters are stepped in batches: under FSDP2 one batch per FSDP group, right after its reduce-scatter;
-    outside FSDP2 batches of about ``bucket_mb`` MiB of gradients (0: one parameter per batch); whatever is
-    pending at the end of backward is stepped then.
+    Parameters are stepped in batches of about ``bucket_mb`` MiB of gradients: under FSDP2 whole FSDP groups,
+    each complete after its reduce-scatter (0: each group on its own, right after its reduce-scatter);
+    outside FSDP2 parameters in arrival order (0: one parameter per batch); whatever is pending at the end
+    of backward is stepped then.
 
     Returns a :class:`GradientRelease` handle; ``handle.remove()`` restores ordinary steps. Keep calling
     ``optimizer.step()`` once per iteration: it ends the iteration (a second backward before it raises,

@@ -1,7 +1,8 @@
 """FSDP2 training benchmark: per-rank peak memory, persistent bytes per parameter and step time of a
-Llama-shaped model with FlashAdamW (24-bit; and with gradient release, which steps each FSDP group with one
-batched optimizer call right after its reduce-scatter), torch.optim.AdamW with fp32 master
-weights (fp32 parameters + bf16 compute through MixedPrecisionPolicy) and, when importable, flashoptim.
+Llama-shaped model with FlashAdamW (24-bit; and with gradient release, which steps complete FSDP groups in
+batched optimizer calls of about 64 MiB of gradient shards, right after their reduce-scatters),
+torch.optim.AdamW with fp32 master weights (fp32 parameters + bf16 compute through MixedPrecisionPolicy)
+and, when importable, flashoptim.
 
     torchrun --standalone --nproc_per_node=2 launch/bench_fsdp.py --model 1b --out runs/fsdp.json
     torchrun --standalone --nproc_per_node=2 launch/bench_fsdp.py --model tiny --cpu     # smoke run
@@ -109,7 +110,7 @@ def run_case(case, cfg, args, device, rank):
         for k, name in enumerate(("forward", "backward", "optimizer")):  # optimizer: step() + zero_grad()
             row[f"{name}_ms_median"] = statistics.median(ph[k] for ph in phases)
     if release is not None:
-        # batched optimizer calls per iteration: one per FSDP group and param group (not one per parameter)
+        # batched optimizer calls per iteration: one per batch of FSDP groups and param group
         row["release_calls_per_step"] = release.optimizer_calls / (args.warmup + args.steps)
         release.remove()
     del model, opt

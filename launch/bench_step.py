@@ -22,8 +22,8 @@ Rows:
   next to torch.optim.SGD(momentum=0.9, fused=True) with fp32 and bf16 parameters.
 
 ``--sweep`` also times the kernel-only step, both variants, under a few launch configurations (the module
-constants of flashdist.kernels.triton.fused): groups per block, blocks per program, warps, large-tensor
-threshold.
+constants of flashdist.kernels.triton.fused): groups per block, blocks per program, warps, the L2 prefetch,
+large-tensor threshold.
 """
 
 from __future__ import annotations
@@ -243,15 +243,32 @@ def run_case(name, dtype, factory, nbytes, note, workload, shapes, bw):
     return row
 
 
-SWEEP = [  # (TABLE_GROUPS, TABLE_BLOCKS, NUM_WARPS, LARGE_NUMEL); the module's default is (32, 8, 4, 1 << 26)
-    (32, 8, 4, 1 << 26), (64, 8, 4, 1 << 26), (64, 1, 4, 1 << 26), (64, 32, 4, 1 << 26), (32, 16, 2, 1 << 26),
-    (128, 4, 8, 1 << 26), (64, 8, 8, 1 << 26), (64, 8, 4, 1 << 62), (64, 8, 4, 1 << 22), (32, 8, 4, 1 << 22),
-]
-_SWEPT = ("TABLE_GROUPS", "TABLE_BLOCKS", "NUM_WARPS", "LARGE_NUMEL")
+# Launch configurations of the kernel-only sweep: overrides of the module constants of
+# flashdist.kernels.triton.fused (the rest keep their defaults). A block is TABLE_GROUPS (LARGE_GROUPS for a
+# per-tensor launch) groups of 32 values; a program walks TABLE_BLOCKS (LARGE_BLOCKS) blocks.
+def _layout(groups, warps, blocks, **more):
+    return dict(TABLE_GROUPS=groups, LARGE_GROUPS=groups, NUM_WARPS=warps, TABLE_BLOCKS=blocks, LARGE_BLOCKS=blocks,
+                **more)
+
+
+SWEEP = {
+    "default": {},
+    "no prefetch": dict(PREFETCH=False),
+    "prefetch 2 blocks ahead": dict(PREFETCH_AHEAD=2),
+    "8 groups, 1 warp, 16 blocks": _layout(8, 1, 16),
+    "8 groups, 1 warp, 64 blocks": _layout(8, 1, 64),
+    "4 groups, 1 warp, 64 blocks": _layout(4, 1, 64),
+    "16 groups, 1 warp, 16 blocks": _layout(16, 1, 16),
+    "16 groups, 2 warps, 8 blocks": _layout(16, 2, 8),
+    "32 groups, 4 warps, 8 blocks": _layout(32, 4, 8),
+    "32 groups, 4 warps, 8 blocks, no prefetch": _layout(32, 4, 8, PREFETCH=False),
+    "own launch from 2^22 values": dict(LARGE_NUMEL=1 << 22),
+}
 
 
 def run_sweep(bw, workloads):
-    saved = [getattr(K, name) for name in _SWEPT]
+    names = sorted({name for config in SWEEP.values() for name in config})
+    saved = {name: getattr(K, name) for name in names}
     rows = []
     try:
         for workload in workloads:
@@ -260,10 +277,10 @@ def run_sweep(bw, workloads):
             moved = flashdist_bytes(shapes)
             for exact in (True, False):
                 kernel = KernelOnly(params, exact)
-                for config in SWEEP:
-                    for name, value in zip(_SWEPT, config):
+                for label, config in SWEEP.items():
+                    for name, value in dict(saved, **config).items():
                         setattr(K, name, value)
-                    row = dict(workload=workload, exact=exact, **dict(zip(_SWEPT, config)))
+                    row = dict(workload=workload, exact=exact, config=label, **config)
                     try:
                         ms = time_cuda(kernel.step)[0]
                         row.update(ms=ms, of_floor=moved / bw / (ms / 1e3))
@@ -275,7 +292,7 @@ def run_sweep(bw, workloads):
             gc.collect()
             torch.cuda.empty_cache()
     finally:
-        for name, value in zip(_SWEPT, saved):
+        for name, value in saved.items():
             setattr(K, name, value)
     return rows
 
@@ -324,12 +341,11 @@ def main():
     print(table(rows), flush=True)
     sweep = run_sweep(bw, args.workloads) if args.sweep else []
     if sweep:
-        print("\n| workload | variant | TABLE_GROUPS | TABLE_BLOCKS | warps | LARGE_NUMEL | kernel ms | of floor |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("\n| workload | variant | configuration | kernel ms | of floor |")
+        print("|---|---|---|---|---|")
         for r in sweep:
             timing = f"{r['ms']:.3f} | {r['of_floor']:.2f}" if "ms" in r else f"- | {r.get('error')}"
-            print(f"| {r['workload']} | {'exact' if r['exact'] else 'approx'} | {r['TABLE_GROUPS']} | "
-                  f"{r['TABLE_BLOCKS']} | {r['NUM_WARPS']} | {r['LARGE_NUMEL']} | {timing} |")
+            print(f"| {r['workload']} | {'exact' if r['exact'] else 'approx'} | {r['config']} | {timing} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(info, copy_bandwidth=bw, rows=rows, sweep=sweep), f, indent=1)

@@ -6,8 +6,8 @@
 Triton compiles for a target given by compute capability, and its wheel ships ptxas and cuobjdump, so the
 table launch of flashdist/kernels/triton/fused.py is compiled here for sm_90 (H100/H200) in every update
 (Adam, SGD, Lion) and layout, and its SASS is counted: static instructions of the kernel (the per-element
-work of one program is that divided by the values each thread holds: 8 at 32 groups of 32 per block and 4
-warps) and registers per thread (occupancy: 65,536 registers per SM). This catches a kernel that no longer
+work of one block is about that divided by the values each thread holds: 8 at 8 groups of 32 per block
+and 1 warp) and registers per thread (occupancy: 65,536 registers per SM). This catches a kernel that no longer
 compiles (the interpreter tests run the kernel as Python, not through the compiler) and shows the effect of a
 change on the instruction budget before any GPU time is spent. Needs triton on Linux; TRITON_INTERPRET must
 not be set (it replaces the compiler).
@@ -50,8 +50,9 @@ def compile_one(overrides: dict, arch: int = 90, groups: int | None = None) -> d
 
     consts = dict(P_KIND=0, G_KIND=0, RHO_KIND=1, QUANTIZED=True, ALIGNED=True, ALIGN16=True, COMPANDED=True,
                   DECOUPLED=True, COUNT_SKIPPED=True, ALGO=0, HAS_M=True, NESTEROV=False, EXACT=True,
-                  FAST_DIV=False, RHO_LOG2=7, GROUPS=groups or K.TABLE_GROUPS, PREFETCH=64, AHEAD=1)
+                  FAST_DIV=False, RHO_LOG2=7, GROUPS=groups or K.TABLE_GROUPS, AHEAD=K.PREFETCH_AHEAD)
     consts.update(overrides)
+    consts["PREFETCH"] = K._prefetch_slots(consts, consts["GROUPS"])  # as a launch on the GPU sets it
     signature = {"work_ptr": "*i32", "tensors_ptr": "*i64", "table_ptr": "*fp32", "skipped_ptr": "*i32",
                  **dict.fromkeys(SCALARS, "fp32"), **dict.fromkeys(consts, "constexpr")}
     compiled = triton.compile(ASTSource(K._table_kernel, signature, constexprs=consts),

@@ -1,5 +1,7 @@
 """Round-trip error bounds of the moment codes and of rho (eager definitions in flashdist.quant)."""
 
+import math
+
 import pytest
 import torch
 
@@ -171,3 +173,24 @@ def test_subnormal_moments_keep_their_codes(companded):
     assert codes.max() == 255
     back = Q.dequantize_exp_avg_sq(codes, scales, 32, companded)
     assert torch.equal(Q.quantize_exp_avg_sq(back, 32, companded)[0], codes)
+
+
+def test_step_scalars_are_memoised_by_their_bits():
+    """The per-step scalars are computed once per distinct set of arguments (gradient release asks for them
+    once per FSDP group): equal arguments give the same object, arguments that differ in any bit (a signed
+    zero, the step) give their own values, and non-Python numbers bypass the cache."""
+    from flashdist.kernels.scalars import AdamScalars, LionScalars, SGDScalars
+
+    args = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=3, decoupled=True)
+    first = AdamScalars.make(**args)
+    assert AdamScalars.make(**args) is first
+    assert AdamScalars.make(**dict(args, step=4)).step_size != first.step_size
+    signed = AdamScalars.make(**dict(args, lr=-0.0))
+    assert math.copysign(1.0, signed.step_size) == -1.0
+    assert math.copysign(1.0, AdamScalars.make(**dict(args, lr=0.0)).step_size) == 1.0
+    tensor_lr = AdamScalars.make(**dict(args, lr=torch.tensor(1e-3, dtype=torch.float64)))
+    assert float(tensor_lr.step_size) == first.step_size
+    sgd = dict(lr=1e-2, momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=False, step=1, decoupled=False)
+    assert SGDScalars.make(**sgd) is SGDScalars.make(**sgd)
+    assert LionScalars.make(lr=1e-4, beta1=0.9, beta2=0.99, weight_decay=0.1) == LionScalars.make(
+        lr=1e-4, beta1=0.9, beta2=0.99, weight_decay=0.1)

@@ -6,6 +6,7 @@ starts from the same bits.
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from dataclasses import dataclass
@@ -14,6 +15,32 @@ from dataclasses import dataclass
 def f32(x: float) -> float:
     """The nearest fp32 value, as a Python float."""
     return struct.unpack("f", struct.pack("f", x))[0]
+
+
+_PLAIN = frozenset((float, int, bool))
+
+
+def _cached(make):
+    """Memoise a ``make`` whose arguments are plain Python numbers: gradient release calls it once per FSDP
+    group with the same hyper-parameters and step, and each call costs microseconds of fp32 rounding on the
+    thread that drives the backward pass. Keyed by the arguments' float64 bits (``-0.0`` and ``0.0``
+    differ; every argument, step counts included, is exact as a float64)."""
+    cache: dict = {}
+
+    @functools.wraps(make)
+    def cached(cls, **kwargs):
+        values = kwargs.values()
+        if not set(map(type, values)) <= _PLAIN:
+            return make(cls, **kwargs)
+        key = (cls, *kwargs, struct.pack(f"{len(values)}d", *values))
+        hit = cache.get(key)
+        if hit is None:
+            if len(cache) >= 256:
+                cache.clear()
+            hit = cache[key] = make(cls, **kwargs)
+        return hit
+
+    return cached
 
 
 @dataclass(frozen=True)
@@ -30,6 +57,7 @@ class AdamScalars:
     decoupled: bool
 
     @classmethod
+    @_cached
     def make(cls, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
              decoupled: bool) -> "AdamScalars":
         # Bias corrections in float64 like torch.optim.AdamW's default (non-capturable) path; the second one is
@@ -60,6 +88,7 @@ class SGDScalars:
     nesterov: bool
 
     @classmethod
+    @_cached
     def make(cls, *, lr: float, momentum: float, dampening: float, weight_decay: float, nesterov: bool, step: int,
              decoupled: bool) -> "SGDScalars":
         first = step == 1
@@ -84,6 +113,7 @@ class LionScalars:
     lr: float
 
     @classmethod
+    @_cached
     def make(cls, *, lr: float, beta1: float, beta2: float, weight_decay: float) -> "LionScalars":
         return cls(beta1=f32(beta1), beta2=f32(beta2), one_minus_beta1=f32(1.0 - beta1),
                    one_minus_beta2=f32(1.0 - beta2), decay=f32(1.0 - lr * weight_decay), lr=f32(lr))

@@ -29,8 +29,8 @@ def _loss(model, step: int, rank: int = 0) -> torch.Tensor:
     return model(_batch(step, rank)).float().pow(2).mean()
 
 
-def _train(model, optimizer, *, release: bool, rank: int = 0, steps: int = STEPS) -> None:
-    handle = enable_gradient_release(model, optimizer) if release else None
+def _train(model, optimizer, *, release: bool, rank: int = 0, steps: int = STEPS, bucket_mb: float = 64.0) -> None:
+    handle = enable_gradient_release(model, optimizer, bucket_mb=bucket_mb) if release else None
     for step in range(steps):
         _loss(model, step, rank).backward()
         if release:
@@ -298,11 +298,12 @@ def _fsdp2_release(rank: int, world_size: int, mesh_shape: tuple[int, ...]):
     ref_optimizer = make_optimizer(ref, "adamw-24bit-companded")
 
     # the hooks fire on the sharded parameters with their reduced gradients (after the reduce-scatter and,
-    # for HSDP, the all-reduce across replicas): the same result as the ordinary step. One optimizer call per
-    # FSDP group and param group: the head group (param group 0), the root group's part of param group 0
-    # (its 'unused' parameter gets no gradient, so the root is stepped at the end of backward) and of 1
+    # for HSDP, the all-reduce across replicas): the same result as the ordinary step. With bucket_mb=0 one
+    # optimizer call per FSDP group and param group: the head group (param group 0), the root group's part
+    # of param group 0 (its 'unused' parameter gets no gradient, so the root is stepped at the end of
+    # backward) and of 1
     calls = spy_calls(optimizer)
-    _train(model, optimizer, release=True, rank=rank)
+    _train(model, optimizer, release=True, rank=rank, bucket_mb=0)
     assert sorted(names for names, _ in calls) == sorted(STEPS * [["head.bias", "head.weight"], ["cube", "few"],
                                                                  ["gain", "uneven.bias", "uneven.weight"]]), calls
     assert all(not held for names, held in calls if names[0] == "head.bias"), "the head group is stepped first"
@@ -364,15 +365,16 @@ def _sharded_stack(mesh):
 
 
 def _fsdp2_batches(rank: int, world_size: int):
-    """Each FSDP group is stepped, one call per param group, as soon as its reduce-scatter is done: while a
-    group is stepped no other group holds a gradient. Parameters that get a gradient in some iterations
-    only (GatedNet) step correctly."""
+    """With bucket_mb=0 each FSDP group is stepped, one call per param group, as soon as its reduce-scatter
+    is done: while a group is stepped no other group holds a gradient. With a bucket larger than the model
+    the whole backward is one batch. Parameters that get a gradient in some iterations only (GatedNet) step
+    correctly."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world_size,))
     (model, optimizer), (ref, ref_optimizer) = _sharded_stack(mesh), _sharded_stack(mesh)
     calls = spy_calls(optimizer)
-    handle = enable_gradient_release(model, optimizer)
+    handle = enable_gradient_release(model, optimizer, bucket_mb=0)
     for step in range(STEPS):
         calls.clear()
         _loss(model, step, rank).backward()
@@ -391,6 +393,26 @@ def _fsdp2_batches(rank: int, world_size: int):
     _train(ref, ref_optimizer, release=False, rank=rank)
     assert_bitwise_equal(snapshot(model, optimizer), snapshot(ref, ref_optimizer), "FSDP2 stack release")
 
+    # the default bucket (64 MiB) holds every group of this model: one batch per backward, one call per
+    # param group, stepped by the end-of-backward callback, with the same result
+    (model, optimizer), (ref, ref_optimizer) = _sharded_stack(mesh), _sharded_stack(mesh)
+    calls = spy_calls(optimizer)
+    handle = enable_gradient_release(model, optimizer)
+    for step in range(STEPS):
+        calls.clear()
+        _loss(model, step, rank).backward()
+        assert all(p.grad is None for p in model.parameters())
+        assert sorted(sorted(names) for names, _ in calls) == [
+            ["layers.0.bias", "layers.1.bias", "layers.2.bias"],
+            ["layers.0.weight", "layers.1.weight", "layers.2.weight", "scale"]], calls
+        optimizer.step()
+        optimizer.zero_grad()
+    assert handle.optimizer_calls == 2 * STEPS
+    handle.remove()
+    del optimizer._step_params
+    _train(ref, ref_optimizer, release=False, rank=rank)
+    assert_bitwise_equal(snapshot(model, optimizer), snapshot(ref, ref_optimizer), "FSDP2 stack, one batch")
+
     gated, gated_ref = (shard_mixed_net(make_gated_net(), mesh) for _ in range(2))
     gated_optimizer = make_optimizer(gated, "adamw-24bit-companded")
     gated_ref_optimizer = make_optimizer(gated_ref, "adamw-24bit-companded")
@@ -401,7 +423,7 @@ def _fsdp2_batches(rank: int, world_size: int):
 
 
 @pytest.mark.slow
-def test_fsdp2_release_steps_one_batch_per_group():
+def test_fsdp2_release_batches_groups_by_bucket():
     run_ranks(_fsdp2_batches, 2)
 
 

@@ -40,8 +40,13 @@ bucket:
   item), tells the compiler the addresses are 16-byte aligned (``tl.multiple_of``), without which the
   loads are not vectorised (GPU.md measured 0.12 vs 0.5 of copy bandwidth), and walks its blocks;
 - tensors of ``LARGE_NUMEL`` elements or more get a launch each, with addresses and sizes as kernel
-  arguments. A storage that is not 16-byte aligned (a view into a flat buffer) lands in a bucket without
-  the alignment hint instead of failing.
+  arguments, each program walking ``LARGE_BLOCKS`` consecutive blocks. A storage that is not 16-byte aligned
+  (a view into a flat buffer) lands in a bucket without the alignment hint instead of failing.
+While a program computes one block it asks the L2 cache for the next one (``PREFETCH``: one
+``prefetch.global.L2`` per 128-byte line of the block's param, grad, rho and moment bytes, a hint that
+occupies no register and that nothing waits for), so that the next block's loads find their data in L2
+instead of waiting for DRAM; programs are one warp each, so that no barrier makes warps wait for each
+other (module constants; the measurements are in docs/benchmarks.md).
 The int8 codes are read 8 bytes at a time (alignment hint 8, not 16), so that every load and store of a
 block has the layout of the 16-byte bf16 ones and no value changes layout through shared memory.
 
@@ -63,11 +68,12 @@ and swapping the storage of a state tensor in place (``.data =``, ``set_``); the
 Measured (H200 host, triton 3.6): 0.49 ms of host time per call for 2,000 tensors, 0.14 ms per step for
 the 147 tensors of Llama-3.2-1B, launches included.
 
-Cost. Compiled for sm_90 (triton 3.6; bf16 params, int8 rho, companded 8-bit moments) the step executes
-about 130 instructions per element exact and 106 approximate at the default 32 groups per block (121 and
-97 at 64), against 247 before this arithmetic (IEEE divisions for every quantization and for rho). The
-kernel is still bound by instruction issue and latency rather than by memory: the Llama-3.2-1B shapes run
-at about half the copy-bandwidth floor (docs/benchmarks.md).
+Cost. On an H200 (triton 3.6; bf16 params, int8 rho, companded 8-bit moments) Nsight Compute counted 118
+issued instructions per element exact and 94 approximate, against 247 before this arithmetic (IEEE
+divisions for every quantization and for rho). The kernel is bound by instruction issue and memory latency
+together (at 4 warps per program and no prefetch: issue slots 64-66% busy, about a third of the stall
+cycles waiting for global loads, occupancy limited by registers); the Llama-3.2-1B shapes run at 0.62
+(exact) and 0.74 (approximate) of the copy-bandwidth floor (docs/benchmarks.md).
 
 Non-finite gradients. A group whose gradient holds a NaN or an Inf is not stored (param, rho, codes,
 scale keep their values); each program adds its count of such groups to ``skipped`` with one atomic.
@@ -692,7 +698,7 @@ class _Bucket:
 
 class _Plan:
     __slots__ = ("buckets", "dummy", "exp_avg_table", "device", "layout", "param_ptrs", "numels", "grad_dtypes",
-                 "grad_ptrs", "state_ids", "refs", "__weakref__")
+                 "grad_ptrs", "state_ids", "refs", "streams", "__weakref__")
 
     def __init__(self, buckets, device, layout, param_ptrs, numels, grad_dtypes, grad_ptrs):
         self.buckets = buckets
@@ -706,9 +712,15 @@ class _Plan:
         self.grad_ptrs = grad_ptrs  # gradient addresses the tables hold
         self.state_ids: list[int] = []
         self.refs: list[weakref.ref] = []  # weak references to the state tensors that drop this plan when freed
+        self.streams: list = []  # streams the device tables are marked as used on
 
     def used_on(self, stream) -> None:
-        """Mark the plan's device tables as read by work queued on ``stream`` (caching allocator)."""
+        """Mark the plan's device tables as read by work queued on ``stream`` (caching allocator). Once per
+        stream is enough: when a table is freed, the allocator waits for everything queued on its marked
+        streams up to then. Tables rebuilt by ``set_grads`` are new tensors, marked again."""
+        if stream in self.streams:
+            return
+        self.streams.append(stream)
         self.dummy.record_stream(stream)
         for bucket in self.buckets:
             if bucket.work is not None:
@@ -750,6 +762,7 @@ class _Plan:
                 rows = bucket.rows.clone()
                 rows[:, _GRAD_COLUMN] = torch.tensor([ptrs[i] for i in bucket.small], dtype=torch.int64)
                 bucket.rows, bucket.tensors = rows, _to_device(rows, self.device)
+                self.streams = []  # a new device table: mark it on the streams that will read it
             for large in bucket.large:
                 large[2][_GRAD_COLUMN] = ptrs[large[0]]
         self.grad_ptrs = ptrs
