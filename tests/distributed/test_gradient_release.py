@@ -1,7 +1,7 @@
 """Gradient release, in one process and under FSDP2: the same result as the ordinary step, gradients freed
-during backward, parameters stepped in batches (one optimizer call per FSDP2 group and param group, or per
-bucket of gradients in one process), remove() restoring ordinary steps, and the refusals (accumulation,
-GradScaler, clipping, DDP)."""
+during backward, parameters stepped in batches (buckets of gradients: whole FSDP2 groups, or parameters in
+arrival order in one process; one optimizer call per batch and param group), hooks fired outside backward,
+remove() restoring ordinary steps, and the refusals (accumulation, GradScaler, clipping, DDP)."""
 
 from __future__ import annotations
 
@@ -140,6 +140,28 @@ def test_one_process_steps_one_batch_per_param_group(pair):
         assert all(p.grad is None for p in model.parameters())
         optimizer.step()
     handle.remove()
+
+
+def test_hook_fired_outside_backward_steps_at_once(pair):
+    """FSDP2 calls the post-accumulate-grad hooks itself, after its reduce-scatter. Where that happens outside
+    autograd's backward no end-of-backward callback can be queued, so the hook steps its parameter at once
+    and frees the gradient; the result is the ordinary step's."""
+    (model, optimizer), (ref, ref_optimizer) = pair
+    _loss(ref, 0).backward()
+    grads = {name: p.grad.clone() for name, p in ref.named_parameters() if p.grad is not None}
+    ref_optimizer.step()
+    handle = enable_gradient_release(model, optimizer)
+    calls = spy_calls(optimizer)
+    for name, p in model.named_parameters():
+        if name in grads:
+            p.grad = grads[name].clone()
+            for hook in p._post_accumulate_grad_hooks.values():  # as FSDP2's foreach_reduce does
+                hook(p)
+            assert p.grad is None, name
+    assert sorted(names for names, _ in calls) == sorted([name] for name in grads)
+    optimizer.step()
+    handle.remove()
+    assert_bitwise_equal(snapshot(model, optimizer), snapshot(ref, ref_optimizer), "hooks outside backward")
 
 
 @pytest.mark.parametrize("bucket_mb", [0, 600 / 2**20], ids=["per-parameter", "600-bytes"])
