@@ -40,7 +40,8 @@ fused launch plan, cached for that fixed list of parameters), after which their 
   held beyond what stepping each parameter at once would hold.
 - At the end of every backward pass (a callback queued on autograd's engine by the first hook of that
   pass, which runs after FSDP2's own end-of-backward work) whatever is still pending is stepped. So no
-  gradient outlives ``backward()``.
+  gradient outlives ``backward()``. A hook that fires outside autograd's backward, where no such callback
+  can be queued, steps what is pending at once and makes the caller's stream wait for that step.
 
 The result is the ordinary step's: the same arithmetic on the same gradients, bit for bit with the eager
 reference backend (which steps tensor by tensor either way) and with the fused kernel (whose arithmetic
