@@ -386,54 +386,51 @@ def _sharded_stack(mesh):
     return model, optimizer
 
 
-def _fsdp2_batches(rank: int, world_size: int):
-    """With bucket_mb=0 each FSDP group is stepped, one call per param group, as soon as its reduce-scatter
-    is done: while a group is stepped no other group holds a gradient. With a bucket larger than the model
-    the whole backward is one batch. Parameters that get a gradient in some iterations only (GatedNet) step
-    correctly."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (world_size,))
+def _stack_release_vs_ordinary(mesh, rank: int, bucket_mb: float, check_calls, label: str) -> float:
+    """Train the FSDP2 stack with release (``check_calls`` sees each backward's optimizer calls) and without;
+    the results must be bit-identical. Returns the optimizer calls per step."""
     (model, optimizer), (ref, ref_optimizer) = _sharded_stack(mesh), _sharded_stack(mesh)
     calls = spy_calls(optimizer)
-    handle = enable_gradient_release(model, optimizer, bucket_mb=0)
+    handle = enable_gradient_release(model, optimizer, bucket_mb=bucket_mb)
     for step in range(STEPS):
         calls.clear()
         _loss(model, step, rank).backward()
         assert all(p.grad is None for p in model.parameters())
+        check_calls(calls)
+        optimizer.step()
+        optimizer.zero_grad()
+    per_step = handle.optimizer_calls / STEPS
+    handle.remove()
+    del optimizer._step_params
+    _train(ref, ref_optimizer, release=False, rank=rank)
+    assert_bitwise_equal(snapshot(model, optimizer), snapshot(ref, ref_optimizer), label)
+    return per_step
+
+
+def _fsdp2_batches(rank: int, world_size: int):
+    """With bucket_mb=0 each FSDP group is stepped, one call per param group, as soon as its reduce-scatter
+    is done: while a group is stepped no other group holds a gradient. With the default bucket (64 MiB,
+    more than this model) the whole backward is one batch, stepped by the end-of-backward callback with one
+    call per param group. Parameters that get a gradient in some iterations only (GatedNet) step correctly."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,))
+
+    def one_group_at_a_time(calls):
         # (FSDP2 reduces layers.0, whose input needs no gradient, in its end-of-backward callback)
         assert sorted(names for names, _ in calls) == [
             ["layers.0.bias"], ["layers.0.weight"], ["layers.1.bias"], ["layers.1.weight"], ["layers.2.bias"],
             ["layers.2.weight"], ["scale"]], calls
         for names, held in calls:  # only the same FSDP group's other param group may still hold gradients
             assert all(h.split(".")[:2] == names[0].split(".")[:2] for h in held), (names, held)
-        optimizer.step()
-        optimizer.zero_grad()
-    assert handle.optimizer_calls == 7 * STEPS
-    handle.remove()
-    del optimizer._step_params
-    _train(ref, ref_optimizer, release=False, rank=rank)
-    assert_bitwise_equal(snapshot(model, optimizer), snapshot(ref, ref_optimizer), "FSDP2 stack release")
 
-    # the default bucket (64 MiB) holds every group of this model: one batch per backward, one call per
-    # param group, stepped by the end-of-backward callback, with the same result
-    (model, optimizer), (ref, ref_optimizer) = _sharded_stack(mesh), _sharded_stack(mesh)
-    calls = spy_calls(optimizer)
-    handle = enable_gradient_release(model, optimizer)
-    for step in range(STEPS):
-        calls.clear()
-        _loss(model, step, rank).backward()
-        assert all(p.grad is None for p in model.parameters())
+    def one_batch(calls):
         assert sorted(sorted(names) for names, _ in calls) == [
             ["layers.0.bias", "layers.1.bias", "layers.2.bias"],
             ["layers.0.weight", "layers.1.weight", "layers.2.weight", "scale"]], calls
-        optimizer.step()
-        optimizer.zero_grad()
-    assert handle.optimizer_calls == 2 * STEPS
-    handle.remove()
-    del optimizer._step_params
-    _train(ref, ref_optimizer, release=False, rank=rank)
-    assert_bitwise_equal(snapshot(model, optimizer), snapshot(ref, ref_optimizer), "FSDP2 stack, one batch")
+
+    assert _stack_release_vs_ordinary(mesh, rank, 0, one_group_at_a_time, "FSDP2 stack release") == 7
+    assert _stack_release_vs_ordinary(mesh, rank, 64, one_batch, "FSDP2 stack, one batch") == 2
 
     gated, gated_ref = (shard_mixed_net(make_gated_net(), mesh) for _ in range(2))
     gated_optimizer = make_optimizer(gated, "adamw-24bit-companded")
