@@ -44,8 +44,9 @@ bucket:
   (a view into a flat buffer) lands in a bucket without the alignment hint instead of failing.
 While a program computes one block it asks the L2 cache for the next one (``PREFETCH``: one
 ``prefetch.global.L2`` per 128-byte line of the block's param, grad, rho and moment bytes, a hint that
-occupies no register and that nothing waits for), so that the next block's loads find their data in L2
-instead of waiting for DRAM; programs are one warp each, so that no barrier makes warps wait for each
+occupies no register and that nothing waits for; whole blocks only, so that every line asked for holds
+bytes of the tensor), so that the next block's loads find their data in L2 instead of waiting for DRAM;
+programs are one warp each, so that no barrier makes warps wait for each
 other (module constants; the measurements are in docs/benchmarks.md).
 The int8 codes are read 8 bytes at a time (alignment hint 8, not 16), so that every load and store of a
 block has the layout of the 16-byte bf16 ones and no value changes layout through shared memory.
@@ -587,14 +588,18 @@ def _step_blocks(
     them and added to ``skipped`` with one atomic at the end (a per-block count would be a reduction across
     the program's warps, through shared memory and barriers, in every block)."""
     bad = tl.zeros((GROUPS,), tl.int32)
+    # Only whole blocks are prefetched: every line asked for then holds bytes of the tensor (the prefetch of
+    # an address outside any allocation is not defined to be harmless); a tensor's last, partial block is
+    # loaded without one.
+    whole = first + tl.minimum(count, numel // (GROUPS * 32) - first)  # blocks below this one are whole
     if PREFETCH != 0 and (ALIGNED or not QUANTIZED):
         for j in tl.static_range(1, AHEAD):  # the blocks before the first one the loop asks for
-            if j < count:
+            if first + j < whole:
                 _prefetch_block(p_addr, g_addr, m_addr, v_addr, rho_addr, first + j, P_KIND, G_KIND, RHO_KIND,
                                 QUANTIZED, ALGO, HAS_M, GROUPS, PREFETCH)
     for j in range(count):
         if PREFETCH != 0 and (ALIGNED or not QUANTIZED):
-            if j + AHEAD < count:
+            if first + j + AHEAD < whole:
                 _prefetch_block(p_addr, g_addr, m_addr, v_addr, rho_addr, first + j + AHEAD, P_KIND, G_KIND,
                                 RHO_KIND, QUANTIZED, ALGO, HAS_M, GROUPS, PREFETCH)
         bad += _step_block(
