@@ -379,17 +379,26 @@ class GradientRelease:
                 side.wait_stream(stream)
             for _, params in params_by_group:
                 for p in params:
-                    D.local(p.grad).record_stream(side)
+                    grad = D.local(p.grad)
+                    if grad.is_cuda:  # (a CPU-offloaded FSDP2 group may share the batch)
+                        grad.record_stream(side)
             self._unjoined.add(device)
             context = torch.cuda.stream(side)
-        with torch.no_grad(), context:
-            for index, params in params_by_group:
-                group = opt.param_groups[index]
-                opt._check_hyperparameters(group)
-                opt._step_params(group, params)
-                self.optimizer_calls += 1
-                for p in params:
-                    p.grad = None
+        try:
+            with torch.no_grad(), context:
+                for index, params in params_by_group:
+                    group = opt.param_groups[index]
+                    opt._check_hyperparameters(group)
+                    opt._step_params(group, params)
+                    self.optimizer_calls += 1
+                    for p in params:
+                        p.grad = None
+        except BaseException:
+            # what was not stepped stays queued (stepped parameters no longer hold a gradient and are left
+            # out when the batches are stepped again): optimizer.step() steps the rest, zero_grad() drops it
+            self._ready = batches + self._ready
+            self._ready_bytes += sum(batch.nbytes for batch in batches)
+            raise
 
     def _join_side_streams(self) -> None:
         """Make the current stream of each device wait for the steps queued on its side stream: whatever

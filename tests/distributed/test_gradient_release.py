@@ -125,6 +125,34 @@ def test_release_matches_ordinary_step_for_every_optimizer(config):
     assert_bitwise_equal(snapshot(model, optimizer), snapshot(ref, ref_optimizer), f"{config}: release")
 
 
+def test_failed_batched_step_leaves_the_rest_to_optimizer_step(pair):
+    """A batch's step that raises midway (here the second param group's call) leaves the parameters it did
+    not step queued with their gradients: optimizer.step() steps them, each parameter exactly once, and the
+    result is the ordinary step's."""
+    (model, optimizer), (ref, ref_optimizer) = pair
+    handle = enable_gradient_release(model, optimizer)
+    original = optimizer._step_params
+    calls = []
+
+    def fail_second(group, params, *args, **kwargs):
+        calls.append(len(params))
+        if len(calls) == 2:
+            raise RuntimeError("injected failure")
+        return original(group, params, *args, **kwargs)
+
+    optimizer._step_params = fail_second
+    with pytest.raises(RuntimeError, match="injected failure"):
+        _loss(model, 0).backward()
+    assert sum(p.grad is not None for p in model.parameters()) == calls[1]  # the second group kept its grads
+    optimizer._step_params = original
+    optimizer.step()
+    assert all(p.grad is None for p in model.parameters())
+    handle.remove()
+    _loss(ref, 0).backward()
+    ref_optimizer.step()
+    assert_bitwise_equal(snapshot(model, optimizer), snapshot(ref, ref_optimizer), "failed batch, then step()")
+
+
 def test_one_process_steps_one_batch_per_param_group(pair):
     """Small model, default bucket: the whole backward is one batch, one optimizer call per param group,
     stepped by the end-of-backward callback; frozen and unused parameters are not in it."""

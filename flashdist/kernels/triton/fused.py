@@ -126,7 +126,8 @@ PREFETCH = True
 # blocks ahead of the current one that the L2 prefetch asks for
 PREFETCH_AHEAD = 1
 # cached launch plans: a few per optimizer call site (one per bucket of step count / layout), and gradient
-# release steps each FSDP2 group with a call of its own (an 8B Llama has 33 groups, two layouts each)
+# release steps each batch of FSDP2 groups with a call of its own (with bucket_mb=0 an 8B Llama makes 33
+# batches, two layouts each)
 PLAN_CACHE_SIZE = 256
 
 # the update of a call (the kernel's constexpr ALGO)
@@ -667,9 +668,10 @@ def _tensor_kernel(
     BLOCKS: tl.constexpr,  # consecutive blocks per program
     WIDE: tl.constexpr,  # numel >= 2^31: int64 index arithmetic
 ):
-    first = tl.program_id(0) * BLOCKS
+    first = tl.program_id(0)
     if WIDE:
-        first = first.to(tl.int64) * 1
+        first = first.to(tl.int64)
+    first = first * BLOCKS
     count = tl.minimum(nblocks - first, BLOCKS)
     _step_blocks(
         p_addr, g_addr, m_addr, v_addr, ms_addr, vs_addr, rho_addr, table_ptr, skipped_ptr, first, count,
