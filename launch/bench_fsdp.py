@@ -35,25 +35,32 @@ import flashdist  # noqa: E402
 CASES = ("adamw_fp32_master", "flash_24bit", "flash_24bit_release", "flashoptim_24bit")
 
 
-def build(case: str, cfg: LlamaConfig, device: torch.device, cpu: bool):
+def build(case: str, cfg: LlamaConfig, device: torch.device, cpu: bool, *, activation_checkpointing: bool = False,
+          state_dict_format: str = "portable"):
+    """The model of ``case``, sharded per decoder layer and at the root, and its optimizer; with
+    ``activation_checkpointing`` each decoder layer recomputes its activations in backward. Returns (model,
+    optimizer, gradient-release handle or None)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     torch.manual_seed(0)
     with torch.device(device):
         model = Llama(cfg)
-    compute = torch.float32 if cpu else torch.bfloat16
-    if case == "adamw_fp32_master":
-        mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
-    else:
-        model = model.to(torch.bfloat16)
-        mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+    if case != "adamw_fp32_master":
+        model = model.to(torch.bfloat16)  # bf16 parameters; FlashAdamW keeps the rest of the master weight in rho
+    if activation_checkpointing:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+        for i, layer in enumerate(model.layers):
+            model.layers[i] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
+                                                 preserve_rng_state=False)
+    mp = MixedPrecisionPolicy(param_dtype=torch.float32 if cpu else torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.layers:
         fully_shard(layer, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
     if case == "adamw_fp32_master":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=not cpu)
     elif case.startswith("flash_"):
-        opt = flashdist.FlashAdamW(model.parameters(), lr=1e-4)
+        opt = flashdist.FlashAdamW(model.parameters(), lr=1e-4, state_dict_format=state_dict_format)
     else:
         import flashoptim
 
@@ -63,7 +70,8 @@ def build(case: str, cfg: LlamaConfig, device: torch.device, cpu: bool):
 
 
 def run_case(case, cfg, args, device, rank):
-    model, opt, release = build(case, cfg, device, args.cpu)
+    model, opt, release = build(case, cfg, device, args.cpu,
+                                activation_checkpointing=getattr(args, "activation_checkpointing", False))
     g = torch.Generator(device="cpu").manual_seed(rank)
     x = torch.randint(0, cfg.vocab, (args.batch, args.seq + 1), generator=g).to(device)
     times, losses, report, phases = [], [], None, []

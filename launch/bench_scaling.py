@@ -30,7 +30,6 @@ then trains ``--resume-steps`` more steps and prints the losses.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import gc
 import json
@@ -45,7 +44,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_fsdp  # noqa: E402
-from llama import Llama, LlamaConfig  # noqa: E402
+from llama import LlamaConfig  # noqa: E402
 
 import flashdist  # noqa: E402
 from flashdist import distributed as D  # noqa: E402
@@ -61,47 +60,9 @@ PAPER = "paper (FlashOptim, Llama-3.1-8B finetuning): peak 175 GiB with AdamW ->
 
 def build(case: str, cfg: LlamaConfig, device: torch.device, cpu: bool, *, activation_checkpointing: bool = True,
           state_dict_format: str = "portable"):
-    """``bench_fsdp.build`` plus activation checkpointing per decoder layer. Returns (model, optimizer,
-    gradient-release handle or None)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Llama(cfg)
-    if case != "adamw_fp32_master":
-        model = model.to(torch.bfloat16)  # bf16 parameters; FlashAdamW keeps the rest of the master weight in rho
-    if activation_checkpointing:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
-
-        for i, layer in enumerate(model.layers):
-            model.layers[i] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
-                                                 preserve_rng_state=False)
-    mp = MixedPrecisionPolicy(param_dtype=torch.float32 if cpu else torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in model.layers:
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
-    if case == "adamw_fp32_master":
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=not cpu)
-    elif case.startswith("flash_"):
-        opt = flashdist.FlashAdamW(model.parameters(), lr=1e-4, state_dict_format=state_dict_format)
-    else:
-        import flashoptim
-
-        opt = flashoptim.FlashAdamW(model.parameters(), lr=1e-4, master_weight_bits=24)
-    release = flashdist.enable_gradient_release(model, opt) if case.endswith("release") else None
-    return model, opt, release
-
-
-@contextlib.contextmanager
-def _bench_fsdp_builds_with(activation_checkpointing: bool):
-    """Let ``bench_fsdp.run_case`` (the measurement loop of the 1B table) build the models of this script."""
-    saved = bench_fsdp.build
-    bench_fsdp.build = lambda case, cfg, device, cpu: build(case, cfg, device, cpu,
-                                                            activation_checkpointing=activation_checkpointing)
-    try:
-        yield
-    finally:
-        bench_fsdp.build = saved
+    """``bench_fsdp.build``, with activation checkpointing per decoder layer unless told otherwise."""
+    return bench_fsdp.build(case, cfg, device, cpu, activation_checkpointing=activation_checkpointing,
+                            state_dict_format=state_dict_format)
 
 
 def _free(device: torch.device) -> None:
@@ -120,8 +81,8 @@ def run_cases(args, cfg, device, rank: int, world: int) -> list[dict]:
         before = torch.cuda.memory_allocated() / 2**30 if device.type == "cuda" else 0.0
         t0 = time.perf_counter()
         try:
-            with _bench_fsdp_builds_with(not args.no_ac):
-                row = bench_fsdp.run_case(case, cfg, args, device, rank)
+            args.activation_checkpointing = not args.no_ac  # read by bench_fsdp.run_case's build
+            row = bench_fsdp.run_case(case, cfg, args, device, rank)
         except Exception as e:  # an out-of-memory case (AdamW at 1 rank) is a finding, not a crash
             row = {"case": case, "error": f"{type(e).__name__}: {e}"[:400]}
         _free(device)
