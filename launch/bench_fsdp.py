@@ -185,6 +185,24 @@ def check_release_exact(device: torch.device, rank: int, steps: int = 3) -> dict
     return {"tensors_differing": int(differ[0]), "tensors": int(differ[1]), "release_calls_per_step": calls}
 
 
+def paired_summary(rows: list[dict]) -> str:
+    """Per case: its median step time in each round, and its ratio to AdamW's median of the same round
+    (geometric mean and range over the rounds), so that a drift of the host between rounds cancels."""
+    base = {r["round"]: r["step_ms_median"] for r in rows if r["case"] == "adamw_fp32_master" and "error" not in r}
+    out = ["\nPer round (each round's cases back to back; ratio = case / AdamW of the same round):",
+           "| optimizer | step ms, median per round | mean | vs AdamW, geometric mean | range |", "|---|---|---|---|---|"]
+    for case in dict.fromkeys(r["case"] for r in rows):
+        done = [r for r in rows if r["case"] == case and "error" not in r]
+        if not done:
+            continue
+        ms = [r["step_ms_median"] for r in done]
+        ratios = [r["step_ms_median"] / base[r["round"]] for r in done if r["round"] in base]
+        geo = f"{statistics.geometric_mean(ratios):.3f}x" if ratios else "-"
+        spread = f"{min(ratios):.3f}-{max(ratios):.3f}" if ratios else "-"
+        out.append(f"| {case} | {' / '.join(f'{m:.1f}' for m in ms)} | {statistics.mean(ms):.1f} | {geo} | {spread} |")
+    return "\n".join(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="1b", choices=["1b", "8b", "tiny"])
@@ -193,6 +211,9 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the cases this many times, each round starting one case later, and compare each "
+                         "case with AdamW of the same round (the host's speed drifts between rounds)")
     ap.add_argument("--cpu", action="store_true", help="gloo on the CPU (smoke runs)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--check", action="store_true",
@@ -215,20 +236,25 @@ def main() -> None:
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
     rows = []
-    for case in args.cases:
-        try:
-            row = run_case(case, cfg, args, device, rank)
-        except Exception as e:  # a peer that cannot run under FSDP2 is a finding, not a crash
-            row = {"case": case, "error": f"{type(e).__name__}: {e}"[:400]}
-            gc.collect()
-            if cuda:
-                torch.cuda.empty_cache()
-        rows.append(row)
-        if rank == 0:
-            print(json.dumps({k: v for k, v in row.items() if k != "memory_report"}), flush=True)
+    for rnd in range(args.rounds):
+        k = rnd % len(args.cases)
+        for case in args.cases[k:] + args.cases[:k]:
+            try:
+                row = run_case(case, cfg, args, device, rank)
+            except Exception as e:  # a peer that cannot run under FSDP2 is a finding, not a crash
+                row = {"case": case, "error": f"{type(e).__name__}: {e}"[:400]}
+                gc.collect()
+                if cuda:
+                    torch.cuda.empty_cache()
+            row["round"] = rnd
+            rows.append(row)
+            if rank == 0:
+                print(json.dumps({k: v for k, v in row.items() if k != "memory_report"}), flush=True)
     if rank == 0:
-        base = next((r for r in rows if r["case"] == "adamw_fp32_master" and "error" not in r), None)
+        base = {r["round"]: r for r in rows if r["case"] == "adamw_fp32_master" and "error" not in r}
         print(f"\n{args.model} Llama shapes, {world} ranks, {device.type}, batch {args.batch} x {args.seq} per rank")
         print("| optimizer | persistent B/param (rank 0) | peak GiB (rank 0) | step ms (median) | vs AdamW |")
         print("|---|---|---|---|---|")
@@ -236,7 +262,8 @@ def main() -> None:
             if "error" in r:
                 print(f"| {r['case']} | - | - | {r['error'][:60]} | |")
                 continue
-            rel = f"{r['step_ms_median'] / base['step_ms_median']:.2f}x" if base else "-"
+            same = base.get(r["round"])  # AdamW of the same round
+            rel = f"{r['step_ms_median'] / same['step_ms_median']:.2f}x" if same else "-"
             print(f"| {r['case']} | {r['persistent_bytes_per_param']:.2f} | {r['peak_gib_rank0']:.1f} | "
                   f"{r['step_ms_median']:.1f} | {rel} |")
         if any("backward_ms_median" in r for r in rows):
@@ -248,6 +275,8 @@ def main() -> None:
                 if "backward_ms_median" in r:
                     print(f"| {r['case']} | {r['forward_ms_median']:.1f} | {r['backward_ms_median']:.1f} | "
                           f"{r['optimizer_ms_median']:.1f} | {r['step_ms_min']:.1f} |")
+        if args.rounds > 1:
+            print(paired_summary(rows))
         flash = {r["case"]: r for r in rows if "error" not in r}
         if "flash_24bit" in flash and "flash_24bit_release" in flash:
             a, b = flash["flash_24bit"], flash["flash_24bit_release"]
