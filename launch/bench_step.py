@@ -255,6 +255,11 @@ SWEEP = {
     "default": {},
     "no prefetch": dict(PREFETCH=False),
     "prefetch 2 blocks ahead": dict(PREFETCH_AHEAD=2),
+    "prefetch into L1": dict(PREFETCH_LEVEL=1),
+    "prefetch into L1, 2 blocks ahead": dict(PREFETCH_LEVEL=1, PREFETCH_AHEAD=2),
+    "at most 80 registers": dict(MAX_REGISTERS=80),
+    "at most 72 registers": dict(MAX_REGISTERS=72),
+    "at most 64 registers": dict(MAX_REGISTERS=64),
     "8 groups, 1 warp, 16 blocks": _layout(8, 1, 16),
     "8 groups, 1 warp, 64 blocks": _layout(8, 1, 64),
     "4 groups, 1 warp, 64 blocks": _layout(4, 1, 64),
@@ -266,7 +271,7 @@ SWEEP = {
 }
 
 
-def run_sweep(bw, workloads):
+def run_sweep(bw, workloads, configs=tuple(SWEEP)):
     names = sorted({name for config in SWEEP.values() for name in config})
     saved = {name: getattr(K, name) for name in names}
     rows = []
@@ -277,7 +282,7 @@ def run_sweep(bw, workloads):
             moved = flashdist_bytes(shapes)
             for exact in (True, False):
                 kernel = KernelOnly(params, exact)
-                for label, config in SWEEP.items():
+                for label, config in ((label, SWEEP[label]) for label in configs):
                     for name, value in dict(saved, **config).items():
                         setattr(K, name, value)
                     row = dict(workload=workload, exact=exact, config=label, **config)
@@ -317,6 +322,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="write the results as JSON to this path")
     ap.add_argument("--sweep", action="store_true", help="also time the kernel under a few launch configurations")
+    ap.add_argument("--sweep-only", action="store_true", help="time only the launch configurations of --sweep")
+    ap.add_argument("--configs", nargs="+", choices=list(SWEEP), default=list(SWEEP), metavar="NAME",
+                    help="the configurations the sweep times (default: all)")
     ap.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -329,7 +337,7 @@ def main():
     bw = copy_bandwidth()
     print(f"copy bandwidth (read + write): {bw / 1e9:.0f} GB/s", flush=True)
     rows = []
-    for workload in args.workloads:
+    for workload in [] if args.sweep_only else args.workloads:
         shapes = WORKLOADS[workload]()
         for name, (dtype, factory, nbytes, note) in cases().items():
             rows.append(run_case(name, dtype, factory, nbytes, note, workload, shapes, bw))
@@ -338,8 +346,9 @@ def main():
         with open(args.out, "w") as f:
             json.dump(dict(info, copy_bandwidth=bw, rows=rows, sweep=[]), f, indent=1)
     print()
-    print(table(rows), flush=True)
-    sweep = run_sweep(bw, args.workloads) if args.sweep else []
+    if rows:
+        print(table(rows), flush=True)
+    sweep = run_sweep(bw, args.workloads, args.configs) if args.sweep or args.sweep_only else []
     if sweep:
         print("\n| workload | variant | configuration | kernel ms | of floor |")
         print("|---|---|---|---|---|")

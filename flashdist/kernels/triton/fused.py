@@ -125,6 +125,10 @@ NUM_WARPS = 1
 PREFETCH = True
 # blocks ahead of the current one that the L2 prefetch asks for
 PREFETCH_AHEAD = 1
+# the cache level the prefetch fills: 2 (L2) or 1 (L1 of the program's SM, and L2)
+PREFETCH_LEVEL = 2
+# registers per thread the compiler may use (None: its choice); fewer let more warps share an SM
+MAX_REGISTERS = None
 # cached launch plans: a few per optimizer call site (one per bucket of step count / layout), and gradient
 # release steps each batch of FSDP2 groups with a call of its own (with bucket_mb=0 an 8B Llama makes 33
 # batches, two layouts each)
@@ -543,7 +547,7 @@ def _step_block(
 @triton.jit
 def _prefetch_block(p_addr, g_addr, m_addr, v_addr, rho_addr, blk, P_KIND: tl.constexpr, G_KIND: tl.constexpr,
                     RHO_KIND: tl.constexpr, QUANTIZED: tl.constexpr, ALGO: tl.constexpr, HAS_M: tl.constexpr,
-                    GROUPS: tl.constexpr, PREFETCH: tl.constexpr):
+                    GROUPS: tl.constexpr, PREFETCH: tl.constexpr, LEVEL: tl.constexpr):
     """Ask the L2 cache for the per-value streams (param, grad, rho, moments) of block ``blk``: the
     ``32 * GROUPS`` values from ``blk * 32 * GROUPS`` (quantized moments with ALIGNED, or fp32 moments), so
     that a program computes one block while the next one's bytes travel. A hint: nothing waits for it and
@@ -568,8 +572,12 @@ def _prefetch_block(p_addr, g_addr, m_addr, v_addr, rho_addr, blk, P_KIND: tl.co
                     v_addr + start * (V_LINES * 128 // SLOTS) - (P_LINES + G_LINES + R_LINES + M_LINES) * 128)
     line = ((base >> 7) << 7) + k.to(tl.int64) * 128
     live = (k < P_LINES + G_LINES + R_LINES + M_LINES + V_LINES).to(tl.int32)
-    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-                              "=r,l,r", [line, live], dtype=tl.int32, is_pure=False, pack=1)
+    if LEVEL == 1:
+        tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L1 [$1]; mov.u32 $0, 0; }",
+                                  "=r,l,r", [line, live], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+                                  "=r,l,r", [line, live], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -584,6 +592,7 @@ def _step_blocks(
     EXACT: tl.constexpr, FAST_DIV: tl.constexpr, RHO_LOG2: tl.constexpr, GROUPS: tl.constexpr,
     PREFETCH: tl.constexpr,  # 0, or slots (a power of two >= the lines of a block) of the next block's L2 prefetch
     AHEAD: tl.constexpr,  # the prefetch asks for block j + AHEAD while block j is computed
+    LEVEL: tl.constexpr,  # the cache level the prefetch fills (PREFETCH_LEVEL)
 ):
     """``count`` consecutive blocks of one tensor; the skipped groups are counted per group slot over all of
     them and added to ``skipped`` with one atomic at the end (a per-block count would be a reduction across
@@ -597,12 +606,12 @@ def _step_blocks(
         for j in tl.static_range(1, AHEAD):  # the blocks before the first one the loop asks for
             if first + j < whole:
                 _prefetch_block(p_addr, g_addr, m_addr, v_addr, rho_addr, first + j, P_KIND, G_KIND, RHO_KIND,
-                                QUANTIZED, ALGO, HAS_M, GROUPS, PREFETCH)
+                                QUANTIZED, ALGO, HAS_M, GROUPS, PREFETCH, LEVEL)
     for j in range(count):
         if PREFETCH != 0 and (ALIGNED or not QUANTIZED):
             if first + j + AHEAD < whole:
                 _prefetch_block(p_addr, g_addr, m_addr, v_addr, rho_addr, first + j + AHEAD, P_KIND, G_KIND,
-                                RHO_KIND, QUANTIZED, ALGO, HAS_M, GROUPS, PREFETCH)
+                                RHO_KIND, QUANTIZED, ALGO, HAS_M, GROUPS, PREFETCH, LEVEL)
         bad += _step_block(
             p_addr, g_addr, m_addr, v_addr, ms_addr, vs_addr, rho_addr, table_ptr, first + j,
             numel, ngroups, cols, gpr,
@@ -629,7 +638,7 @@ def _table_kernel(
     ALIGNED: tl.constexpr, ALIGN16: tl.constexpr, COMPANDED: tl.constexpr, DECOUPLED: tl.constexpr,
     COUNT_SKIPPED: tl.constexpr, ALGO: tl.constexpr, HAS_M: tl.constexpr, NESTEROV: tl.constexpr,
     EXACT: tl.constexpr, FAST_DIV: tl.constexpr, RHO_LOG2: tl.constexpr, GROUPS: tl.constexpr,
-    PREFETCH: tl.constexpr, AHEAD: tl.constexpr,
+    PREFETCH: tl.constexpr, AHEAD: tl.constexpr, LEVEL: tl.constexpr,
 ):
     item = tl.program_id(0)
     t = tl.load(work_ptr + 3 * item)
@@ -648,7 +657,7 @@ def _table_kernel(
         numel, ngroups, cols, gpr,
         beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, decay, step_size, inv_bc2_sqrt,
         P_KIND, G_KIND, RHO_KIND, QUANTIZED, ALIGNED, ALIGN16, COMPANDED, DECOUPLED, COUNT_SKIPPED, ALGO,
-        HAS_M, NESTEROV, EXACT, FAST_DIV, RHO_LOG2, GROUPS, PREFETCH, AHEAD,
+        HAS_M, NESTEROV, EXACT, FAST_DIV, RHO_LOG2, GROUPS, PREFETCH, AHEAD, LEVEL,
     )
 
 
@@ -664,7 +673,7 @@ def _tensor_kernel(
     ALIGNED: tl.constexpr, ALIGN16: tl.constexpr, COMPANDED: tl.constexpr, DECOUPLED: tl.constexpr,
     COUNT_SKIPPED: tl.constexpr, ALGO: tl.constexpr, HAS_M: tl.constexpr, NESTEROV: tl.constexpr,
     EXACT: tl.constexpr, FAST_DIV: tl.constexpr, RHO_LOG2: tl.constexpr, GROUPS: tl.constexpr,
-    PREFETCH: tl.constexpr, AHEAD: tl.constexpr,
+    PREFETCH: tl.constexpr, AHEAD: tl.constexpr, LEVEL: tl.constexpr,
     BLOCKS: tl.constexpr,  # consecutive blocks per program
     WIDE: tl.constexpr,  # numel >= 2^31: int64 index arithmetic
 ):
@@ -678,7 +687,7 @@ def _tensor_kernel(
         numel, ngroups, cols, gpr,
         beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, decay, step_size, inv_bc2_sqrt,
         P_KIND, G_KIND, RHO_KIND, QUANTIZED, ALIGNED, ALIGN16, COMPANDED, DECOUPLED, COUNT_SKIPPED, ALGO, HAS_M,
-        NESTEROV, EXACT, FAST_DIV, RHO_LOG2, GROUPS, PREFETCH, AHEAD,
+        NESTEROV, EXACT, FAST_DIV, RHO_LOG2, GROUPS, PREFETCH, AHEAD, LEVEL,
     )
 
 
@@ -938,8 +947,10 @@ def _step_multi(algo: int, params, grads, moments: list, scales: list | None, rh
     for bucket in plan.buckets:
         flags = dict(bucket.flags, COMPANDED=companded, DECOUPLED=decoupled, COUNT_SKIPPED=skipped is not None,
                      ALGO=algo, HAS_M=bool(moments), NESTEROV=nesterov, EXACT=EXACT,
-                     FAST_DIV=not EXACT and not _INTERPRETED, AHEAD=PREFETCH_AHEAD, num_warps=NUM_WARPS,
-                     enable_fp_fusion=False)
+                     FAST_DIV=not EXACT and not _INTERPRETED, AHEAD=PREFETCH_AHEAD, LEVEL=PREFETCH_LEVEL,
+                     num_warps=NUM_WARPS, enable_fp_fusion=False)
+        if MAX_REGISTERS is not None:
+            flags["maxnreg"] = MAX_REGISTERS
         if bucket.items:
             _table_kernel[(bucket.items,)](bucket.work, bucket.tensors, plan.exp_avg_table, counter, *scalars,
                                            GROUPS=TABLE_GROUPS, PREFETCH=_prefetch_slots(flags, TABLE_GROUPS),
