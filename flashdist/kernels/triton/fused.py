@@ -545,33 +545,50 @@ def _step_block(
 
 
 @triton.jit
-def _prefetch_block(p_addr, g_addr, m_addr, v_addr, rho_addr, blk, P_KIND: tl.constexpr, G_KIND: tl.constexpr,
+def _prefetch_lines(p_addr, g_addr, m_addr, v_addr, rho_addr, P_KIND: tl.constexpr, G_KIND: tl.constexpr,
                     RHO_KIND: tl.constexpr, QUANTIZED: tl.constexpr, ALGO: tl.constexpr, HAS_M: tl.constexpr,
-                    GROUPS: tl.constexpr, PREFETCH: tl.constexpr, LEVEL: tl.constexpr):
-    """Ask the L2 cache for the per-value streams (param, grad, rho, moments) of block ``blk``: the
-    ``32 * GROUPS`` values from ``blk * 32 * GROUPS`` (quantized moments with ALIGNED, or fp32 moments), so
-    that a program computes one block while the next one's bytes travel. A hint: nothing waits for it and
-    no register receives data. One 128-byte line per slot of a ``PREFETCH``-slot vector (the lines of every
-    stream, one after the other; a stream that does not start on a line boundary leaves its last partial
-    line to the loads)."""
+                    GROUPS: tl.constexpr, PREFETCH: tl.constexpr):
+    """The L2 prefetch's lines, computed once per program: one 128-byte line per slot of a ``PREFETCH``-slot
+    vector, the lines of the per-value streams (param, grad, rho, moments) of block 0 one stream after the
+    other, and each slot's stream's bytes per block. Block ``blk``'s line of a slot is ``line0 + blk *
+    step``: a block of a stream is a whole number of lines (a power of two of at least 128 bytes; a stream
+    whose block is smaller gets no slot), so rounding its address down to a line commutes with moving it by
+    blocks. A stream
+    that does not start on a line boundary leaves its last partial line of a block to the loads. Returns
+    (line0, step): int64 line addresses and int32 bytes per block, both 0 in a slot that holds no line."""
     SLOTS: tl.constexpr = GROUPS * 32
     P_LINES: tl.constexpr = SLOTS * (4 if P_KIND == 2 else 2) // 128
     G_LINES: tl.constexpr = SLOTS * (4 if G_KIND == 2 else 2) // 128
     R_LINES: tl.constexpr = SLOTS * RHO_KIND // 128
     M_LINES: tl.constexpr = (SLOTS * (1 if QUANTIZED else 4) // 128) if HAS_M else 0
     V_LINES: tl.constexpr = M_LINES if ALGO == _ADAM else 0
-    start = blk.to(tl.int64) * SLOTS
     k = tl.arange(0, PREFETCH)
-    # byte address of line k's stream at the block's start, minus the lines of the streams before it
-    base = tl.where(k < P_LINES, p_addr + start * (P_LINES * 128 // SLOTS),
-                    g_addr + start * (G_LINES * 128 // SLOTS) - P_LINES * 128)
-    base = tl.where(k < P_LINES + G_LINES, base, rho_addr + start * (R_LINES * 128 // SLOTS) - (P_LINES + G_LINES) * 128)
-    base = tl.where(k < P_LINES + G_LINES + R_LINES, base,
-                    m_addr + start * (M_LINES * 128 // SLOTS) - (P_LINES + G_LINES + R_LINES) * 128)
-    base = tl.where(k < P_LINES + G_LINES + R_LINES + M_LINES, base,
-                    v_addr + start * (V_LINES * 128 // SLOTS) - (P_LINES + G_LINES + R_LINES + M_LINES) * 128)
-    line = ((base >> 7) << 7) + k.to(tl.int64) * 128
-    live = (k < P_LINES + G_LINES + R_LINES + M_LINES + V_LINES).to(tl.int32)
+    zero = tl.zeros((PREFETCH,), tl.int64)
+    # each slot's stream: its address, its lines per block, and the slots of the streams before it
+    addr = tl.where(k < P_LINES, zero + p_addr, zero + g_addr)
+    lines = tl.where(k < P_LINES, P_LINES, G_LINES)
+    before = tl.where(k < P_LINES, 0, P_LINES)
+    addr = tl.where(k < P_LINES + G_LINES, addr, zero + rho_addr)
+    lines = tl.where(k < P_LINES + G_LINES, lines, R_LINES)
+    before = tl.where(k < P_LINES + G_LINES, before, P_LINES + G_LINES)
+    addr = tl.where(k < P_LINES + G_LINES + R_LINES, addr, zero + m_addr)
+    lines = tl.where(k < P_LINES + G_LINES + R_LINES, lines, M_LINES)
+    before = tl.where(k < P_LINES + G_LINES + R_LINES, before, P_LINES + G_LINES + R_LINES)
+    addr = tl.where(k < P_LINES + G_LINES + R_LINES + M_LINES, addr, zero + v_addr)
+    lines = tl.where(k < P_LINES + G_LINES + R_LINES + M_LINES, lines, V_LINES)
+    before = tl.where(k < P_LINES + G_LINES + R_LINES + M_LINES, before, P_LINES + G_LINES + R_LINES + M_LINES)
+    live = k < P_LINES + G_LINES + R_LINES + M_LINES + V_LINES
+    line0 = tl.where(live, ((addr >> 7) << 7) + (k - before).to(tl.int64) * 128, 0)
+    return line0, tl.where(live, lines * 128, 0)
+
+
+@triton.jit
+def _prefetch_block(line0, step, blk, LEVEL: tl.constexpr):
+    """Ask the cache (L2, or L1 with ``LEVEL`` 1) for block ``blk``'s lines (``_prefetch_lines``), so that a
+    program computes one block while the next one's bytes travel. A hint: nothing waits for it and no
+    register receives data."""
+    line = line0 + blk.to(tl.int64) * step
+    live = (line != 0).to(tl.int32)
     if LEVEL == 1:
         tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L1 [$1]; mov.u32 $0, 0; }",
                                   "=r,l,r", [line, live], dtype=tl.int32, is_pure=False, pack=1)
@@ -603,15 +620,15 @@ def _step_blocks(
     # loaded without one.
     whole = first + tl.minimum(count, numel // (GROUPS * 32) - first)  # blocks below this one are whole
     if PREFETCH != 0 and (ALIGNED or not QUANTIZED):
+        line0, step = _prefetch_lines(p_addr, g_addr, m_addr, v_addr, rho_addr, P_KIND, G_KIND, RHO_KIND,
+                                            QUANTIZED, ALGO, HAS_M, GROUPS, PREFETCH)
         for j in tl.static_range(1, AHEAD):  # the blocks before the first one the loop asks for
             if first + j < whole:
-                _prefetch_block(p_addr, g_addr, m_addr, v_addr, rho_addr, first + j, P_KIND, G_KIND, RHO_KIND,
-                                QUANTIZED, ALGO, HAS_M, GROUPS, PREFETCH, LEVEL)
+                _prefetch_block(line0, step, first + j, LEVEL)
     for j in range(count):
         if PREFETCH != 0 and (ALIGNED or not QUANTIZED):
             if first + j + AHEAD < whole:
-                _prefetch_block(p_addr, g_addr, m_addr, v_addr, rho_addr, first + j + AHEAD, P_KIND, G_KIND,
-                                RHO_KIND, QUANTIZED, ALGO, HAS_M, GROUPS, PREFETCH, LEVEL)
+                _prefetch_block(line0, step, first + j + AHEAD, LEVEL)
         bad += _step_block(
             p_addr, g_addr, m_addr, v_addr, ms_addr, vs_addr, rho_addr, table_ptr, first + j,
             numel, ngroups, cols, gpr,
