@@ -16,7 +16,7 @@ step() { echo "== $1"; shift; "$@" 2>&1 | tee "$OUT/$NAME.log" | grep -v '^W1\|N
 NAME=gpu_tests step "pytest -m gpu" python3 -m pytest -m gpu tests/test_gpu.py -q -x
 NAME=bench_step step "optimizer step" python3 launch/bench_step.py --out "$OUT/bench_step.json"
 NAME=bench_fsdp step "FSDP2 Llama-1B, 2 ranks" python3 -m torch.distributed.run --standalone --nproc_per_node=2 \
-  launch/bench_fsdp.py --model 1b --out "$OUT/bench_fsdp.json"
+  launch/bench_fsdp.py --model 1b --batch 4 --rounds 3 --check --out "$OUT/bench_fsdp.json"
 CONV=${CONV_DIR:-/tmp/convergence}
 echo "== convergence"
 python3 launch/convergence.py --out "$CONV" --steps "${CONV_STEPS:-1200}" 2>&1 | tail -n 12
