@@ -203,7 +203,7 @@ def paired_summary(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="1b", choices=["1b", "8b", "tiny"])
     ap.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
@@ -218,7 +218,9 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--check", action="store_true",
                     help="first check that gradient release gives bit-identical parameters and state")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.check:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, before its init
     cuda = torch.cuda.is_available() and not args.cpu
@@ -236,8 +238,6 @@ def main() -> None:
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
-    if args.rounds < 1:
-        ap.error(f"--rounds must be at least 1, got {args.rounds}")
     rows = []
     for rnd in range(args.rounds):
         k = rnd % len(args.cases)
