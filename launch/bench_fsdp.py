@@ -107,12 +107,15 @@ def run_case(case, cfg, args, device, rank):
         losses.append(loss.item())
     after_step = flashdist.memory_report(opt)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+    peaks = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, peak)  # every rank's peak (they differ by their shards and buffers)
     n_local = report["numel"]
     persistent = (report["params"] + report["grads"] + after_step["total"] - after_step["params"]
                   - after_step["grads"]) / n_local
     row = {"case": case, "params_total": sum(p.numel() for p in model.parameters()), "params_rank0": n_local,
            "step_ms_median": 1e3 * statistics.median(times), "step_ms_min": 1e3 * min(times),
-           "peak_gib_rank0": peak, "persistent_bytes_per_param": persistent, "memory_report": report,
+           "peak_gib_rank0": peak, "peak_gib_per_rank": peaks, "persistent_bytes_per_param": persistent,
+           "memory_report": report,
            "first_loss": losses[0], "last_loss": losses[-1]}
     if phases:
         for k, name in enumerate(("forward", "backward", "optimizer")):  # optimizer: step() + zero_grad()
@@ -256,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
     if rank == 0:
         base = {r["round"]: r for r in rows if r["case"] == "adamw_fp32_master" and "error" not in r}
         print(f"\n{args.model} Llama shapes, {world} ranks, {device.type}, batch {args.batch} x {args.seq} per rank")
-        print("| optimizer | persistent B/param (rank 0) | peak GiB (rank 0) | step ms (median) | vs AdamW |")
+        print("| optimizer | persistent B/param (rank 0) | peak GiB per rank | step ms (median) | vs AdamW |")
         print("|---|---|---|---|---|")
         for r in rows:
             if "error" in r:
@@ -264,7 +267,8 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             same = base.get(r["round"])  # AdamW of the same round
             rel = f"{r['step_ms_median'] / same['step_ms_median']:.2f}x" if same else "-"
-            print(f"| {r['case']} | {r['persistent_bytes_per_param']:.2f} | {r['peak_gib_rank0']:.1f} | "
+            peaks = " / ".join(f"{g:.1f}" for g in r["peak_gib_per_rank"])
+            print(f"| {r['case']} | {r['persistent_bytes_per_param']:.2f} | {peaks} | "
                   f"{r['step_ms_median']:.1f} | {rel} |")
         if any("backward_ms_median" in r for r in rows):
             print("\nGPU time per phase, median (events on the compute stream; under release the backward")

@@ -52,4 +52,5 @@ def test_cpu_rounds_rotate_the_cases(tmp_path):
     assert [(r["round"], r["case"]) for r in rows] == [(0, "adamw_fp32_master"), (0, "flash_24bit"),
                                                        (1, "flash_24bit"), (1, "adamw_fp32_master")]
     assert all("error" not in r for r in rows)
+    assert all(len(r["peak_gib_per_rank"]) == 2 for r in rows)  # every rank's peak (NaN on the CPU)
     assert "vs AdamW, geometric mean" in proc.stdout
