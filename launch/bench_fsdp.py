@@ -36,7 +36,7 @@ CASES = ("adamw_fp32_master", "flash_24bit", "flash_24bit_release", "flashoptim_
 
 
 def build(case: str, cfg: LlamaConfig, device: torch.device, cpu: bool, *, activation_checkpointing: bool = False,
-          state_dict_format: str = "portable"):
+          state_dict_format: str = "portable", release_bucket_mb: float = 64.0):
     """The model of ``case``, sharded per decoder layer and at the root, and its optimizer; with
     ``activation_checkpointing`` each decoder layer recomputes its activations in backward. Returns (model,
     optimizer, gradient-release handle or None)."""
@@ -65,13 +65,15 @@ def build(case: str, cfg: LlamaConfig, device: torch.device, cpu: bool, *, activ
         import flashoptim
 
         opt = flashoptim.FlashAdamW(model.parameters(), lr=1e-4, master_weight_bits=24)
-    release = flashdist.enable_gradient_release(model, opt) if case.endswith("release") else None
+    release = (flashdist.enable_gradient_release(model, opt, bucket_mb=release_bucket_mb) if case.endswith("release")
+               else None)
     return model, opt, release
 
 
 def run_case(case, cfg, args, device, rank):
     model, opt, release = build(case, cfg, device, args.cpu,
-                                activation_checkpointing=getattr(args, "activation_checkpointing", False))
+                                activation_checkpointing=getattr(args, "activation_checkpointing", False),
+                                release_bucket_mb=getattr(args, "release_bucket_mb", 64.0))
     g = torch.Generator(device="cpu").manual_seed(rank)
     x = torch.randint(0, cfg.vocab, (args.batch, args.seq + 1), generator=g).to(device)
     times, losses, report, phases = [], [], None, []
@@ -218,6 +220,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="run the cases this many times, each round starting one case later, and compare each "
                          "case with AdamW of the same round (the host's speed drifts between rounds)")
     ap.add_argument("--cpu", action="store_true", help="gloo on the CPU (smoke runs)")
+    ap.add_argument("--release-bucket-mb", type=float, default=64.0,
+                    help="gradient release's bucket_mb: MiB of gradient shards stepped per optimizer call")
     ap.add_argument("--out", default=None)
     ap.add_argument("--check", action="store_true",
                     help="first check that gradient release gives bit-identical parameters and state")
