@@ -45,9 +45,10 @@ bucket:
 While a program computes one block it asks the L2 cache for the next one (``PREFETCH``: one
 ``prefetch.global.L2`` per 128-byte line of the block's param, grad, rho and moment bytes, a hint that
 occupies no register and that nothing waits for; whole blocks only, so that every line asked for holds
-bytes of the tensor), so that the next block's loads find their data in L2 instead of waiting for DRAM;
-programs are one warp each, so that no barrier makes warps wait for each
-other (module constants; the measurements are in docs/benchmarks.md).
+bytes of the tensor; the lines' addresses are computed once per program and moved by one multiply-add per
+block), so that the next block's loads find their data in L2 instead of waiting for DRAM; programs are one
+warp each, so that no barrier makes warps wait for each other (module constants; the measurements are in
+docs/benchmarks.md).
 The int8 codes are read 8 bytes at a time (alignment hint 8, not 16), so that every load and store of a
 block has the layout of the 16-byte bf16 ones and no value changes layout through shared memory.
 
@@ -73,8 +74,10 @@ Cost. On an H200 (triton 3.6; bf16 params, int8 rho, companded 8-bit moments) Ns
 issued instructions per element exact and 94 approximate, against 247 before this arithmetic (IEEE
 divisions for every quantization and for rho). The kernel is bound by instruction issue and memory latency
 together (at 4 warps per program and no prefetch: issue slots 64-66% busy, about a third of the stall
-cycles waiting for global loads, occupancy limited by registers); the Llama-3.2-1B shapes run at 0.62
-(exact) and 0.74 (approximate) of the copy-bandwidth floor (docs/benchmarks.md).
+cycles waiting for global loads, occupancy limited by registers). With the current layout the exact
+variant executes about 108 instructions per element and is bound by their issue, the approximate one about
+86, 45 of them on the integer pipe (half rate), which bounds it; the Llama-3.2-1B shapes run at 0.62 (exact)
+and 0.74 (approximate) of the copy-bandwidth floor (docs/benchmarks.md).
 
 Non-finite gradients. A group whose gradient holds a NaN or an Inf is not stored (param, rho, codes,
 scale keep their values); each program adds its count of such groups to ``skipped`` with one atomic.
@@ -111,9 +114,9 @@ EXACT = _exact_from_env()
 # kernel is bound by instruction issue and memory latency, so what lets warps run independently and keep
 # loads in flight wins: programs of ONE warp (no barrier couples warps: the scale stores and the final skip
 # count convert layouts through shared memory, which with several warps means block-wide barriers), 8 groups
-# of 32 slots per block (8 values per thread; 83 registers exact, 64 approximate), 32 blocks per program
-# walked with an L2 prefetch of the next block (Llama-3.2-1B shapes: 5.9 ms exact / 5.05 approx, against
-# 7.6 / 6.4 at 32 groups, 4 warps and no prefetch). Tensors with at least LARGE_NUMEL elements get a launch
+# of 32 slots per block (8 values per thread; 93 registers exact, 64 approximate), 32 blocks per program
+# walked with an L2 prefetch of the next block (Llama-3.2-1B shapes: 5.8 ms exact / 4.9 approx, against
+# 7.6 / 6.4 at 32 groups, 4 warps and no prefetch). An L1 prefetch and register caps measured no better. Tensors with at least LARGE_NUMEL elements get a launch
 # of their own (only embedding-sized ones: a launch costs tens of microseconds of host time).
 LARGE_NUMEL = 1 << 26
 TABLE_GROUPS = 8  # groups of 32 slots per block in the table launch (256 slots)
