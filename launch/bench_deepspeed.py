@@ -41,6 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchlib import run_or_record  # noqa: E402
 from llama import Llama, LlamaConfig  # noqa: E402
 
 from flashdist.integrations import deepspeed as fds  # noqa: E402
@@ -189,13 +190,7 @@ def main() -> None:
     cfg = LlamaConfig.named(args.model)
     rows = []
     for case in args.cases:
-        try:
-            row = run_case(case, cfg, args, device, rank)
-        except Exception as e:  # a case DeepSpeed refuses on this machine is a finding, not a crash
-            row = {"case": case, "error": f"{type(e).__name__}: {e}"[:400]}
-            gc.collect()
-            if cuda:
-                torch.cuda.empty_cache()
+        row = run_or_record(case, lambda: run_case(case, cfg, args, device, rank), device)
         rows.append(row)
         if rank == 0:
             print(json.dumps(row), flush=True)

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchlib import run_or_record  # noqa: E402
 from llama import Llama, LlamaConfig  # noqa: E402
 
 import flashdist  # noqa: E402
@@ -249,13 +250,7 @@ def main(argv: list[str] | None = None) -> None:
     for rnd in range(args.rounds):
         k = rnd % len(args.cases)
         for case in args.cases[k:] + args.cases[:k]:
-            try:
-                row = run_case(case, cfg, args, device, rank)
-            except Exception as e:  # a peer that cannot run under FSDP2 is a finding, not a crash
-                row = {"case": case, "error": f"{type(e).__name__}: {e}"[:400]}
-                gc.collect()
-                if cuda:
-                    torch.cuda.empty_cache()
+            row = run_or_record(case, lambda: run_case(case, cfg, args, device, rank), device)
             row["round"] = rnd
             rows.append(row)
             if rank == 0:
