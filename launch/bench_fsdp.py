@@ -196,7 +196,8 @@ def paired_summary(rows: list[dict]) -> str:
     (geometric mean and range over the rounds), so that a drift of the host between rounds cancels."""
     base = {r["round"]: r["step_ms_median"] for r in rows if r["case"] == "adamw_fp32_master" and "error" not in r}
     out = ["\nPer round (each round's cases back to back; ratio = case / AdamW of the same round):",
-           "| optimizer | step ms, median per round | mean | vs AdamW, geometric mean | range |", "|---|---|---|---|---|"]
+           "| optimizer | step ms, median per round | mean | vs AdamW, geometric mean | range |",
+           "|---|---|---|---|---|"]
     for case in dict.fromkeys(r["case"] for r in rows):
         done = [r for r in rows if r["case"] == case and "error" not in r]
         if not done:

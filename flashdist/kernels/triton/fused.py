@@ -116,8 +116,9 @@ EXACT = _exact_from_env()
 # count convert layouts through shared memory, which with several warps means block-wide barriers), 8 groups
 # of 32 slots per block (8 values per thread; 93 registers exact, 64 approximate), 32 blocks per program
 # walked with an L2 prefetch of the next block (Llama-3.2-1B shapes: 5.8 ms exact / 4.9 approx, against
-# 7.6 / 6.4 at 32 groups, 4 warps and no prefetch). An L1 prefetch and register caps measured no better. Tensors with at least LARGE_NUMEL elements get a launch
-# of their own (only embedding-sized ones: a launch costs tens of microseconds of host time).
+# 7.6 / 6.4 at 32 groups, 4 warps and no prefetch; an L1 prefetch and register caps measured no better).
+# Tensors with at least LARGE_NUMEL elements get a launch of their own (only embedding-sized ones: a launch
+# costs tens of microseconds of host time).
 LARGE_NUMEL = 1 << 26
 TABLE_GROUPS = 8  # groups of 32 slots per block in the table launch (256 slots)
 TABLE_BLOCKS = 32  # consecutive blocks of one tensor per program of the table launch
@@ -764,8 +765,9 @@ class _Plan:
                 bucket.tensors.record_stream(stream)
 
     def watch(self, first: Sequence[torch.Tensor], states: list[Sequence[torch.Tensor]]) -> None:
-        """Record the ids of the ``first`` state list (the first moments), and drop the plan from the cache as soon as any state tensor is
-        freed (after which the plan would point at freed memory, and its id may name a new tensor)."""
+        """Record the ids of the ``first`` state list (the first moments), and drop the plan from the cache as
+        soon as any state tensor is freed (after which the plan would point at freed memory, and its id may
+        name a new tensor)."""
         this = weakref.ref(self)
 
         def freed(_ref, this=this):
