@@ -552,14 +552,14 @@ def _step_block(
 def _prefetch_lines(p_addr, g_addr, m_addr, v_addr, rho_addr, P_KIND: tl.constexpr, G_KIND: tl.constexpr,
                     RHO_KIND: tl.constexpr, QUANTIZED: tl.constexpr, ALGO: tl.constexpr, HAS_M: tl.constexpr,
                     GROUPS: tl.constexpr, PREFETCH: tl.constexpr):
-    """The L2 prefetch's lines, computed once per program: one 128-byte line per slot of a ``PREFETCH``-slot
+    """The prefetch's lines, computed once per program: one 128-byte line per slot of a ``PREFETCH``-slot
     vector, the lines of the per-value streams (param, grad, rho, moments) of block 0 one stream after the
     other, and each slot's stream's bytes per block. Block ``blk``'s line of a slot is ``line0 + blk *
     step``: a block of a stream is a whole number of lines (a power of two of at least 128 bytes; a stream
     whose block is smaller gets no slot), so rounding its address down to a line commutes with moving it by
-    blocks. A stream
-    that does not start on a line boundary leaves its last partial line of a block to the loads. Returns
-    (line0, step): int64 line addresses and int32 bytes per block, both 0 in a slot that holds no line."""
+    blocks. A stream that does not start on a line boundary leaves its last partial line of a block to the
+    loads. Returns (line0, step): int64 line addresses and int32 bytes per block, both 0 in a slot that
+    holds no line."""
     SLOTS: tl.constexpr = GROUPS * 32
     P_LINES: tl.constexpr = SLOTS * (4 if P_KIND == 2 else 2) // 128
     G_LINES: tl.constexpr = SLOTS * (4 if G_KIND == 2 else 2) // 128
@@ -625,7 +625,7 @@ def _step_blocks(
     whole = first + tl.minimum(count, numel // (GROUPS * 32) - first)  # blocks below this one are whole
     if PREFETCH != 0 and (ALIGNED or not QUANTIZED):
         line0, step = _prefetch_lines(p_addr, g_addr, m_addr, v_addr, rho_addr, P_KIND, G_KIND, RHO_KIND,
-                                            QUANTIZED, ALGO, HAS_M, GROUPS, PREFETCH)
+                                      QUANTIZED, ALGO, HAS_M, GROUPS, PREFETCH)
         for j in tl.static_range(1, AHEAD):  # the blocks before the first one the loop asks for
             if first + j < whole:
                 _prefetch_block(line0, step, first + j, LEVEL)
