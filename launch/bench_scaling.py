@@ -44,6 +44,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_fsdp  # noqa: E402
+from benchlib import run_or_record  # noqa: E402
 from llama import LlamaConfig  # noqa: E402
 
 import flashdist  # noqa: E402
@@ -80,11 +81,9 @@ def run_cases(args, cfg, device, rank: int, world: int) -> list[dict]:
         _free(device)
         before = torch.cuda.memory_allocated() / 2**30 if device.type == "cuda" else 0.0
         t0 = time.perf_counter()
-        try:
-            args.activation_checkpointing = not args.no_ac  # read by bench_fsdp.run_case's build
-            row = bench_fsdp.run_case(case, cfg, args, device, rank)
-        except Exception as e:  # an out-of-memory case (AdamW at 1 rank) is a finding, not a crash
-            row = {"case": case, "error": f"{type(e).__name__}: {e}"[:400]}
+        args.activation_checkpointing = not args.no_ac  # read by bench_fsdp.run_case's build
+        # (an out-of-memory case, AdamW at 1 rank, is an error row)
+        row = run_or_record(case, lambda: bench_fsdp.run_case(case, cfg, args, device, rank), device)
         _free(device)
         row["world"] = world
         row["allocated_before_gib"] = before

@@ -58,8 +58,7 @@ def compile_one(overrides: dict, arch: int = 90, groups: int | None = None) -> d
                  **dict.fromkeys(SCALARS, "fp32"), **dict.fromkeys(consts, "constexpr")}
     compiled = triton.compile(ASTSource(K._table_kernel, signature, constexprs=consts),
                               target=GPUTarget("cuda", arch, 32),
-                              options=dict(num_warps=K.NUM_WARPS, enable_fp_fusion=False,
-                                           **({} if K.MAX_REGISTERS is None else {"maxnreg": K.MAX_REGISTERS})))
+                              options=K.compile_options())
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])

@@ -970,9 +970,7 @@ def _step_multi(algo: int, params, grads, moments: list, scales: list | None, rh
         flags = dict(bucket.flags, COMPANDED=companded, DECOUPLED=decoupled, COUNT_SKIPPED=skipped is not None,
                      ALGO=algo, HAS_M=bool(moments), NESTEROV=nesterov, EXACT=EXACT,
                      FAST_DIV=not EXACT and not _INTERPRETED, AHEAD=PREFETCH_AHEAD, LEVEL=PREFETCH_LEVEL,
-                     num_warps=NUM_WARPS, enable_fp_fusion=False)
-        if MAX_REGISTERS is not None:
-            flags["maxnreg"] = MAX_REGISTERS
+                     **compile_options())
         if bucket.items:
             _table_kernel[(bucket.items,)](bucket.work, bucket.tensors, plan.exp_avg_table, counter, *scalars,
                                            GROUPS=TABLE_GROUPS, PREFETCH=_prefetch_slots(flags, TABLE_GROUPS),
@@ -981,6 +979,15 @@ def _step_multi(algo: int, params, grads, moments: list, scales: list | None, rh
             _tensor_kernel[grid](*args[:7], plan.exp_avg_table, counter, *args[7:], *scalars, GROUPS=LARGE_GROUPS,
                                  PREFETCH=_prefetch_slots(flags, LARGE_GROUPS), BLOCKS=LARGE_BLOCKS, WIDE=wide,
                                  **flags)
+
+
+def compile_options() -> dict:
+    """The compiler options of every launch (module constants): warps per program, no FMA contraction (the
+    reference's products and sums stay separate), and the register cap when one is set."""
+    options = dict(num_warps=NUM_WARPS, enable_fp_fusion=False)
+    if MAX_REGISTERS is not None:
+        options["maxnreg"] = MAX_REGISTERS
+    return options
 
 
 def _prefetch_slots(flags: dict, groups: int) -> int:
