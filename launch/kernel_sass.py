@@ -37,8 +37,8 @@ def specialisations():
     approximate, bf16 parameters with int8 rho; SGD without momentum too."""
     for (algo, code), quantized, exact in itertools.product(ALGOS.items(), (True, False), (True, False)):
         yield (f"{algo}-{'q8' if quantized else 'fp32m'}-{'exact' if exact else 'approx'}",
-               dict(ALGO=code, HAS_M=True, QUANTIZED=quantized, EXACT=exact, FAST_DIV=not exact))
-    yield "sgd-no-momentum-exact", dict(ALGO=1, HAS_M=False, QUANTIZED=False, EXACT=True, FAST_DIV=False)
+               dict(ALGO=code, HAS_M=True, QUANTIZED=quantized, EXACT=exact, COMPILED=True))
+    yield "sgd-no-momentum-exact", dict(ALGO=1, HAS_M=False, QUANTIZED=False, EXACT=True, COMPILED=True)
 
 
 def compile_one(overrides: dict, arch: int = 90, groups: int | None = None) -> dict:
@@ -50,7 +50,7 @@ def compile_one(overrides: dict, arch: int = 90, groups: int | None = None) -> d
 
     consts = dict(P_KIND=0, G_KIND=0, RHO_KIND=1, QUANTIZED=True, ALIGNED=True, ALIGN16=True, COMPANDED=True,
                   DECOUPLED=True, COUNT_SKIPPED=True, ALGO=0, HAS_M=True, NESTEROV=False, EXACT=True,
-                  FAST_DIV=False, RHO_LOG2=7, GROUPS=groups or K.TABLE_GROUPS, AHEAD=K.PREFETCH_AHEAD,
+                  COMPILED=True, RHO_LOG2=7, GROUPS=groups or K.TABLE_GROUPS, AHEAD=K.PREFETCH_AHEAD,
                   LEVEL=K.PREFETCH_LEVEL)
     consts.update(overrides)
     consts["PREFETCH"] = K._prefetch_slots(consts, consts["GROUPS"])  # as a launch on the GPU sets it

@@ -210,6 +210,37 @@ def test_kernel_matches_cuda_reference(monkeypatch, rho_dtype, layout, decoupled
     _dump_counts()
 
 
+def test_normalized_division_is_ieee():
+    """The companding's division (``fused._div_normalized``: CUDA's fast path without its range check) gives
+    the IEEE quotient for every divisor in [2^-30, 8) wherever the quotient is at least 2^-64: every mantissa
+    of the divisor at several exponents, against quotients near the companding's rounding boundaries
+    (k + 1/2) and random ones, compared with CUDA torch's division (``div.rn``)."""
+    _kernels()
+    from _division_kernel import divide
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    mantissas = torch.arange(1 << 23, device="cuda", dtype=torch.int32)
+    checked = 0
+    for exponent in (97, 100, 120, 126, 127, 128, 129):  # biased: 2^-30, 2^-27, 2^-7, 0.5, 1, 2, 4
+        d = ((exponent << 23) | mantissas).view(torch.float32)
+        for target in ("boundary", "random"):
+            if target == "boundary":
+                k = torch.randint(-128, 128, d.shape, generator=gen, device="cuda").float() + 0.5
+                q = k * (1 + (torch.rand(d.shape, generator=gen, device="cuda") - 0.5) * 2.0**-20)
+            else:
+                q = torch.sign(torch.randn(d.shape, generator=gen, device="cuda")) * torch.exp2(
+                    torch.rand(d.shape, generator=gen, device="cuda") * 71 - 64)  # |q| in [2^-64, 2^7)
+            n = q * d
+            want = n / d
+            got = divide(n, d)
+            use = want.abs() >= 2.0**-64
+            differ = (got.view(torch.int32) != want.view(torch.int32)) & use
+            assert not differ.any(), (f"divisor exponent {exponent - 127}, {target}: {int(differ.sum())} quotients "
+                                      f"differ, e.g. {n[differ][0].item()!r} / {d[differ][0].item()!r}")
+            checked += int(use.sum())
+    assert checked > 50_000_000
+
+
 def _dump_counts():
     """With FLASHDIST_GPU_REPORT=<folder>, this process's counts as JSON there (pytest-xdist runs the cases in
     several processes; ``python tests/test_gpu.py <folder>`` adds them up)."""

@@ -175,6 +175,31 @@ def test_subnormal_moments_keep_their_codes(companded):
     assert torch.equal(Q.quantize_exp_avg_sq(back, 32, companded)[0], codes)
 
 
+def test_huge_first_moments_keep_their_codes():
+    """Groups whose absmax is near fp32's largest value: the companding works on m and A scaled into [1, 2), so
+    ``254 m`` does not overflow (unscaled it would, from A above about 1.3e36) and the end codes are reached."""
+    m = torch.tensor([[3e38, -1e37, 2e36, 0.0] * 8, [1e37, -2e36, 5e35, 1.0] * 8])
+    codes, scales = Q.quantize_exp_avg(m, 32, True)
+    assert codes[:, 0].tolist() == [127, 127] and codes[0, 1] < 0
+    back = Q.dequantize_exp_avg(codes, scales, 32, True)
+    assert torch.isfinite(back).all()
+    assert torch.equal(Q.quantize_exp_avg(back, 32, True)[0], codes)
+
+
+def test_pow2_normalizer():
+    """``a * s`` lies in [1, 2) for every ``a`` from 2^-119 up to 2^127, in [2, 4) above; ``s`` is a
+    power of two and ``254 s`` is finite for every ``a``, subnormal ones included."""
+    a = torch.cat([torch.tensor([1e-45, 1e-40, 2.0**-126, 2.0**-120, 2.0**-119, 1.0, 1.5, 2.0**126, 2.0**127,
+                                 3.4e38]), torch.exp2(torch.linspace(-119, 126.9, 1001))])
+    s = Q.pow2_normalizer(a)
+    assert ((s.view(torch.int32) & 0x7FFFFF) == 0).all() and torch.isfinite(254.0 * s).all()
+    scaled = a * s
+    normal = (a >= 2.0**-119) & (a < 2.0**127)
+    assert ((scaled[normal] >= 1) & (scaled[normal] < 2)).all()
+    assert ((scaled[a >= 2.0**127] >= 2) & (scaled[a >= 2.0**127] < 4)).all()
+    assert ((scaled[a < 2.0**-119] >= 2.0**-30) & (scaled[a < 2.0**-119] < 1)).all()
+
+
 def test_step_scalars_are_memoised_by_their_bits():
     """The per-step scalars are computed once per distinct set of arguments (gradient release asks for them
     once per FSDP group): equal arguments give the same object, arguments that differ in any bit (a signed

@@ -211,6 +211,28 @@ def test_matches_reference_bitwise(kernels, rho_dtype, layout, decoupled):
 
 
 @interpreted
+def test_nonfinite_parameter_with_coupled_decay_skips_its_group(kernels):
+    """With 8-bit moments the kernel takes a group's skip flag from its new first moment. Under coupled weight
+    decay (Adam) a NaN or Inf parameter value makes that moment non-finite although the gradient is finite:
+    the group is skipped and counted, as in the reference, and the other groups step."""
+    gen = torch.Generator().manual_seed(7)
+    cases = [Case((4, 96), torch.bfloat16, torch.bfloat16, torch.int8, True, gen)]
+    for side in ("kernel", "ref"):
+        cases[0].__dict__[side]["p"][1, 40] = float("nan")  # row 1, group 1
+        cases[0].__dict__[side]["p"][3, 70] = float("inf")  # row 3, group 2
+    before = cases[0].kernel["p"].clone()
+    scalars = AdamScalars.make(lr=3e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=3,
+                               decoupled=False)
+    skipped_k, skipped_r = _step_both(kernels, cases, [cases[0].new_grad(gen, finite=True)], scalars, True, True)
+    _assert_equal(cases, "coupled decay, non-finite parameters")
+    assert skipped_k.item() == skipped_r.item() == 2
+    after = cases[0].kernel["p"]
+    assert torch.equal(_bits(after[1, 32:64]), _bits(before[1, 32:64]))
+    assert torch.equal(_bits(after[3, 64:96]), _bits(before[3, 64:96]))
+    assert (after[0] != before[0]).any()
+
+
+@interpreted
 @pytest.mark.parametrize("quantized", [True, False], ids=["q-companded", "fp32-moments"])
 def test_mixed_grad_dtypes(kernels, quantized):
     gen = torch.Generator().manual_seed(1)

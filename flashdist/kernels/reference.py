@@ -71,18 +71,22 @@ def adam_step_(
 
 
 def _store_(param, grad, rho, theta, moments, *, cols, companded, skipped) -> None:
-    """Write the new parameter, rho and moments, except where a group's gradient holds a NaN or an Inf.
+    """Write the new parameter, rho and moments, except where a group's gradient holds a NaN or an Inf (with
+    8-bit moments: where the group's new first moment is not finite, which is the same groups).
 
     ``moments``: ``(state, scales, new value, is_sqrt)`` of each moment: ``state`` is the int8 (first) or
     uint8 (second: its name ends in _sq, ``is_sqrt`` when the value is already the square root) codes with
     their bf16 ``scales``, or an fp32 tensor when ``scales`` is None (then every element is its own group)."""
-    bad = ~torch.isfinite(grad)
     quantized = bool(moments) and moments[0][1] is not None
     if quantized:
-        bad_groups = Q.grouped(bad, cols).any(dim=-1)
+        # The new first moment of a group is finite exactly where its gradient is (the update only scales and
+        # adds finite numbers to it, within fp32's range; with coupled weight decay a non-finite parameter
+        # also makes it so), and the kernel reads the flag from the group absmax it computes anyway.
+        bad_groups = ~torch.isfinite(Q.grouped(moments[0][2], cols)).all(dim=-1)
         bad = _group_mask_to_elements(bad_groups, cols, param.shape)
         n_bad = bad_groups.sum()
     else:
+        bad = ~torch.isfinite(grad)
         n_bad = bad.sum()
     for k, (state, scales, value, is_sqrt) in enumerate(moments):
         if scales is None:

@@ -22,7 +22,11 @@ what lets the portable (fp32) checkpoint format round-trip exactly.
 
 The fp32 arithmetic, written so that the fused kernel does the same operations with few divisions:
 - companded ``m``: ``code = round(254 m / (A + |m|))``, the companding with ``x = m / A`` multiplied out
-  (one division per value, no reciprocal of ``A``);
+  (one division per value, no reciprocal of ``A``), computed with ``m`` and ``A`` scaled by the power of
+  two ``s`` that brings ``A`` into [1, 2) (``pow2_normalizer``): ``(m * (254 s)) / (A s + |m| s)``.
+  Scaling by a power of two is exact, so this is the same quotient wherever nothing under- or overflows;
+  it keeps every divisor in [1, 8) (``A`` below 2^-119: at least 2^-30), where the kernel's division needs no
+  range check (``fused._div_normalized``), and ``254 m`` cannot overflow;
 - linear ``m`` and both ``v`` codes: ``code = round(x * (K / A))`` with K = 127 or 255: ONE division per
   group, a multiplication per value. ``K / A`` overflows fp32 for A below ~2^-121 (subnormal moments), so
   groups whose absmax is below ``TINY = 2^-64`` are first lifted by 2^64 (``(x * 2^64) * (K / (A * 2^64))``);
@@ -127,6 +131,14 @@ def _safe(s: torch.Tensor) -> torch.Tensor:
     return torch.where(s > 0, s, torch.ones_like(s))
 
 
+def pow2_normalizer(a: torch.Tensor) -> torch.Tensor:
+    """The power of two ``s = 2^(127 - e)`` for each (non-negative, finite) fp32 ``a`` of biased exponent
+    ``e`` clamped to [8, 253], so that ``a * s`` lies in [1, 2): in [2, 4) for ``a >= 2^127``, and for ``a``
+    below 2^-119 in [2^-30, 1), since ``254 s`` must stay finite. Always a normal fp32 number."""
+    e = (a.float().view(torch.int32) >> 23).clamp(8, 253)
+    return ((254 - e) << 23).view(torch.float32)
+
+
 def scaled_by_reciprocal(x: torch.Tensor, absmax: torch.Tensor, k: float) -> torch.Tensor:
     """``x * (k / absmax)`` per group (``absmax`` > 0, one value per group): one division per group, lifted
     by 2^64 for tiny groups so that the reciprocal cannot overflow."""
@@ -141,7 +153,9 @@ def quantize_exp_avg(m: torch.Tensor, cols: int, companded: bool) -> tuple[torch
     absmax = mg.abs().amax(dim=-1, keepdim=True) if mg.numel() else mg.new_zeros(mg.shape[:-1] + (1,))
     scale = to_bf16_value(absmax)
     if companded:
-        q = (254.0 * mg) / (_safe(absmax) + mg.abs())
+        a = _safe(absmax)
+        s = pow2_normalizer(a)
+        q = (mg * (254.0 * s)) / (a * s + mg.abs() * s)
     else:
         q = scaled_by_reciprocal(mg, _safe(absmax), 127.0)
     codes = round_half_away(q).to(torch.int8)

@@ -23,8 +23,8 @@ boundary and a master weight by a few fp32 ulps of the update; docs/method.md st
 tests/test_gpu.py checks it. Under the interpreter (no libdevice) both variants compute the IEEE results.
 
 Layout of the work. Each program handles ``GROUPS`` groups of 32 slots, as a ``(GROUPS, 32)`` block: the
-group absmax of a scale is a ``tl.max`` over axis 1, a group's "gradient not finite" flag a max over the
-same axis, and no reshape is needed. For quantized moments the block walks GROUP space: group ``gid`` is
+group absmax of a scale is a ``tl.max`` over axis 1 (it also gives a group's "gradient not finite" flag,
+see below), and no reshape is needed. For quantized moments the block walks GROUP space: group ``gid`` is
 group ``gid % gpr`` of row ``gid // gpr`` (``gpr = ceil(cols / 32)``); its slot ``j`` is element
 ``row * cols + (gid % gpr) * 32 + j``, masked past the end of the row; its scale is ``scales[gid]``. When
 ``cols`` is a multiple of 32 (``ALIGNED``) the element offsets are simply ``gid * 32 + j``, contiguous and
@@ -80,7 +80,12 @@ variant executes about 108 instructions per element and is bound by their issue,
 and 0.74 (approximate) of the copy-bandwidth floor (docs/benchmarks.md).
 
 Non-finite gradients. A group whose gradient holds a NaN or an Inf is not stored (param, rho, codes,
-scale keep their values); each program adds its count of such groups to ``skipped`` with one atomic.
+scale keep their values); each program adds its count of such groups to ``skipped`` with one atomic. With
+8-bit moments the flag is the absmax of the group's new first moment, taken with a NaN-propagating max:
+the update scales the gradient and adds finite numbers within fp32's range, so that absmax is finite
+exactly where the gradient is (with coupled weight decay, a non-finite parameter makes it non-finite too,
+and its group is skipped). This costs nothing beyond the absmax the scale needs; fp32 moments check each
+gradient value.
 """
 
 from __future__ import annotations
@@ -148,6 +153,7 @@ _INV255 = tl.constexpr(Q.INV255)
 _TINY = tl.constexpr(Q.TINY)
 _LIFT = tl.constexpr(Q.LIFT)
 _FP32_EXP_MASK = tl.constexpr(0x7F800000)
+_FP32_MAX = tl.constexpr(3.4028234663852886e38)
 _BF16_NAN = tl.constexpr(0x7FC0)  # CUDA torch's bf16 for any NaN (CPU builds differ: torch 2.13 gives 0xFFFF)
 _SIGN_BIT = tl.constexpr(-(2**31))  # 0x80000000 as an int32
 _HALF_BITS = tl.constexpr(0x3F000000)  # 0.5 as fp32 bits
@@ -190,16 +196,41 @@ def _round_half_away_to_int(q):
 
 
 @triton.jit
-def _divide(x, y, EXACT: tl.constexpr, FAST_DIV: tl.constexpr):
-    """``x / y``: IEEE (``EXACT``), else ``div.approx.f32`` on the GPU (``FAST_DIV``: 2 ulp for ``|y|`` in
+def _divide(x, y, EXACT: tl.constexpr, COMPILED: tl.constexpr):
+    """``x / y``: IEEE (``EXACT``), else ``div.approx.f32`` on the GPU (``COMPILED``: 2 ulp for ``|y|`` in
     [2^-126, 2^126]; a reciprocal and a multiplication) or Triton's ``/`` (numpy's IEEE division under the
     interpreter, which cannot call libdevice)."""
     if EXACT:
         return tl.div_rn(x, y)
-    elif FAST_DIV:
+    elif COMPILED:
         return libdevice.fast_dividef(x, y)
     else:
         return x / y
+
+
+@triton.jit
+def _max_propagating_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _div_normalized(n, d, COMPILED: tl.constexpr):
+    """``n / d`` correctly rounded for a divisor ``d`` in [2^-30, 8) wherever ``|n / d| >= 2^-64`` (smaller
+    quotients may be off in their last bit; the companding rounds them to code 0 either way).
+
+    The fast path of CUDA's IEEE division without its range check (``FCHK``) and the branch to the slow
+    path around it, 4 of the 10 instructions a division costs: an approximate reciprocal, one Newton step
+    for it, the quotient, its remainder (exact, by an FMA) and one correction. With ``d`` in that range and
+    ``n / d`` not tiny no intermediate under- or overflows, which is all the range check guards. Under the
+    interpreter the reciprocal is numpy's correctly rounded one, which the same steps also correct."""
+    if COMPILED:  # MUFU.RCP alone (libdevice's fast_dividef(1, d) adds a flush of its result)
+        r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [d], dtype=tl.float32, is_pure=True,
+                                      pack=1)
+    else:
+        r = 1.0 / d
+    r = tl.fma(r, tl.fma(-d, r, 1.0), r)
+    q = n * r
+    return tl.fma(tl.fma(-d, q, n), r, q)
 
 
 @triton.jit
@@ -327,7 +358,7 @@ def _step_block(
     HAS_M: tl.constexpr,  # a first moment / momentum buffer exists (SGD without momentum keeps none)
     NESTEROV: tl.constexpr,  # SGD only: Nesterov momentum
     EXACT: tl.constexpr,  # IEEE division and sqrt (else the GPU's approximate ones; see the module doc)
-    FAST_DIV: tl.constexpr,  # with EXACT off: libdevice's fast division (compiled only, not interpreted)
+    COMPILED: tl.constexpr,  # compiled for the GPU (libdevice's approximations exist), not interpreted
     RHO_LOG2: tl.constexpr,  # log2 of rho.RHO_STEPS: 7 (int8), 15 (int16)
     GROUPS: tl.constexpr,  # groups of 32 slots in this block
 ):
@@ -397,19 +428,13 @@ def _step_block(
         offs = gid[:, None] * _GROUP + lane[None, :]
         mask = offs < numel
 
-    # Gradient, and which groups (elements, for fp32 moments) are skipped.
+    # Gradient, and which elements are skipped with fp32 moments (quantized: which groups, below).
     if G_KIND == 0:
         g = (tl.load(g_ptr + offs, mask=mask, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
     else:
         g = tl.load(g_ptr + offs, mask=mask, other=0).to(tl.float32)
-    g_exp = g.to(tl.int32, bitcast=True) & _FP32_EXP_MASK  # all ones: NaN or Inf
-    if QUANTIZED:
-        bad_group = tl.max(g_exp, axis=1) == _FP32_EXP_MASK
-        keep = mask & ~bad_group[:, None]
-        keep_group = gvalid & ~bad_group
-        n_bad = bad_group.to(tl.int32)
-    else:
-        bad = g_exp == _FP32_EXP_MASK
+    if not QUANTIZED:
+        bad = (g.to(tl.int32, bitcast=True) & _FP32_EXP_MASK) == _FP32_EXP_MASK  # NaN or Inf
         keep = mask & ~bad
         n_bad = tl.sum(bad.to(tl.int32), axis=1)
 
@@ -469,7 +494,7 @@ def _step_block(
         else:
             u = tl.sqrt(v)
         denom = u * inv_bc2_sqrt + eps
-        theta = theta - _divide(m, denom, EXACT, FAST_DIV) * step_size
+        theta = theta - _divide(m, denom, EXACT, COMPILED) * step_size
     elif ALGO == _SGD:
         if HAS_M:
             m = m + g * one_minus_beta1
@@ -489,15 +514,23 @@ def _step_block(
     # A, stored rounded to bf16 as the scale. Masked slots hold exact zeros (zero code, gradient and
     # param), like the reference's padding, so they need no masking in the max.
     if QUANTIZED:
-        absmax = tl.max(tl.abs(m), axis=1)
+        # The absmax propagates a NaN: finite exactly where the group's gradient is (reference._store_)
+        absmax = tl.reduce(tl.abs(m), 1, _max_propagating_nan)
+        bad_group = ~(absmax <= _FP32_MAX)
+        keep = mask & ~bad_group[:, None]
+        keep_group = gvalid & ~bad_group
+        n_bad = bad_group.to(tl.int32)
         a = tl.where(absmax > 0, absmax, 1.0)
         if COMPANDED:  # round(254 m / (A + |m|))
-            if FAST_DIV:  # lifted like the reciprocals below: fast_dividef needs a normal divisor
-                lift = tl.where(a < _TINY, _LIFT, 1.0)
-                ml = m * lift[:, None]
-                q = _divide(254.0 * ml, (a * lift)[:, None] + tl.abs(ml), EXACT, FAST_DIV)
+            # m and A scaled by codes.pow2_normalizer(A): every divisor lies in [2^-30, 8)
+            e = tl.minimum(tl.maximum(a.to(tl.int32, bitcast=True) >> 23, 8), 253)
+            s = ((254 - e) << 23).to(tl.float32, bitcast=True)
+            n = m * (254.0 * s)[:, None]
+            d = tl.fma(tl.abs(m), s[:, None], (a * s)[:, None])  # fl(|m| s + A s): |m| s is exact or negligible
+            if EXACT:
+                q = _div_normalized(n, d, COMPILED)
             else:
-                q = _divide(254.0 * m, a[:, None] + tl.abs(m), EXACT, FAST_DIV)
+                q = _divide(n, d, EXACT, COMPILED)
         else:  # round(m * (127 / A)), lifted for tiny groups
             lift = tl.where(a < _TINY, _LIFT, 1.0)
             q = (m * lift[:, None]) * tl.div_rn(tl.full(a.shape, 127.0, tl.float32), a * lift)[:, None]
@@ -610,7 +643,7 @@ def _step_blocks(
     P_KIND: tl.constexpr, G_KIND: tl.constexpr, RHO_KIND: tl.constexpr, QUANTIZED: tl.constexpr,
     ALIGNED: tl.constexpr, ALIGN16: tl.constexpr, COMPANDED: tl.constexpr, DECOUPLED: tl.constexpr,
     COUNT_SKIPPED: tl.constexpr, ALGO: tl.constexpr, HAS_M: tl.constexpr, NESTEROV: tl.constexpr,
-    EXACT: tl.constexpr, FAST_DIV: tl.constexpr, RHO_LOG2: tl.constexpr, GROUPS: tl.constexpr,
+    EXACT: tl.constexpr, COMPILED: tl.constexpr, RHO_LOG2: tl.constexpr, GROUPS: tl.constexpr,
     PREFETCH: tl.constexpr,  # 0, or slots (a power of two >= the lines of a block) of the next block's L2 prefetch
     AHEAD: tl.constexpr,  # the prefetch asks for block j + AHEAD while block j is computed
     LEVEL: tl.constexpr,  # the cache level the prefetch fills (PREFETCH_LEVEL)
@@ -638,7 +671,7 @@ def _step_blocks(
             numel, ngroups, cols, gpr,
             beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, decay, step_size, inv_bc2_sqrt,
             P_KIND, G_KIND, RHO_KIND, QUANTIZED, ALIGNED, ALIGN16, COMPANDED, DECOUPLED, ALGO,
-            HAS_M, NESTEROV, EXACT, FAST_DIV, RHO_LOG2, GROUPS,
+            HAS_M, NESTEROV, EXACT, COMPILED, RHO_LOG2, GROUPS,
         )
     if COUNT_SKIPPED:
         n_bad = tl.sum(bad)
@@ -658,7 +691,7 @@ def _table_kernel(
     P_KIND: tl.constexpr, G_KIND: tl.constexpr, RHO_KIND: tl.constexpr, QUANTIZED: tl.constexpr,
     ALIGNED: tl.constexpr, ALIGN16: tl.constexpr, COMPANDED: tl.constexpr, DECOUPLED: tl.constexpr,
     COUNT_SKIPPED: tl.constexpr, ALGO: tl.constexpr, HAS_M: tl.constexpr, NESTEROV: tl.constexpr,
-    EXACT: tl.constexpr, FAST_DIV: tl.constexpr, RHO_LOG2: tl.constexpr, GROUPS: tl.constexpr,
+    EXACT: tl.constexpr, COMPILED: tl.constexpr, RHO_LOG2: tl.constexpr, GROUPS: tl.constexpr,
     PREFETCH: tl.constexpr, AHEAD: tl.constexpr, LEVEL: tl.constexpr,
 ):
     item = tl.program_id(0)
@@ -678,7 +711,7 @@ def _table_kernel(
         numel, ngroups, cols, gpr,
         beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, decay, step_size, inv_bc2_sqrt,
         P_KIND, G_KIND, RHO_KIND, QUANTIZED, ALIGNED, ALIGN16, COMPANDED, DECOUPLED, COUNT_SKIPPED, ALGO,
-        HAS_M, NESTEROV, EXACT, FAST_DIV, RHO_LOG2, GROUPS, PREFETCH, AHEAD, LEVEL,
+        HAS_M, NESTEROV, EXACT, COMPILED, RHO_LOG2, GROUPS, PREFETCH, AHEAD, LEVEL,
     )
 
 
@@ -693,7 +726,7 @@ def _tensor_kernel(
     P_KIND: tl.constexpr, G_KIND: tl.constexpr, RHO_KIND: tl.constexpr, QUANTIZED: tl.constexpr,
     ALIGNED: tl.constexpr, ALIGN16: tl.constexpr, COMPANDED: tl.constexpr, DECOUPLED: tl.constexpr,
     COUNT_SKIPPED: tl.constexpr, ALGO: tl.constexpr, HAS_M: tl.constexpr, NESTEROV: tl.constexpr,
-    EXACT: tl.constexpr, FAST_DIV: tl.constexpr, RHO_LOG2: tl.constexpr, GROUPS: tl.constexpr,
+    EXACT: tl.constexpr, COMPILED: tl.constexpr, RHO_LOG2: tl.constexpr, GROUPS: tl.constexpr,
     PREFETCH: tl.constexpr, AHEAD: tl.constexpr, LEVEL: tl.constexpr,
     BLOCKS: tl.constexpr,  # consecutive blocks per program
     WIDE: tl.constexpr,  # numel >= 2^31: int64 index arithmetic
@@ -708,7 +741,7 @@ def _tensor_kernel(
         numel, ngroups, cols, gpr,
         beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, decay, step_size, inv_bc2_sqrt,
         P_KIND, G_KIND, RHO_KIND, QUANTIZED, ALIGNED, ALIGN16, COMPANDED, DECOUPLED, COUNT_SKIPPED, ALGO, HAS_M,
-        NESTEROV, EXACT, FAST_DIV, RHO_LOG2, GROUPS, PREFETCH, AHEAD, LEVEL,
+        NESTEROV, EXACT, COMPILED, RHO_LOG2, GROUPS, PREFETCH, AHEAD, LEVEL,
     )
 
 
@@ -969,7 +1002,7 @@ def _step_multi(algo: int, params, grads, moments: list, scales: list | None, rh
     for bucket in plan.buckets:
         flags = dict(bucket.flags, COMPANDED=companded, DECOUPLED=decoupled, COUNT_SKIPPED=skipped is not None,
                      ALGO=algo, HAS_M=bool(moments), NESTEROV=nesterov, EXACT=EXACT,
-                     FAST_DIV=not EXACT and not _INTERPRETED, AHEAD=PREFETCH_AHEAD, LEVEL=PREFETCH_LEVEL,
+                     COMPILED=not _INTERPRETED, AHEAD=PREFETCH_AHEAD, LEVEL=PREFETCH_LEVEL,
                      **compile_options())
         if bucket.items:
             _table_kernel[(bucket.items,)](bucket.work, bucket.tensors, plan.exp_avg_table, counter, *scalars,
