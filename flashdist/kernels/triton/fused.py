@@ -7,7 +7,8 @@ kernel
 - moves bf16 through its bits: loads them as int16 and widens them, and rounds fp32 to bf16 with an integer
   round-to-nearest-even on the fp32 bit pattern (the interpreter's ``.to(tl.bfloat16)`` truncates);
 - divides and takes square roots with ``tl.div_rn`` / ``tl.sqrt_rn`` (IEEE, like the reference; Triton's
-  ``/`` and ``tl.sqrt`` are approximate on the GPU);
+  ``/`` and ``tl.sqrt`` are approximate on the GPU), except the companding's division, whose operands the
+  reference and the kernel scale into a range where CUDA's fast path alone is IEEE's (``_div_normalized``);
 - is compiled with ``enable_fp_fusion=False``, so no ``a * b + c`` of the reference becomes an FMA;
 - computes what the reference computes exactly in cheaper exact ways where it can: rho's split and merge
   of bf16 parameters as integer arithmetic on fp32 bit patterns (``_merge_bf16``, ``_split_bf16``), the
@@ -75,9 +76,13 @@ issued instructions per element exact and 94 approximate, against 247 before thi
 divisions for every quantization and for rho). The kernel is bound by instruction issue and memory latency
 together (at 4 warps per program and no prefetch: issue slots 64-66% busy, about a third of the stall
 cycles waiting for global loads, occupancy limited by registers). With the current layout the exact
-variant executes about 108 instructions per element and is bound by their issue, the approximate one about
-86, 45 of them on the integer pipe (half rate), which bounds it; the Llama-3.2-1B shapes run at 0.62 (exact)
-and 0.74 (approximate) of the copy-bandwidth floor (docs/benchmarks.md).
+variant executes about 103 instructions per element, the approximate one about 84, 43 of them on the integer
+pipe (half rate); the Llama-3.2-1B shapes run at 0.63-0.64 (exact) and 0.77-0.78 (approximate) of the
+copy-bandwidth floor (docs/benchmarks.md). Of the exact variant's IEEE operations only the companding's
+division runs without a range check and branch (its operands are scaled into a range where the fast path
+is IEEE's: ``_div_normalized``); the update's division and the square root keep theirs, which also keep the
+values of a thread from interleaving (removing them measured 8% faster, but no exact way of doing so tried
+so far was faster than they are: docs/benchmarks.md).
 
 Non-finite gradients. A group whose gradient holds a NaN or an Inf is not stored (param, rho, codes,
 scale keep their values); each program adds its count of such groups to ``skipped`` with one atomic. With
@@ -119,7 +124,7 @@ EXACT = _exact_from_env()
 # kernel is bound by instruction issue and memory latency, so what lets warps run independently and keep
 # loads in flight wins: programs of ONE warp (no barrier couples warps: the scale stores and the final skip
 # count convert layouts through shared memory, which with several warps means block-wide barriers), 8 groups
-# of 32 slots per block (8 values per thread; 93 registers exact, 64 approximate), 32 blocks per program
+# of 32 slots per block (8 values per thread; 90 registers exact, 64 approximate), 32 blocks per program
 # walked with an L2 prefetch of the next block (Llama-3.2-1B shapes: 5.8 ms exact / 4.9 approx, against
 # 7.6 / 6.4 at 32 groups, 4 warps and no prefetch; an L1 prefetch and register caps measured no better).
 # Tensors with at least LARGE_NUMEL elements get a launch of their own (only embedding-sized ones: a launch
