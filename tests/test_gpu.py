@@ -241,6 +241,30 @@ def test_normalized_division_is_ieee():
     assert checked > 50_000_000
 
 
+def test_normalized_division_on_the_update_range_is_ieee():
+    """Adam's update divides scaled first moments (0, or magnitudes in [2^-48, 4)) by denominators in
+    [eps, 2^76] with ``fused._div_normalized`` when eps >= 2^-122 (``FAST_UPDATE``): quotients in [2^-125,
+    2^124]. Random numerators and divisors over those ranges, signed, and zeros, against CUDA torch's
+    division, bit for bit."""
+    _kernels()
+    from _division_kernel import divide
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    checked = 0
+    for lowest in (-122, -60, -27):  # the smallest denominator: eps
+        for _ in range(4):
+            d = torch.exp2(torch.rand(1 << 23, generator=gen, device="cuda") * (76 - lowest) + lowest)
+            n = torch.sign(torch.randn(d.shape, generator=gen, device="cuda")) * torch.exp2(
+                torch.rand(d.shape, generator=gen, device="cuda") * 50 - 48)
+            n[:4096] = 0.0
+            want = n / d
+            differ = divide(n, d).view(torch.int32) != want.view(torch.int32)
+            assert not differ.any(), (f"{int(differ.sum())} quotients differ, e.g. {n[differ][0].item()!r} / "
+                                      f"{d[differ][0].item()!r}")
+            checked += n.numel()
+    assert checked > 100_000_000
+
+
 def _dump_counts():
     """With FLASHDIST_GPU_REPORT=<folder>, this process's counts as JSON there (pytest-xdist runs the cases in
     several processes; ``python tests/test_gpu.py <folder>`` adds them up)."""

@@ -227,6 +227,24 @@ def test_nonfinite_gradient_is_contained_and_counted():
     assert int(opt.skipped) == 3  # two groups of the matrix + one element of the 1-d bias
 
 
+def test_update_of_first_moments_far_below_their_group():
+    """8-bit moments: Adam's update works on each group's first moments scaled by the power of two that brings
+    the group's absmax into [1, 2), and takes scaled values below 2^-48 as 0 (what lets the kernel divide
+    without range checks). With a tiny eps (where the update of a tiny moment is not negligible), a value
+    2^-53 below its group's largest does not move; one 2^-40 below does, and so does a group of tiny values."""
+    p = torch.nn.Parameter(torch.full((3, 32), 0.5))
+    g = torch.ones(3, 32)
+    g[0, 1] = 2.0**-53
+    g[1, 1] = 2.0**-40
+    g[2] = 2.0**-53
+    p.grad = g
+    opt = FlashAdamW([p], lr=1e-2, eps=1e-30, weight_decay=0.0)
+    opt.step()
+    moved = p.detach() != 0.5
+    assert not moved[0, 1] and moved[0, 0] and moved[1, 1] and moved[2].all()
+    assert torch.allclose(p.detach()[2], torch.full((32,), 0.49), atol=1e-6)  # Adam's first step: lr * sign(g)
+
+
 def _tiny_model(dtype=torch.bfloat16, seed=0):
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 64), torch.nn.GELU(),

@@ -233,6 +233,18 @@ def test_nonfinite_parameter_with_coupled_decay_skips_its_group(kernels):
 
 
 @interpreted
+@pytest.mark.parametrize("eps", [1e-38, 1e4], ids=["tiny-eps", "huge-eps"])
+def test_update_division_outside_the_fast_range(kernels, eps):
+    """An eps outside [2^-122, 2^12] takes IEEE's division for Adam's update of 8-bit moments (FAST_UPDATE
+    off): still bitwise the reference's."""
+    gen = torch.Generator().manual_seed(11)
+    cases = [Case((4, 96), torch.bfloat16, torch.bfloat16, torch.int8, True, gen)]
+    scalars = AdamScalars.make(lr=3e-3, beta1=0.9, beta2=0.999, eps=eps, weight_decay=0.1, step=3, decoupled=True)
+    _step_both(kernels, cases, [cases[0].new_grad(gen)], scalars, True, True)
+    _assert_equal(cases, f"eps {eps}")
+
+
+@interpreted
 @pytest.mark.parametrize("quantized", [True, False], ids=["q-companded", "fp32-moments"])
 def test_mixed_grad_dtypes(kernels, quantized):
     gen = torch.Generator().manual_seed(1)

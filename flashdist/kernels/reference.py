@@ -62,12 +62,36 @@ def adam_step_(
     v = v_decayed + (g * g) * sc.one_minus_beta2
     u = Q.sqrt_rn(v)
     denom = u * sc.inv_bias_correction2_sqrt + sc.eps
-    theta = theta - (m / denom) * sc.step_size
+    if quantized:
+        theta = theta - _adam_update(m, denom, cols, sc.step_size)
+    else:
+        theta = theta - (m / denom) * sc.step_size
 
     sqrt_codes = quantized and companded  # the second moment is stored as codes of its square root
     moments = [(exp_avg, exp_avg_scales, m, False), (exp_avg_sq, exp_avg_sq_scales, u if sqrt_codes else v,
                                                       sqrt_codes)]
     _store_(param, grad, rho, theta, moments, cols=cols, companded=companded, skipped=skipped)
+
+
+_UPDATE_FLUSH = 2.0**-48
+
+
+def _adam_update(m: torch.Tensor, denom: torch.Tensor, cols: int, step_size: float) -> torch.Tensor:
+    """``(m / denom) * step_size`` of 8-bit moments, computed per group of 32 with ``m`` scaled by ``s``, the
+    power of two that brings the group's absmax into [1, 2) (``codes.pow2_normalizer``):
+    ``((m s) / denom) * (step_size / s)``, where scaled values below ``_UPDATE_FLUSH`` (2^-48) are taken as 0.
+
+    Scaling by powers of two is exact, so this is the plain quotient times the step size wherever nothing
+    under- or overflows, except that first moments more than about 2^48 times below their group's largest
+    do not move the parameter (the next step stores them as code 0 anyway: the codes resolve about 1/254 of
+    the absmax). What it buys: the kernel's divisions then stay in the range where CUDA's fast path is
+    IEEE's (``fused._div_normalized``), with no range check or branch around each."""
+    mg = Q.grouped(m, cols)
+    absmax = mg.abs().amax(dim=-1, keepdim=True) if mg.numel() else mg.new_zeros(mg.shape[:-1] + (1,))
+    s = Q.pow2_normalizer(torch.where(absmax > 0, absmax, torch.ones_like(absmax)))  # a NaN absmax: 1
+    scaled = mg * s
+    scaled = torch.where(scaled.abs() < _UPDATE_FLUSH, torch.zeros_like(scaled), scaled)
+    return Q.ungrouped((scaled / Q.grouped(denom, cols)) * (step_size * (1.0 / s)), cols, m.shape)
 
 
 def _store_(param, grad, rho, theta, moments, *, cols, companded, skipped) -> None:

@@ -7,8 +7,10 @@ kernel
 - moves bf16 through its bits: loads them as int16 and widens them, and rounds fp32 to bf16 with an integer
   round-to-nearest-even on the fp32 bit pattern (the interpreter's ``.to(tl.bfloat16)`` truncates);
 - divides and takes square roots with ``tl.div_rn`` / ``tl.sqrt_rn`` (IEEE, like the reference; Triton's
-  ``/`` and ``tl.sqrt`` are approximate on the GPU), except the companding's division, whose operands the
-  reference and the kernel scale into a range where CUDA's fast path alone is IEEE's (``_div_normalized``);
+  ``/`` and ``tl.sqrt`` are approximate on the GPU), except two divisions of 8-bit moments, whose operands
+  the reference and the kernel scale by powers of two into a range where CUDA's fast path alone is IEEE's
+  (``_div_normalized``): the companding's, and Adam's update (``reference._adam_update``, when the scalars
+  allow: ``FAST_UPDATE``);
 - is compiled with ``enable_fp_fusion=False``, so no ``a * b + c`` of the reference becomes an FMA;
 - computes what the reference computes exactly in cheaper exact ways where it can: rho's split and merge
   of bf16 parameters as integer arithmetic on fp32 bit patterns (``_merge_bf16``, ``_split_bf16``), the
@@ -76,13 +78,13 @@ issued instructions per element exact and 94 approximate, against 247 before thi
 divisions for every quantization and for rho). The kernel is bound by instruction issue and memory latency
 together (at 4 warps per program and no prefetch: issue slots 64-66% busy, about a third of the stall
 cycles waiting for global loads, occupancy limited by registers). With the current layout the exact
-variant executes about 103 instructions per element, the approximate one about 84, 43 of them on the integer
-pipe (half rate); the Llama-3.2-1B shapes run at 0.63-0.64 (exact) and 0.77-0.78 (approximate) of the
-copy-bandwidth floor (docs/benchmarks.md). Of the exact variant's IEEE operations only the companding's
-division runs without a range check and branch (its operands are scaled into a range where the fast path
-is IEEE's: ``_div_normalized``); the update's division and the square root keep theirs, which also keep the
-values of a thread from interleaving (removing them measured 8% faster, but no exact way of doing so tried
-so far was faster than they are: docs/benchmarks.md).
+variant executes about 102 instructions per element, the approximate one about 86, 46 of them on the integer
+pipe (half rate); the Llama-3.2-1B shapes run at 0.65-0.66 (exact) and 0.72-0.73 (approximate) of the
+copy-bandwidth floor (docs/benchmarks.md). Of the exact variant's IEEE operations the two divisions of
+8-bit moments run without a range check and branch (their operands are scaled into a range where the fast
+path is IEEE's: ``_div_normalized``): the branches also keep the values of a thread from interleaving, and
+without the update's the Llama-3.2-1B step measured 3% faster. The square root keeps its check (an exact
+scaled root with a per-block fallback measured slower: docs/benchmarks.md).
 
 Non-finite gradients. A group whose gradient holds a NaN or an Inf is not stored (param, rho, codes,
 scale keep their values); each program adds its count of such groups to ``skipped`` with one atomic. With
@@ -124,8 +126,8 @@ EXACT = _exact_from_env()
 # kernel is bound by instruction issue and memory latency, so what lets warps run independently and keep
 # loads in flight wins: programs of ONE warp (no barrier couples warps: the scale stores and the final skip
 # count convert layouts through shared memory, which with several warps means block-wide barriers), 8 groups
-# of 32 slots per block (8 values per thread; 90 registers exact, 64 approximate), 32 blocks per program
-# walked with an L2 prefetch of the next block (Llama-3.2-1B shapes: 5.8 ms exact / 4.9 approx, against
+# of 32 slots per block (8 values per thread; 79 registers exact, 72 approximate), 32 blocks per program
+# walked with an L2 prefetch of the next block (Llama-3.2-1B shapes, arithmetic of then: 5.8 / 4.9 ms, against
 # 7.6 / 6.4 at 32 groups, 4 warps and no prefetch; an L1 prefetch and register caps measured no better).
 # Tensors with at least LARGE_NUMEL elements get a launch of their own (only embedding-sized ones: a launch
 # costs tens of microseconds of host time).
@@ -159,6 +161,10 @@ _TINY = tl.constexpr(Q.TINY)
 _LIFT = tl.constexpr(Q.LIFT)
 _FP32_EXP_MASK = tl.constexpr(0x7F800000)
 _FP32_MAX = tl.constexpr(3.4028234663852886e38)
+_UPDATE_FLUSH = tl.constexpr(2.0**-48)  # reference._UPDATE_FLUSH
+# FAST_UPDATE's scalar range (see _step_multi)
+_UPDATE_EPS_MIN = 2.0**-122
+_UPDATE_SCALAR_MAX = 2.0**12
 _BF16_NAN = tl.constexpr(0x7FC0)  # CUDA torch's bf16 for any NaN (CPU builds differ: torch 2.13 gives 0xFFFF)
 _SIGN_BIT = tl.constexpr(-(2**31))  # 0x80000000 as an int32
 _HALF_BITS = tl.constexpr(0x3F000000)  # 0.5 as fp32 bits
@@ -364,6 +370,7 @@ def _step_block(
     NESTEROV: tl.constexpr,  # SGD only: Nesterov momentum
     EXACT: tl.constexpr,  # IEEE division and sqrt (else the GPU's approximate ones; see the module doc)
     COMPILED: tl.constexpr,  # compiled for the GPU (libdevice's approximations exist), not interpreted
+    FAST_UPDATE: tl.constexpr,  # eps and 1/sqrt(1 - beta2^t) let _div_normalized divide Adam's update (8-bit)
     RHO_LOG2: tl.constexpr,  # log2 of rho.RHO_STEPS: 7 (int8), 15 (int16)
     GROUPS: tl.constexpr,  # groups of 32 slots in this block
 ):
@@ -499,7 +506,24 @@ def _step_block(
         else:
             u = tl.sqrt(v)
         denom = u * inv_bc2_sqrt + eps
-        theta = theta - _divide(m, denom, EXACT, COMPILED) * step_size
+        if QUANTIZED:
+            # reference._adam_update: m scaled by codes.pow2_normalizer of the group's absmax, values below
+            # 2^-48 taken as 0, divided, times step_size / s; the quotients lie in [2^-125, 2^124] (or are 0)
+            # when FAST_UPDATE, where _div_normalized needs no range check or branch. (The approximate variant
+            # scales too, to stay the reference's function up to its division; that costs it about 5%.)
+            absmax = tl.reduce(tl.abs(m), 1, _max_propagating_nan)  # NaN where the gradient is not finite
+            a = tl.where(absmax > 0, absmax, 1.0)
+            e = tl.minimum(tl.maximum(a.to(tl.int32, bitcast=True) >> 23, 8), 253)
+            s = ((254 - e) << 23).to(tl.float32, bitcast=True)
+            scaled = m * s[:, None]
+            scaled = tl.where(tl.abs(scaled) < _UPDATE_FLUSH, 0.0, scaled)
+            if EXACT and FAST_UPDATE:
+                quotient = _div_normalized(scaled, denom, COMPILED)
+            else:
+                quotient = _divide(scaled, denom, EXACT, COMPILED)
+            theta = theta - quotient * (step_size * (e << 23).to(tl.float32, bitcast=True))[:, None]  # 1/s
+        else:
+            theta = theta - _divide(m, denom, EXACT, COMPILED) * step_size
     elif ALGO == _SGD:
         if HAS_M:
             m = m + g * one_minus_beta1
@@ -519,17 +543,19 @@ def _step_block(
     # A, stored rounded to bf16 as the scale. Masked slots hold exact zeros (zero code, gradient and
     # param), like the reference's padding, so they need no masking in the max.
     if QUANTIZED:
-        # The absmax propagates a NaN: finite exactly where the group's gradient is (reference._store_)
-        absmax = tl.reduce(tl.abs(m), 1, _max_propagating_nan)
+        # The absmax propagates a NaN: finite exactly where the group's gradient is (reference._store_).
+        # (Adam's update computed it, with a and the normalizer s below.)
+        if ALGO != _ADAM:
+            absmax = tl.reduce(tl.abs(m), 1, _max_propagating_nan)
+            a = tl.where(absmax > 0, absmax, 1.0)
+            e = tl.minimum(tl.maximum(a.to(tl.int32, bitcast=True) >> 23, 8), 253)
+            s = ((254 - e) << 23).to(tl.float32, bitcast=True)
         bad_group = ~(absmax <= _FP32_MAX)
         keep = mask & ~bad_group[:, None]
         keep_group = gvalid & ~bad_group
         n_bad = bad_group.to(tl.int32)
-        a = tl.where(absmax > 0, absmax, 1.0)
         if COMPANDED:  # round(254 m / (A + |m|))
-            # m and A scaled by codes.pow2_normalizer(A): every divisor lies in [2^-30, 8)
-            e = tl.minimum(tl.maximum(a.to(tl.int32, bitcast=True) >> 23, 8), 253)
-            s = ((254 - e) << 23).to(tl.float32, bitcast=True)
+            # m and A scaled by s = codes.pow2_normalizer(A): every divisor lies in [2^-30, 8)
             n = m * (254.0 * s)[:, None]
             d = tl.fma(tl.abs(m), s[:, None], (a * s)[:, None])  # fl(|m| s + A s): |m| s is exact or negligible
             if EXACT:
@@ -648,7 +674,7 @@ def _step_blocks(
     P_KIND: tl.constexpr, G_KIND: tl.constexpr, RHO_KIND: tl.constexpr, QUANTIZED: tl.constexpr,
     ALIGNED: tl.constexpr, ALIGN16: tl.constexpr, COMPANDED: tl.constexpr, DECOUPLED: tl.constexpr,
     COUNT_SKIPPED: tl.constexpr, ALGO: tl.constexpr, HAS_M: tl.constexpr, NESTEROV: tl.constexpr,
-    EXACT: tl.constexpr, COMPILED: tl.constexpr, RHO_LOG2: tl.constexpr, GROUPS: tl.constexpr,
+    EXACT: tl.constexpr, COMPILED: tl.constexpr, FAST_UPDATE: tl.constexpr, RHO_LOG2: tl.constexpr, GROUPS: tl.constexpr,
     PREFETCH: tl.constexpr,  # 0, or slots (a power of two >= the lines of a block) of the next block's L2 prefetch
     AHEAD: tl.constexpr,  # the prefetch asks for block j + AHEAD while block j is computed
     LEVEL: tl.constexpr,  # the cache level the prefetch fills (PREFETCH_LEVEL)
@@ -676,7 +702,7 @@ def _step_blocks(
             numel, ngroups, cols, gpr,
             beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, decay, step_size, inv_bc2_sqrt,
             P_KIND, G_KIND, RHO_KIND, QUANTIZED, ALIGNED, ALIGN16, COMPANDED, DECOUPLED, ALGO,
-            HAS_M, NESTEROV, EXACT, COMPILED, RHO_LOG2, GROUPS,
+            HAS_M, NESTEROV, EXACT, COMPILED, FAST_UPDATE, RHO_LOG2, GROUPS,
         )
     if COUNT_SKIPPED:
         n_bad = tl.sum(bad)
@@ -696,7 +722,7 @@ def _table_kernel(
     P_KIND: tl.constexpr, G_KIND: tl.constexpr, RHO_KIND: tl.constexpr, QUANTIZED: tl.constexpr,
     ALIGNED: tl.constexpr, ALIGN16: tl.constexpr, COMPANDED: tl.constexpr, DECOUPLED: tl.constexpr,
     COUNT_SKIPPED: tl.constexpr, ALGO: tl.constexpr, HAS_M: tl.constexpr, NESTEROV: tl.constexpr,
-    EXACT: tl.constexpr, COMPILED: tl.constexpr, RHO_LOG2: tl.constexpr, GROUPS: tl.constexpr,
+    EXACT: tl.constexpr, COMPILED: tl.constexpr, FAST_UPDATE: tl.constexpr, RHO_LOG2: tl.constexpr, GROUPS: tl.constexpr,
     PREFETCH: tl.constexpr, AHEAD: tl.constexpr, LEVEL: tl.constexpr,
 ):
     item = tl.program_id(0)
@@ -716,7 +742,7 @@ def _table_kernel(
         numel, ngroups, cols, gpr,
         beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, decay, step_size, inv_bc2_sqrt,
         P_KIND, G_KIND, RHO_KIND, QUANTIZED, ALIGNED, ALIGN16, COMPANDED, DECOUPLED, COUNT_SKIPPED, ALGO,
-        HAS_M, NESTEROV, EXACT, COMPILED, RHO_LOG2, GROUPS, PREFETCH, AHEAD, LEVEL,
+        HAS_M, NESTEROV, EXACT, COMPILED, FAST_UPDATE, RHO_LOG2, GROUPS, PREFETCH, AHEAD, LEVEL,
     )
 
 
@@ -731,7 +757,7 @@ def _tensor_kernel(
     P_KIND: tl.constexpr, G_KIND: tl.constexpr, RHO_KIND: tl.constexpr, QUANTIZED: tl.constexpr,
     ALIGNED: tl.constexpr, ALIGN16: tl.constexpr, COMPANDED: tl.constexpr, DECOUPLED: tl.constexpr,
     COUNT_SKIPPED: tl.constexpr, ALGO: tl.constexpr, HAS_M: tl.constexpr, NESTEROV: tl.constexpr,
-    EXACT: tl.constexpr, COMPILED: tl.constexpr, RHO_LOG2: tl.constexpr, GROUPS: tl.constexpr,
+    EXACT: tl.constexpr, COMPILED: tl.constexpr, FAST_UPDATE: tl.constexpr, RHO_LOG2: tl.constexpr, GROUPS: tl.constexpr,
     PREFETCH: tl.constexpr, AHEAD: tl.constexpr, LEVEL: tl.constexpr,
     BLOCKS: tl.constexpr,  # consecutive blocks per program
     WIDE: tl.constexpr,  # numel >= 2^31: int64 index arithmetic
@@ -746,7 +772,7 @@ def _tensor_kernel(
         numel, ngroups, cols, gpr,
         beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, decay, step_size, inv_bc2_sqrt,
         P_KIND, G_KIND, RHO_KIND, QUANTIZED, ALIGNED, ALIGN16, COMPANDED, DECOUPLED, COUNT_SKIPPED, ALGO, HAS_M,
-        NESTEROV, EXACT, COMPILED, RHO_LOG2, GROUPS, PREFETCH, AHEAD, LEVEL,
+        NESTEROV, EXACT, COMPILED, FAST_UPDATE, RHO_LOG2, GROUPS, PREFETCH, AHEAD, LEVEL,
     )
 
 
@@ -1004,10 +1030,16 @@ def _step_multi(algo: int, params, grads, moments: list, scales: list | None, rh
         # the plan's device tables may have been allocated on another stream (gradient release steps on a
         # side stream): keep their memory from being reused there while this launch may still read them
         plan.used_on(torch.cuda.current_stream(device))
+    # Adam's update divides 8-bit groups' scaled first moments (0, or magnitudes in [2^-48, 4)) by denominators
+    # in [eps, 2^64 c2 + eps] (c2 = 1/sqrt(1 - beta2^t)): with these scalars (eps, c2: the kernel's 5th and
+    # 9th) the quotients lie in [2^-125, 2^124], _div_normalized's range
+    eps, c2 = scalars[4], scalars[8]
+    fast_update = algo == ADAM and _UPDATE_EPS_MIN <= eps <= _UPDATE_SCALAR_MAX and c2 <= _UPDATE_SCALAR_MAX
     for bucket in plan.buckets:
         flags = dict(bucket.flags, COMPANDED=companded, DECOUPLED=decoupled, COUNT_SKIPPED=skipped is not None,
                      ALGO=algo, HAS_M=bool(moments), NESTEROV=nesterov, EXACT=EXACT,
-                     COMPILED=not _INTERPRETED, AHEAD=PREFETCH_AHEAD, LEVEL=PREFETCH_LEVEL,
+                     COMPILED=not _INTERPRETED, FAST_UPDATE=fast_update, AHEAD=PREFETCH_AHEAD,
+                     LEVEL=PREFETCH_LEVEL,
                      **compile_options())
         if bucket.items:
             _table_kernel[(bucket.items,)](bucket.work, bucket.tensors, plan.exp_avg_table, counter, *scalars,
