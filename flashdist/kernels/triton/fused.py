@@ -226,14 +226,17 @@ def _max_propagating_nan(a, b):
 
 @triton.jit
 def _div_normalized(n, d, COMPILED: tl.constexpr):
-    """``n / d`` correctly rounded for a divisor ``d`` in [2^-30, 8) wherever ``|n / d| >= 2^-64`` (smaller
-    quotients may be off in their last bit; the companding rounds them to code 0 either way).
+    """``n / d``, IEEE's quotient wherever no intermediate leaves fp32's normal range. Its callers keep there:
+    - the companding: divisors in [2^-30, 8); quotients below 2^-64 may be off in their last bit, but those
+      round to code 0 either way;
+    - Adam's update (``FAST_UPDATE``): numerators 0 or of magnitude in [2^-48, 4), divisors in [2^-122, 2^76],
+      quotients in [2^-125, 2^124].
+    tests/test_gpu.py checks both ranges against CUDA's ``div.rn``.
 
     The fast path of CUDA's IEEE division without its range check (``FCHK``) and the branch to the slow
     path around it, 4 of the 10 instructions a division costs: an approximate reciprocal, one Newton step
-    for it, the quotient, its remainder (exact, by an FMA) and one correction. With ``d`` in that range and
-    ``n / d`` not tiny no intermediate under- or overflows, which is all the range check guards. Under the
-    interpreter the reciprocal is numpy's correctly rounded one, which the same steps also correct."""
+    for it, the quotient, its remainder (exact, by an FMA) and one correction. Under the interpreter the
+    reciprocal is numpy's correctly rounded one, which the same steps also correct."""
     if COMPILED:  # MUFU.RCP alone (libdevice's fast_dividef(1, d) adds a flush of its result)
         r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [d], dtype=tl.float32, is_pure=True,
                                       pack=1)
@@ -674,7 +677,8 @@ def _step_blocks(
     P_KIND: tl.constexpr, G_KIND: tl.constexpr, RHO_KIND: tl.constexpr, QUANTIZED: tl.constexpr,
     ALIGNED: tl.constexpr, ALIGN16: tl.constexpr, COMPANDED: tl.constexpr, DECOUPLED: tl.constexpr,
     COUNT_SKIPPED: tl.constexpr, ALGO: tl.constexpr, HAS_M: tl.constexpr, NESTEROV: tl.constexpr,
-    EXACT: tl.constexpr, COMPILED: tl.constexpr, FAST_UPDATE: tl.constexpr, RHO_LOG2: tl.constexpr, GROUPS: tl.constexpr,
+    EXACT: tl.constexpr, COMPILED: tl.constexpr, FAST_UPDATE: tl.constexpr, RHO_LOG2: tl.constexpr,
+    GROUPS: tl.constexpr,
     PREFETCH: tl.constexpr,  # 0, or slots (a power of two >= the lines of a block) of the next block's L2 prefetch
     AHEAD: tl.constexpr,  # the prefetch asks for block j + AHEAD while block j is computed
     LEVEL: tl.constexpr,  # the cache level the prefetch fills (PREFETCH_LEVEL)
@@ -722,7 +726,8 @@ def _table_kernel(
     P_KIND: tl.constexpr, G_KIND: tl.constexpr, RHO_KIND: tl.constexpr, QUANTIZED: tl.constexpr,
     ALIGNED: tl.constexpr, ALIGN16: tl.constexpr, COMPANDED: tl.constexpr, DECOUPLED: tl.constexpr,
     COUNT_SKIPPED: tl.constexpr, ALGO: tl.constexpr, HAS_M: tl.constexpr, NESTEROV: tl.constexpr,
-    EXACT: tl.constexpr, COMPILED: tl.constexpr, FAST_UPDATE: tl.constexpr, RHO_LOG2: tl.constexpr, GROUPS: tl.constexpr,
+    EXACT: tl.constexpr, COMPILED: tl.constexpr, FAST_UPDATE: tl.constexpr, RHO_LOG2: tl.constexpr,
+    GROUPS: tl.constexpr,
     PREFETCH: tl.constexpr, AHEAD: tl.constexpr, LEVEL: tl.constexpr,
 ):
     item = tl.program_id(0)
@@ -757,7 +762,8 @@ def _tensor_kernel(
     P_KIND: tl.constexpr, G_KIND: tl.constexpr, RHO_KIND: tl.constexpr, QUANTIZED: tl.constexpr,
     ALIGNED: tl.constexpr, ALIGN16: tl.constexpr, COMPANDED: tl.constexpr, DECOUPLED: tl.constexpr,
     COUNT_SKIPPED: tl.constexpr, ALGO: tl.constexpr, HAS_M: tl.constexpr, NESTEROV: tl.constexpr,
-    EXACT: tl.constexpr, COMPILED: tl.constexpr, FAST_UPDATE: tl.constexpr, RHO_LOG2: tl.constexpr, GROUPS: tl.constexpr,
+    EXACT: tl.constexpr, COMPILED: tl.constexpr, FAST_UPDATE: tl.constexpr, RHO_LOG2: tl.constexpr,
+    GROUPS: tl.constexpr,
     PREFETCH: tl.constexpr, AHEAD: tl.constexpr, LEVEL: tl.constexpr,
     BLOCKS: tl.constexpr,  # consecutive blocks per program
     WIDE: tl.constexpr,  # numel >= 2^31: int64 index arithmetic
