@@ -225,6 +225,17 @@ def _max_propagating_nan(a, b):
 
 
 @triton.jit
+def _group_normalizer(m):
+    """Per group (row) of a block of first moments: the absmax ``A`` (NaN where a value is NaN), ``a`` (``A``,
+    or 1 where it is 0 or NaN), the biased exponent ``e`` of ``a`` clamped to [8, 253], and
+    ``s = 2^(127 - e)`` (``codes.pow2_normalizer``)."""
+    absmax = tl.reduce(tl.abs(m), 1, _max_propagating_nan)
+    a = tl.where(absmax > 0, absmax, 1.0)
+    e = tl.minimum(tl.maximum(a.to(tl.int32, bitcast=True) >> 23, 8), 253)
+    return absmax, a, e, ((254 - e) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _div_normalized(n, d, COMPILED: tl.constexpr):
     """``n / d``, IEEE's quotient wherever no intermediate leaves fp32's normal range. Its callers keep there:
     - the companding: divisors in [2^-30, 8); quotients below 2^-64 may be off in their last bit, but those
@@ -514,10 +525,7 @@ def _step_block(
             # 2^-48 taken as 0, divided, times step_size / s; the quotients lie in [2^-125, 2^124] (or are 0)
             # when FAST_UPDATE, where _div_normalized needs no range check or branch. (The approximate variant
             # scales too, to stay the reference's function up to its division; that costs it about 5%.)
-            absmax = tl.reduce(tl.abs(m), 1, _max_propagating_nan)  # NaN where the gradient is not finite
-            a = tl.where(absmax > 0, absmax, 1.0)
-            e = tl.minimum(tl.maximum(a.to(tl.int32, bitcast=True) >> 23, 8), 253)
-            s = ((254 - e) << 23).to(tl.float32, bitcast=True)
+            absmax, a, e, s = _group_normalizer(m)
             scaled = m * s[:, None]
             scaled = tl.where(tl.abs(scaled) < _UPDATE_FLUSH, 0.0, scaled)
             if EXACT and FAST_UPDATE:
@@ -549,10 +557,7 @@ def _step_block(
         # The absmax propagates a NaN: finite exactly where the group's gradient is (reference._store_).
         # (Adam's update computed it, with a and the normalizer s below.)
         if ALGO != _ADAM:
-            absmax = tl.reduce(tl.abs(m), 1, _max_propagating_nan)
-            a = tl.where(absmax > 0, absmax, 1.0)
-            e = tl.minimum(tl.maximum(a.to(tl.int32, bitcast=True) >> 23, 8), 253)
-            s = ((254 - e) << 23).to(tl.float32, bitcast=True)
+            absmax, a, e, s = _group_normalizer(m)
         bad_group = ~(absmax <= _FP32_MAX)
         keep = mask & ~bad_group[:, None]
         keep_group = gvalid & ~bad_group
