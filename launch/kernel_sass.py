@@ -50,8 +50,8 @@ def compile_one(overrides: dict, arch: int = 90, groups: int | None = None) -> d
 
     consts = dict(P_KIND=0, G_KIND=0, RHO_KIND=1, QUANTIZED=True, ALIGNED=True, ALIGN16=True, COMPANDED=True,
                   DECOUPLED=True, COUNT_SKIPPED=True, ALGO=0, HAS_M=True, NESTEROV=False, EXACT=True,
-                  COMPILED=True, FAST_UPDATE=True, RHO_LOG2=7, GROUPS=groups or K.TABLE_GROUPS, AHEAD=K.PREFETCH_AHEAD,
-                  LEVEL=K.PREFETCH_LEVEL)
+                  COMPILED=True, FAST_UPDATE=True, RHO_LOG2=7, GROUPS=groups or K.TABLE_GROUPS,
+                  AHEAD=K.PREFETCH_AHEAD, LEVEL=K.PREFETCH_LEVEL)
     consts.update(overrides)
     consts["PREFETCH"] = K._prefetch_slots(consts, consts["GROUPS"])  # as a launch on the GPU sets it
     signature = {"work_ptr": "*i32", "tensors_ptr": "*i64", "table_ptr": "*fp32", "skipped_ptr": "*i32",

@@ -73,13 +73,13 @@ def adam_step_(
     _store_(param, grad, rho, theta, moments, cols=cols, companded=companded, skipped=skipped)
 
 
-_UPDATE_FLUSH = 2.0**-48
+UPDATE_FLUSH = 2.0**-48  # scaled first moments below this do not move the parameter (_adam_update)
 
 
 def _adam_update(m: torch.Tensor, denom: torch.Tensor, cols: int, step_size: float) -> torch.Tensor:
     """``(m / denom) * step_size`` of 8-bit moments, computed per group of 32 with ``m`` scaled by ``s``, the
     power of two that brings the group's absmax into [1, 2) (``codes.pow2_normalizer``):
-    ``((m s) / denom) * (step_size / s)``, where scaled values below ``_UPDATE_FLUSH`` (2^-48) are taken as 0.
+    ``((m s) / denom) * (step_size / s)``, where scaled values below ``UPDATE_FLUSH`` (2^-48) are taken as 0.
 
     Scaling by powers of two is exact, so this is the plain quotient times the step size wherever nothing
     under- or overflows, except that first moments more than about 2^48 times below their group's largest
@@ -87,10 +87,9 @@ def _adam_update(m: torch.Tensor, denom: torch.Tensor, cols: int, step_size: flo
     the absmax). What it buys: the kernel's divisions then stay in the range where CUDA's fast path is
     IEEE's (``fused._div_normalized``), with no range check or branch around each."""
     mg = Q.grouped(m, cols)
-    absmax = mg.abs().amax(dim=-1, keepdim=True) if mg.numel() else mg.new_zeros(mg.shape[:-1] + (1,))
-    s = Q.pow2_normalizer(torch.where(absmax > 0, absmax, torch.ones_like(absmax)))  # a NaN absmax: 1
+    s = Q.pow2_normalizer(Q.nonzero_or_one(Q.group_absmax(mg)))
     scaled = mg * s
-    scaled = torch.where(scaled.abs() < _UPDATE_FLUSH, torch.zeros_like(scaled), scaled)
+    scaled = torch.where(scaled.abs() < UPDATE_FLUSH, torch.zeros_like(scaled), scaled)
     return Q.ungrouped((scaled / Q.grouped(denom, cols)) * (step_size * (1.0 / s)), cols, m.shape)
 
 

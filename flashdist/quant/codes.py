@@ -127,8 +127,17 @@ def ungrouped(x: torch.Tensor, cols: int, shape) -> torch.Tensor:
     return x.reshape(x.shape[0], x.shape[1] * x.shape[2])[:, :cols].reshape(shape)
 
 
-def _safe(s: torch.Tensor) -> torch.Tensor:
-    return torch.where(s > 0, s, torch.ones_like(s))
+def group_absmax(groups: torch.Tensor) -> torch.Tensor:
+    """The largest magnitude of each group of ``grouped(x, cols)``, shape ``(rows, groups, 1)``; a NaN in a
+    group makes it NaN."""
+    if not groups.numel():
+        return groups.new_zeros(groups.shape[:-1] + (1,))
+    return groups.abs().amax(dim=-1, keepdim=True)
+
+
+def nonzero_or_one(absmax: torch.Tensor) -> torch.Tensor:
+    """``absmax`` where it is positive, else 1 (an all-zero group, or a NaN one): the divisor of a group."""
+    return torch.where(absmax > 0, absmax, torch.ones_like(absmax))
 
 
 def pow2_normalizer(a: torch.Tensor) -> torch.Tensor:
@@ -150,14 +159,14 @@ def scaled_by_reciprocal(x: torch.Tensor, absmax: torch.Tensor, k: float) -> tor
 def quantize_exp_avg(m: torch.Tensor, cols: int, companded: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 first moment -> (int8 codes of m's shape, bf16 scales (rows, groups))."""
     mg = grouped(m.float(), cols)
-    absmax = mg.abs().amax(dim=-1, keepdim=True) if mg.numel() else mg.new_zeros(mg.shape[:-1] + (1,))
+    absmax = group_absmax(mg)
     scale = to_bf16_value(absmax)
     if companded:
-        a = _safe(absmax)
+        a = nonzero_or_one(absmax)
         s = pow2_normalizer(a)
         q = (mg * (254.0 * s)) / (a * s + mg.abs() * s)
     else:
-        q = scaled_by_reciprocal(mg, _safe(absmax), 127.0)
+        q = scaled_by_reciprocal(mg, nonzero_or_one(absmax), 127.0)
     codes = round_half_away(q).to(torch.int8)
     return ungrouped(codes, cols, m.shape), scale.squeeze(-1).to(torch.bfloat16)
 
@@ -182,9 +191,9 @@ def quantize_exp_avg_sq(v: torch.Tensor, cols: int, companded: bool, *, is_sqrt:
     """fp32 second moment -> (uint8 codes, bf16 scales). With ``is_sqrt`` the input is already sqrt(v)."""
     u = v.float() if (is_sqrt or not companded) else sqrt_rn(v)
     ug = grouped(u, cols)
-    absmax = ug.amax(dim=-1, keepdim=True) if ug.numel() else ug.new_zeros(ug.shape[:-1] + (1,))
+    absmax = group_absmax(ug)  # u >= 0
     scale = to_bf16_value(absmax)
-    codes = round_half_away(scaled_by_reciprocal(ug, _safe(absmax), 255.0)).to(torch.uint8)
+    codes = round_half_away(scaled_by_reciprocal(ug, nonzero_or_one(absmax), 255.0)).to(torch.uint8)
     return ungrouped(codes, cols, v.shape), scale.squeeze(-1).to(torch.bfloat16)
 
 

@@ -107,6 +107,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from ...quant import codes as Q
+from ..reference import UPDATE_FLUSH
 from ..scalars import AdamScalars, LionScalars, SGDScalars
 
 
@@ -161,7 +162,7 @@ _TINY = tl.constexpr(Q.TINY)
 _LIFT = tl.constexpr(Q.LIFT)
 _FP32_EXP_MASK = tl.constexpr(0x7F800000)
 _FP32_MAX = tl.constexpr(3.4028234663852886e38)
-_UPDATE_FLUSH = tl.constexpr(2.0**-48)  # reference._UPDATE_FLUSH
+_UPDATE_FLUSH = tl.constexpr(UPDATE_FLUSH)
 # FAST_UPDATE's scalar range (see _step_multi)
 _UPDATE_EPS_MIN = 2.0**-122
 _UPDATE_SCALAR_MAX = 2.0**12
