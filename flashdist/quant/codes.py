@@ -37,7 +37,8 @@ The fp32 arithmetic, written so that the fused kernel does the same operations w
   times beta1 / beta2 inside the step);
 - ``sqrt`` is the correctly rounded fp32 square root (``sqrt_rn``), what the kernel and CUDA compute.
 Every quotient stays within 127 (255) up to a few fp32 ulps, so no clamp is needed before rounding.
-Rounding is half away from zero, written out so the Triton kernel can match it bit for bit.
+Rounding is to nearest, ties to even (``torch.round``): the kernel rounds with one fp32 addition of
+1.5 * 2^23 (or 2^23), whose low byte is then the code.
 """
 
 from __future__ import annotations
@@ -63,10 +64,6 @@ def quantized_layout(shape: torch.Size | tuple[int, ...]) -> tuple[int, int, int
     for d in shape[1:]:
         cols *= d
     return rows, cols, (cols + GROUP - 1) // GROUP
-
-
-def round_half_away(x: torch.Tensor) -> torch.Tensor:
-    return torch.floor(x.abs() + 0.5).copysign(x)
 
 
 def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
@@ -167,7 +164,7 @@ def quantize_exp_avg(m: torch.Tensor, cols: int, companded: bool) -> tuple[torch
         q = (mg * (254.0 * s)) / (a * s + mg.abs() * s)
     else:
         q = scaled_by_reciprocal(mg, nonzero_or_one(absmax), 127.0)
-    codes = round_half_away(q).to(torch.int8)
+    codes = torch.round(q).to(torch.int8)
     return ungrouped(codes, cols, m.shape), scale.squeeze(-1).to(torch.bfloat16)
 
 
@@ -193,7 +190,7 @@ def quantize_exp_avg_sq(v: torch.Tensor, cols: int, companded: bool, *, is_sqrt:
     ug = grouped(u, cols)
     absmax = group_absmax(ug)  # u >= 0
     scale = to_bf16_value(absmax)
-    codes = round_half_away(scaled_by_reciprocal(ug, nonzero_or_one(absmax), 255.0)).to(torch.uint8)
+    codes = torch.round(scaled_by_reciprocal(ug, nonzero_or_one(absmax), 255.0)).to(torch.uint8)
     return ungrouped(codes, cols, v.shape), scale.squeeze(-1).to(torch.bfloat16)
 
 

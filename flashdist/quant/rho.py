@@ -24,7 +24,8 @@ error range ``[-h, h]`` is covered as ``[-2^(k-1), 2^(k-1) - 1]``: when the erro
   Normal-range values; subnormal parameters have a fixed absolute spacing.
 - the parameter is ``theta`` rounded to nearest, except in those half-step windows next to a midpoint,
   where it is the other neighbour (at most one ulp away, as round-to-nearest allows at the midpoint).
-- ``split(merge(p, rho))`` gives back ``(p, rho)`` for 24-bit, so an fp32 export re-imports exactly.
+- ``merge(p, 0)`` is ``p``, a negative zero included, and ``split(merge(p, rho))`` gives back ``(p, rho)``
+  for 24-bit, so an fp32 export re-imports exactly.
 - an infinite or NaN parameter gets rho 0 from ``split`` and stays as it is in ``merge``.
 
 Budget: 1 byte per parameter for 24-bit, 2 for 32-bit.
@@ -74,7 +75,8 @@ def merge(param: torch.Tensor, rho: torch.Tensor) -> torch.Tensor:
     r = rho.float()
     toward_zero = ((r < 0) & (tp > 0)) | ((r > 0) & (tp < 0))
     # h / 2^(k-1) first: a power of two, exact (at least 2^-149), and rho times it cannot overflow
-    return tp + r * (rho_unit(tp, toward_zero, param.dtype) * (1.0 / RHO_STEPS[rho.dtype]))
+    merged = tp + r * (rho_unit(tp, toward_zero, param.dtype) * (1.0 / RHO_STEPS[rho.dtype]))
+    return torch.where(rho == 0, tp, merged)  # rho 0 is the parameter itself, -0 included (-0 + 0 is +0)
 
 
 def _code(theta: torch.Tensor, tp: torch.Tensor, param_dtype: torch.dtype, steps: float):

@@ -14,8 +14,8 @@ kernel
 - is compiled with ``enable_fp_fusion=False``, so no ``a * b + c`` of the reference becomes an FMA;
 - computes what the reference computes exactly in cheaper exact ways where it can: rho's split and merge
   of bf16 parameters as integer arithmetic on fp32 bit patterns (``_merge_bf16``, ``_split_bf16``), the
-  fp16 rho unit and its reciprocal from exponent bits, rounding half away from zero as one add and a
-  truncating conversion.
+  fp16 rho unit and its reciprocal from exponent bits, a code's rounding as one fp32 addition
+  (``_code_bits``).
 
 Exactness (``EXACT``, from the environment variable ``FLASHDIST_EXACT``, read once at import: ``1`` or
 unset for IEEE, ``0`` for the GPU's approximate ones in the update's division, the companding division of
@@ -162,6 +162,9 @@ _TINY = tl.constexpr(Q.TINY)
 _LIFT = tl.constexpr(Q.LIFT)
 _FP32_EXP_MASK = tl.constexpr(0x7F800000)
 _FP32_MAX = tl.constexpr(3.4028234663852886e38)
+# fp32 magnitude bits from which _split_bf16's parameter may round to infinity (int8 rho: half a rho step
+# below the midpoint between bf16's largest value and infinity); _merge_bf16's states past it are not split's
+_SPLIT_LIMIT = tl.constexpr(0x7F7F7F80)
 _UPDATE_FLUSH = tl.constexpr(UPDATE_FLUSH)
 # FAST_UPDATE's scalar range (see _step_multi)
 _UPDATE_EPS_MIN = 2.0**-122
@@ -199,12 +202,12 @@ def _f32_to_bf16_bits(x):
 
 
 @triton.jit
-def _round_half_away_to_int(q):
-    """``codes.round_half_away(q)`` as an int32: ``q + copysign(0.5, q)`` truncated. Round-to-nearest is
-    symmetric, so that sum is ``sign(q) * fl(|q| + 0.5)``, the reference's sum, and truncating it is the
-    reference's floor with the sign put back."""
-    half = ((q.to(tl.int32, bitcast=True) & _SIGN_BIT) | _HALF_BITS).to(tl.float32, bitcast=True)
-    return (q + half).to(tl.int32)
+def _code_bits(q, MAGIC: tl.constexpr):
+    """``torch.round(q)`` (to nearest, ties to even) in the low byte of an int32, for ``|q| <= 2^22``: the
+    fp32 sum ``q + MAGIC`` (1.5 * 2^23 for signed codes, 2^23 for unsigned ones) lies in [2^23, 2^24), where
+    fp32's spacing is 1, so the addition itself rounds ``q`` to an integer, and its bits are ``bits(MAGIC) +
+    round(q)``. One addition, where a conversion to int32 runs on the slow conversion pipe."""
+    return (q + MAGIC).to(tl.int32, bitcast=True)
 
 
 @triton.jit
@@ -275,40 +278,63 @@ def _merge_bf16(p16, rho, RHO_SHIFT: tl.constexpr):
     ``rho * h / 2^(k-1)`` is ``rho << RHO_SHIFT`` units of the fp32 grid at the parameter (RHO_SHIFT = 8
     for int8, 0 for int16): bf16 spacing is 2^16 fp32 steps, h half of it, and toward zero from a power of
     two both the fp32 step and h halve. fp32 bit patterns read as sign-magnitude integers are that grid
-    (subnormals included), so the reference's exact float sum is an integer sum on the value-ordered bits
-    (``-x`` -> ``-bits(x)``); infinite and NaN parameters stay as they are, as in the reference."""
+    (subnormals included), so the reference's exact float sum is an integer sum: the magnitude bits move by
+    ``rho << RHO_SHIFT`` away from zero for a positive parameter and toward it for a negative one, one add.
+
+    That sum is the reference's wherever the parameter is finite and the sum does not cross zero: every
+    state that ``_split_bf16`` (or ``rho.split``) makes. Any other state (an infinite or NaN parameter, a
+    zero with a rho toward the other sign: user input) gives a magnitude of at least ``_SPLIT_LIMIT``, and a
+    block holding one takes the general path: the sum on value-ordered bits (``-x`` -> ``-bits(x)``), an
+    infinite or NaN parameter left as it is, as in the reference."""
     bits = p16 << 16
     s = bits >> 31  # 0 or -1
-    ordered = ((bits & 0x7FFFFFFF) ^ s) - s + (rho << RHO_SHIFT)
-    s = ordered >> 31
-    merged = ((ordered ^ s) - s) | (s & _SIGN_BIT)
-    merged = tl.where((bits & _FP32_EXP_MASK) == _FP32_EXP_MASK, bits, merged)
+    merged = bits + (((rho << RHO_SHIFT) ^ s) - s)
+    if tl.max(merged & 0x7FFFFFFF) >= _SPLIT_LIMIT:  # uniform over the block: almost never taken
+        ordered = ((bits & 0x7FFFFFFF) ^ s) - s + (rho << RHO_SHIFT)
+        s = ordered >> 31
+        merged = ((ordered ^ s) - s) | (s & _SIGN_BIT)
+        # rho 0 keeps the parameter, -0 included; an infinite or NaN parameter stays as it is
+        merged = tl.where((rho == 0) | ((bits & _FP32_EXP_MASK) == _FP32_EXP_MASK), bits, merged)
     return merged.to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _split_bf16(theta, RHO_LOG2: tl.constexpr):
-    """``rho.split`` of fp32 ``theta`` into a bf16 parameter (bits in the low 16 of an int32) and an int32
-    rho, on the value-ordered fp32 bits ``w`` (see ``_merge_bf16``): ``theta`` rounded half away from zero
-    to the rho grid (``w >> RHO_SHIFT``, 2^RHO_SHIFT fp32 steps a rho step), split into the nearest bf16
-    value (2 * 2^(k-1) rho steps a bf16 step; ties toward +inf, which is the reference's move to the next
-    value up past the last positive code) and the remainder, in [-2^(k-1), 2^(k-1) - 1]. The sign of the
-    parameter is that of ``theta`` (a zero keeps it, as the reference's round-to-nearest does). From the
-    midpoint between the largest bf16 value and infinity on, the reference rounds to infinity (ties to
-    even), for negative values too; infinite and NaN parameters get rho 0 and NaN becomes 0x7FC0."""
-    RHO_SHIFT = 15 - RHO_LOG2
+    """``rho.split`` of fp32 ``theta`` into a bf16 parameter and rho, as two int32 words: the parameter's
+    bits are the high 16 of the first, rho is bits ``RHO_SHIFT`` up of the second (int8: byte 1; int16: the
+    low half), so that the stores take them without a shift.
+
+    On the fp32 bits of ``theta`` as sign and magnitude ``a``: ``a`` rounded half away from zero to the rho
+    grid (``a1 = (a + 2^(RHO_SHIFT-1)) >> RHO_SHIFT``, 2^RHO_SHIFT fp32 steps a rho step), split into the
+    nearest bf16 value (2 * 2^(k-1) rho steps a bf16 step; ties toward +inf: up in magnitude for a positive
+    ``theta``, down for a negative one) and the remainder, in [-2^(k-1), 2^(k-1) - 1] toward +inf. With
+    ``s`` = 0 (positive) or -1, one add does both roundings: ``w = bits + BIAS + (s << RHO_SHIFT)`` holds the
+    parameter's magnitude in its high 16 bits and ``a1 + 2^(k-1) + s`` mod 2^k in the rho field, which is
+    ``rho + 2^(k-1)`` (positive) or ``2^(k-1) - 1 - rho`` (negative): ``rho = field ^ 2^(k-1) ^ s``. The
+    sign bit passes through the add. The parameter's sign is that of ``theta`` (a zero keeps it, as the
+    reference's round-to-nearest does).
+
+    Magnitudes from ``_SPLIT_LIMIT`` on (the parameter would round to infinity; infinite and NaN ``theta``)
+    take the general path, per block: from the midpoint between the largest bf16 value and infinity on, the
+    reference rounds to infinity (ties to even), for negative values too; infinite and NaN parameters get rho
+    0 and NaN becomes 0x7FC0."""
+    RHO_SHIFT: tl.constexpr = 15 - RHO_LOG2
     tb = theta.to(tl.int32, bitcast=True)
     s = tb >> 31
-    a = tb & 0x7FFFFFFF
-    w = (a ^ s) - s
-    if RHO_SHIFT != 0:
-        w = (w + (1 << (RHO_SHIFT - 1)) + s) >> RHO_SHIFT  # half away from zero
-    p = (w + (1 << RHO_LOG2)) >> (RHO_LOG2 + 1)  # bf16 steps, value-ordered; same sign as theta (or 0)
-    r = w - (p << (RHO_LOG2 + 1))
-    mag = tl.where(a >= 0x7F7F8000, 0x7F80, (p ^ s) - s)
-    r = tl.where(mag >= 0x7F80, 0, r)
-    p16 = tl.where(a > 0x7F800000, _BF16_NAN, mag | (s & 0x8000))
-    return p16, r
+    w = tb + ((1 << 15) + ((1 << RHO_SHIFT) >> 1)) + (s << RHO_SHIFT)
+    y = w ^ s ^ (1 << 15)
+    if tl.max(tb & 0x7FFFFFFF) >= _SPLIT_LIMIT:  # uniform over the block: almost never taken
+        a = tb & 0x7FFFFFFF
+        v = (a ^ s) - s  # value-ordered
+        if RHO_SHIFT != 0:
+            v = (v + (1 << (RHO_SHIFT - 1)) + s) >> RHO_SHIFT  # half away from zero
+        p = (v + (1 << RHO_LOG2)) >> (RHO_LOG2 + 1)  # bf16 steps, value-ordered; same sign as theta (or 0)
+        r = v - (p << (RHO_LOG2 + 1))
+        mag = tl.where(a >= 0x7F7F8000, 0x7F80, (p ^ s) - s)
+        r = tl.where(mag >= 0x7F80, 0, r)
+        w = tl.where(a > 0x7F800000, _BF16_NAN, mag | (s & 0x8000)) << 16
+        y = r << RHO_SHIFT
+    return w, y
 
 
 @triton.jit
@@ -326,9 +352,10 @@ def _fp16_unit_exponent(tp, toward_zero):
 def _merge_fp16(tp, rho, RHO_LOG2: tl.constexpr):
     """``rho.merge`` of an fp16 parameter (as fp32) and an int32 rho: the reference's float sum (it rounds
     for int16 rho, and fp16's subnormals are no uniform fp32 grid), with ``h / 2^(k-1)`` built from
-    exponent bits: ``2^(e - 138 - k + 1)``, always a normal fp32 number."""
+    exponent bits: ``2^(e - 138 - k + 1)``, always a normal fp32 number; rho 0 gives the parameter itself."""
     e = _fp16_unit_exponent(tp, _signs_differ(rho, tp))
-    return tp + rho.to(tl.float32) * ((e - 11 - RHO_LOG2) << 23).to(tl.float32, bitcast=True)
+    merged = tp + rho.to(tl.float32) * ((e - 11 - RHO_LOG2) << 23).to(tl.float32, bitcast=True)
+    return tl.where(rho == 0, tp, merged)  # rho 0 keeps the parameter, -0 included
 
 
 @triton.jit
@@ -574,7 +601,7 @@ def _step_block(
         else:  # round(m * (127 / A)), lifted for tiny groups
             lift = tl.where(a < _TINY, _LIFT, 1.0)
             q = (m * lift[:, None]) * tl.div_rn(tl.full(a.shape, 127.0, tl.float32), a * lift)[:, None]
-        tl.store(m_ptr + offs, _round_half_away_to_int(q).to(tl.int8), mask=keep)
+        tl.store(m_ptr + offs, _code_bits(q, 12582912.0).to(tl.int8), mask=keep)
         tl.store(ms_ptr + gid, _f32_to_bf16_bits(absmax).to(tl.int16), mask=keep_group)
     if QUANTIZED and ALGO == _ADAM:
         if COMPANDED:
@@ -588,8 +615,7 @@ def _step_block(
             a = tl.where(absmax > 0, absmax, 1.0)
             lift = tl.where(a < _TINY, _LIFT, 1.0)
             q = (v * lift[:, None]) * tl.div_rn(tl.full(a.shape, 255.0, tl.float32), a * lift)[:, None]
-        # q >= +0: rounding half away from zero is truncating q + 0.5
-        tl.store(v_ptr + offs, (q + 0.5).to(tl.uint8), mask=keep)
+        tl.store(v_ptr + offs, _code_bits(q, 8388608.0).to(tl.uint8), mask=keep)
         tl.store(vs_ptr + gid, _f32_to_bf16_bits(absmax).to(tl.int16), mask=keep_group)
     elif ALGO == _ADAM:
         tl.store(v_ptr + offs, v, mask=keep)
@@ -599,10 +625,11 @@ def _step_block(
     # New parameter and rho (rho.split; without rho, theta rounded to the param dtype).
     if P_KIND == 0:
         if RHO_KIND != 0:
-            p16, r = _split_bf16(theta, RHO_LOG2)
+            w, y = _split_bf16(theta, RHO_LOG2)
+            tl.store(p_ptr + offs, (w >> 16).to(tl.int16), mask=keep)
+            r = y >> RHO_SHIFT
         else:
-            p16 = _f32_to_bf16_bits(theta)
-        tl.store(p_ptr + offs, p16.to(tl.int16), mask=keep)
+            tl.store(p_ptr + offs, _f32_to_bf16_bits(theta).to(tl.int16), mask=keep)
     elif P_KIND == 1:
         if RHO_KIND != 0:
             low, r = _split_fp16(theta, RHO_LOG2)
