@@ -1,5 +1,5 @@
-"""A Triton kernel around ``fused._div_normalized`` alone, for tests/test_gpu.py (imported there when a test
-runs, so that collecting the tests imports no triton)."""
+"""Triton kernels around ``fused._div_normalized`` and ``fused._sqrt_rn`` alone, for tests/test_gpu.py
+(imported there when a test runs, so that collecting the tests imports no triton)."""
 
 import triton
 import triton.language as tl
@@ -21,4 +21,21 @@ def divide(n, d):
     out = n.new_empty(n.shape)
     block = 1024
     divide_kernel[(triton.cdiv(n.numel(), block),)](n, d, out, n.numel(), BLOCK=block, **fused.compile_options())
+    return out
+
+
+@triton.jit
+def sqrt_kernel(v_ptr, out_ptr, numel, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = i < numel
+    v = tl.load(v_ptr + i, mask=inside, other=1.0)
+    tl.store(out_ptr + i, fused._sqrt_rn(v, True), mask=inside)
+
+
+def sqrt(v, block=256):
+    """``_sqrt_rn(v)`` elementwise for an fp32 CUDA tensor, in programs of ``block`` values (one warp each,
+    as the optimizer's): each block takes the fast path or, when it holds a value outside its range, the
+    per-value one."""
+    out = v.new_empty(v.shape)
+    sqrt_kernel[(triton.cdiv(v.numel(), block),)](v, out, v.numel(), BLOCK=block, **fused.compile_options())
     return out

@@ -241,6 +241,28 @@ def test_normalized_division_is_ieee():
     assert checked > 50_000_000
 
 
+def test_block_square_root_is_ieee():
+    """``fused._sqrt_rn``: a block whose values all lie in [2^-101, fp32's largest] computes CUDA's fast path
+    alone. Every fp32 value of that range (1.9 G), then blocks that also hold 0, subnormals, values just
+    below the range, inf and NaN (the per-value path), against CUDA torch's ``sqrt``, bit for bit."""
+    _kernels()
+    from _division_kernel import sqrt
+
+    first, last = 0x0D000000, 0x7F7FFFFF
+    chunk = 1 << 27
+    for start in range(first, last + 1, chunk):
+        v = torch.arange(start, min(start + chunk, last + 1), device="cuda", dtype=torch.int32).view(torch.float32)
+        differ = sqrt(v).view(torch.int32) != torch.sqrt(v).view(torch.int32)
+        assert not differ.any(), f"{int(differ.sum())} roots differ, e.g. of {v[differ][0].item()!r}"
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    v = torch.exp2(torch.rand(1 << 20, generator=gen, device="cuda") * 200 - 100)
+    odd = torch.tensor([0, 1, 0x00400000, 0x0C800000, 0x0CFFFFFF, 0x7F800000, 0x7FC00000], dtype=torch.int32)
+    odd = odd.view(torch.float32).to("cuda")  # 0, subnormals, below 2^-101, inf, NaN
+    v[::997][: 7 * 128] = odd.repeat(128)  # an odd value in some blocks of 256, none in the others
+    got, want = sqrt(v), torch.sqrt(v)
+    assert ((got.view(torch.int32) == want.view(torch.int32)) | (got.isnan() & want.isnan())).all()
+
+
 def test_normalized_division_on_the_update_range_is_ieee():
     """Adam's update divides scaled first moments (0, or magnitudes in [2^-48, 4)) by denominators in
     [eps, 2^76] with ``fused._div_normalized`` when eps >= 2^-122 (``FAST_UPDATE``): quotients in [2^-125,
