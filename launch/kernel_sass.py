@@ -58,7 +58,7 @@ def compile_one(overrides: dict, arch: int = 90, groups: int | None = None) -> d
                  **dict.fromkeys(SCALARS, "fp32"), **dict.fromkeys(consts, "constexpr")}
     compiled = triton.compile(ASTSource(K._table_kernel, signature, constexprs=consts),
                               target=GPUTarget("cuda", arch, 32),
-                              options=K.compile_options())
+                              options=K.compile_options(consts["EXACT"], consts["QUANTIZED"]))
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])

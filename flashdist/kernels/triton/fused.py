@@ -76,15 +76,21 @@ the 147 tensors of Llama-3.2-1B, launches included.
 Cost. On an H200 (triton 3.6; bf16 params, int8 rho, companded 8-bit moments) Nsight Compute counted 118
 issued instructions per element exact and 94 approximate, against 247 before this arithmetic (IEEE
 divisions for every quantization and for rho). The kernel is bound by instruction issue and memory latency
-together (at 4 warps per program and no prefetch: issue slots 64-66% busy, about a third of the stall
-cycles waiting for global loads, occupancy limited by registers). With the current layout the exact
-variant executes about 102 instructions per element, the approximate one about 86, 46 of them on the integer
-pipe (half rate); the Llama-3.2-1B shapes run at 0.65-0.66 (exact) and 0.72-0.73 (approximate) of the
-copy-bandwidth floor (docs/benchmarks.md). Of the exact variant's IEEE operations the two divisions of
-8-bit moments run without a range check and branch (their operands are scaled into a range where the fast
-path is IEEE's: ``_div_normalized``): the branches also keep the values of a thread from interleaving, and
-without the update's the Llama-3.2-1B step measured 3% faster. The square root keeps its check (an exact
-scaled root with a per-block fallback measured slower: docs/benchmarks.md).
+together; integer and compare/select instructions also run on a half-rate pipe, so those counted double.
+Along the path every element takes (sm_90 SASS of the current kernel) the exact variant executes about 84
+instructions per element, 33 of them integer, and the approximate one about 69, 32 integer; the
+Llama-3.2-1B shapes run at about 0.71 (exact) and 0.82 (approximate) of the copy-bandwidth floor
+(docs/benchmarks.md). What keeps those counts down:
+- rho's split and merge of bf16 parameters are one integer add each (``_split_bf16``, ``_merge_bf16``),
+  and the stores take their fields without shifts; values near infinity and states the split never makes
+  take the general integer code, for a whole block at once (a block-wide max, a uniform branch);
+- the exact variant's IEEE operations run CUDA's fast paths without their per-value range checks and
+  branches: the two divisions of 8-bit moments because their operands are scaled into a range where the
+  fast path is IEEE's (``_div_normalized``), the square root with one range check per block
+  (``_sqrt_rn``);
+- codes are rounded by one fp32 addition (``_code_bits``), not a conversion.
+The approximate variant with 8-bit moments is compiled with at most ``APPROX_MAX_REGISTERS`` registers
+(more warps per SM; measured faster there, not for the exact variant).
 
 Non-finite gradients. A group whose gradient holds a NaN or an Inf is not stored (param, rho, codes,
 scale keep their values); each program adds its count of such groups to ``skipped`` with one atomic. With
@@ -146,6 +152,10 @@ PREFETCH_AHEAD = 1
 PREFETCH_LEVEL = 2
 # registers per thread the compiler may use (None: its choice); fewer let more warps share an SM
 MAX_REGISTERS = None
+# the cap of the approximate variant with 8-bit moments when MAX_REGISTERS is None (its Llama-3.2-1B step
+# measured 2-3% faster at 88 than at the compiler's 117; the exact variant's about 1% slower, and the fp32
+# moments' approximate program spills at 88: docs/benchmarks.md)
+APPROX_MAX_REGISTERS = 88
 # cached launch plans: a few per optimizer call site (one per bucket of step count / layout), and gradient
 # release steps each batch of FSDP2 groups with a call of its own (with bucket_mb=0 an 8B Llama makes 33
 # batches, two layouts each)
@@ -1101,7 +1111,7 @@ def _step_multi(algo: int, params, grads, moments: list, scales: list | None, rh
                      ALGO=algo, HAS_M=bool(moments), NESTEROV=nesterov, EXACT=EXACT,
                      COMPILED=not _INTERPRETED, FAST_UPDATE=fast_update, AHEAD=PREFETCH_AHEAD,
                      LEVEL=PREFETCH_LEVEL,
-                     **compile_options())
+                     **compile_options(EXACT, bucket.flags["QUANTIZED"]))
         if bucket.items:
             _table_kernel[(bucket.items,)](bucket.work, bucket.tensors, plan.exp_avg_table, counter, *scalars,
                                            GROUPS=TABLE_GROUPS, PREFETCH=_prefetch_slots(flags, TABLE_GROUPS),
@@ -1112,12 +1122,14 @@ def _step_multi(algo: int, params, grads, moments: list, scales: list | None, rh
                                  **flags)
 
 
-def compile_options() -> dict:
-    """The compiler options of every launch (module constants): warps per program, no FMA contraction (the
-    reference's products and sums stay separate), and the register cap when one is set."""
+def compile_options(exact: bool = True, quantized: bool = True) -> dict:
+    """The compiler options of a launch of the ``exact`` (or approximate) variant on 8-bit (or fp32) moments,
+    from the module constants: warps per program, no FMA contraction (the reference's products and sums stay
+    separate), and the register cap when one is set."""
     options = dict(num_warps=NUM_WARPS, enable_fp_fusion=False)
-    if MAX_REGISTERS is not None:
-        options["maxnreg"] = MAX_REGISTERS
+    cap = MAX_REGISTERS if MAX_REGISTERS is not None or exact or not quantized else APPROX_MAX_REGISTERS
+    if cap is not None:
+        options["maxnreg"] = cap
     return options
 
 
