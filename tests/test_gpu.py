@@ -216,7 +216,7 @@ def test_normalized_division_is_ieee():
     of the divisor at several exponents, against quotients near the companding's rounding boundaries
     (k + 1/2) and random ones, compared with CUDA torch's division (``div.rn``)."""
     _kernels()
-    from _division_kernel import divide
+    from _arith_kernels import divide
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     mantissas = torch.arange(1 << 23, device="cuda", dtype=torch.int32)
@@ -246,7 +246,7 @@ def test_block_square_root_is_ieee():
     alone. Every fp32 value of that range (1.9 G), then blocks that also hold 0, subnormals, values just
     below the range, inf and NaN (the per-value path), against CUDA torch's ``sqrt``, bit for bit."""
     _kernels()
-    from _division_kernel import sqrt
+    from _arith_kernels import sqrt
 
     first, last = 0x0D000000, 0x7F7FFFFF
     chunk = 1 << 27
@@ -269,7 +269,7 @@ def test_normalized_division_on_the_update_range_is_ieee():
     2^124]. Random numerators and divisors over those ranges, signed, and zeros, against CUDA torch's
     division, bit for bit."""
     _kernels()
-    from _division_kernel import divide
+    from _arith_kernels import divide
 
     gen = torch.Generator(device="cuda").manual_seed(1)
     checked = 0

@@ -179,9 +179,11 @@ _UPDATE_FLUSH = tl.constexpr(UPDATE_FLUSH)
 # FAST_UPDATE's scalar range (see _step_multi)
 _UPDATE_EPS_MIN = 2.0**-122
 _UPDATE_SCALAR_MAX = 2.0**12
+# _code_bits' addends: 1.5 * 2^23 for signed codes, 2^23 for unsigned ones
+_SIGNED_CODE_MAGIC = tl.constexpr(12582912.0)
+_UNSIGNED_CODE_MAGIC = tl.constexpr(8388608.0)
 _BF16_NAN = tl.constexpr(0x7FC0)  # CUDA torch's bf16 for any NaN (CPU builds differ: torch 2.13 gives 0xFFFF)
 _SIGN_BIT = tl.constexpr(-(2**31))  # 0x80000000 as an int32
-_HALF_BITS = tl.constexpr(0x3F000000)  # 0.5 as fp32 bits
 
 # dtype codes of the kernel's constexpr arguments
 _FLOAT_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
@@ -633,7 +635,7 @@ def _step_block(
         else:  # round(m * (127 / A)), lifted for tiny groups
             lift = tl.where(a < _TINY, _LIFT, 1.0)
             q = (m * lift[:, None]) * tl.div_rn(tl.full(a.shape, 127.0, tl.float32), a * lift)[:, None]
-        tl.store(m_ptr + offs, _code_bits(q, 12582912.0).to(tl.int8), mask=keep)
+        tl.store(m_ptr + offs, _code_bits(q, _SIGNED_CODE_MAGIC).to(tl.int8), mask=keep)
         tl.store(ms_ptr + gid, _f32_to_bf16_bits(absmax).to(tl.int16), mask=keep_group)
     if QUANTIZED and ALGO == _ADAM:
         if COMPANDED:
@@ -647,7 +649,7 @@ def _step_block(
             a = tl.where(absmax > 0, absmax, 1.0)
             lift = tl.where(a < _TINY, _LIFT, 1.0)
             q = (v * lift[:, None]) * tl.div_rn(tl.full(a.shape, 255.0, tl.float32), a * lift)[:, None]
-        tl.store(v_ptr + offs, _code_bits(q, 8388608.0).to(tl.uint8), mask=keep)
+        tl.store(v_ptr + offs, _code_bits(q, _UNSIGNED_CODE_MAGIC).to(tl.uint8), mask=keep)
         tl.store(vs_ptr + gid, _f32_to_bf16_bits(absmax).to(tl.int16), mask=keep_group)
     elif ALGO == _ADAM:
         tl.store(v_ptr + offs, v, mask=keep)
