@@ -258,6 +258,7 @@ SWEEP = {
     "prefetch into L1": dict(PREFETCH_LEVEL=1),
     "prefetch into L1, 2 blocks ahead": dict(PREFETCH_LEVEL=1, PREFETCH_AHEAD=2),
     "approx at the compiler's registers": dict(APPROX_MAX_REGISTERS=None),
+    "at most 96 registers": dict(MAX_REGISTERS=96),
     "at most 88 registers": dict(MAX_REGISTERS=88),
     "at most 80 registers": dict(MAX_REGISTERS=80),
     "at most 72 registers": dict(MAX_REGISTERS=72),

@@ -68,6 +68,8 @@ def compile_one(overrides: dict, arch: int = 90, groups: int | None = None) -> d
         usage = subprocess.run([str(tools / "cuobjdump"), "--dump-resource-usage", f.name], capture_output=True,
                                text=True, check=True).stdout
     return {"instructions": len(re.findall(r"/\*[0-9a-f]{4}\*/", sass)),
+            # values moved between layouts through shared memory (the kernel itself keeps none there)
+            "shared": len(re.findall(r"\b(?:LDS|STS|LDSM|STSM|BAR)\b", sass)),
             "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
             "spills": int(m.group(1)) if (m := re.search(r"STACK:(\d+)", usage)) else 0}
 
@@ -89,9 +91,10 @@ def main():
     import triton
 
     print(f"\nsm_{args.arch}, triton {triton.__version__}\n")
-    print("| specialisation | SASS instructions | registers | stack bytes |\n|---|---|---|---|")
+    print("| specialisation | SASS instructions | registers | stack bytes | shared-memory instructions |\n"
+          "|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['name']} | {r['instructions']} | {r['registers']} | {r['spills']} |")
+        print(f"| {r['name']} | {r['instructions']} | {r['registers']} | {r['spills']} | {r['shared']} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -73,14 +73,19 @@ and swapping the storage of a state tensor in place (``.data =``, ``set_``); the
 Measured (H200 host, triton 3.6): 0.49 ms of host time per call for 2,000 tensors, 0.14 ms per step for
 the 147 tensors of Llama-3.2-1B, launches included.
 
-Cost. On an H200 (triton 3.6; bf16 params, int8 rho, companded 8-bit moments) Nsight Compute counted 118
-issued instructions per element exact and 94 approximate, against 247 before this arithmetic (IEEE
-divisions for every quantization and for rho). The kernel is bound by instruction issue and memory latency
-together; integer and compare/select instructions also run on a half-rate pipe, so those counted double.
-Along the path every element takes (sm_90 SASS of the current kernel) the exact variant executes about 84
-instructions per element, 33 of them integer, and the approximate one about 69, 32 integer; the
-Llama-3.2-1B shapes run at about 0.71 (exact) and 0.82 (approximate) of the copy-bandwidth floor
-(docs/benchmarks.md). What keeps those counts down:
+Cost. The kernel is bound by instruction issue (Nsight Compute on an H200, triton 3.6, the kernel before
+``_gather``: issue slots 77% busy, the integer pipe the busiest at 56%, DRAM at 53% of its peak), so its
+speed follows the instructions each value costs. Along the path every element takes (sm_90 SASS, triton
+3.6 and 3.9 alike) the exact variant executes about 83 instructions per element, 33 of them integer or
+compare/select (a half-rate pipe), and the approximate one about 69; the Llama-3.2-1B shapes run at about
+0.85 (exact) and 0.89 (approximate) of the copy-bandwidth floor (docs/benchmarks.md). What keeps those counts down:
+- every value of a block stays in the layout of its loads (8 consecutive values per thread, one warp), so
+  none moves between layouts through shared memory: the codes-table lookup is ``_gather``, an elementwise
+  load that keeps its operand's layout (triton 3.6 gave ``tl.load`` of a gather a layout of its own and
+  converted the block's gradient, codes and results to and from it, with barriers: 8% more instructions),
+  and a negation is ``_neg`` (triton 3.6 writes ``-x`` as ``0 - x``, an instruction of its own, where
+  ``neg.f32`` folds into the instruction that uses it); launch/kernel_sass.py counts shared-memory
+  instructions (none) and tests check it;
 - rho's split and merge of bf16 parameters are one integer add each (``_split_bf16``, ``_merge_bf16``),
   and the stores take their fields without shifts; values near infinity and states the split never makes
   take the general integer code, for a whole block at once (a block-wide max, a uniform branch);
@@ -90,7 +95,8 @@ Llama-3.2-1B shapes run at about 0.71 (exact) and 0.82 (approximate) of the copy
   (``_sqrt_rn``);
 - codes are rounded by one fp32 addition (``_code_bits``), not a conversion.
 The approximate variant with 8-bit moments is compiled with at most ``APPROX_MAX_REGISTERS`` registers
-(more warps per SM; measured faster there, not for the exact variant).
+(more warps per SM; measured faster with the kernel before ``_gather``, which needed 117; triton 3.6 now
+chooses 83 itself).
 
 Non-finite gradients. A group whose gradient holds a NaN or an Inf is not stored (param, rho, codes,
 scale keep their values); each program adds its count of such groups to ``skipped`` with one atomic. With
@@ -152,9 +158,9 @@ PREFETCH_AHEAD = 1
 PREFETCH_LEVEL = 2
 # registers per thread the compiler may use (None: its choice); fewer let more warps share an SM
 MAX_REGISTERS = None
-# the cap of the approximate variant with 8-bit moments when MAX_REGISTERS is None (its Llama-3.2-1B step
-# measured 2-3% faster at 88 than at the compiler's 117; the exact variant's about 1% slower, and the fp32
-# moments' approximate program spills at 88: docs/benchmarks.md)
+# the cap of the approximate variant with 8-bit moments when MAX_REGISTERS is None (before _gather its Llama-3.2-1B
+# step measured 2-3% faster at 88 than at the compiler's 117; the exact variant's about 1% slower, and the fp32
+# moments' approximate program spills at 88: docs/benchmarks.md; triton 3.6 now chooses 83 itself)
 APPROX_MAX_REGISTERS = 88
 # cached launch plans: a few per optimizer call site (one per bucket of step count / layout), and gradient
 # release steps each batch of FSDP2 groups with a call of its own (with bucket_mb=0 an 8B Llama makes 33
@@ -236,6 +242,29 @@ def _divide(x, y, EXACT: tl.constexpr, COMPILED: tl.constexpr):
 
 
 @triton.jit
+def _neg(x, COMPILED: tl.constexpr):
+    """``-x``, as PTX's ``neg.f32``, which the assembler folds into the instruction that uses it (triton 3.6
+    writes ``-x`` as ``0 - x``: an instruction of its own, and ``+0`` for ``x = +0``)."""
+    if COMPILED:
+        return tl.inline_asm_elementwise("neg.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return -x
+
+
+@triton.jit
+def _gather(ptrs, COMPILED: tl.constexpr):
+    """``tl.load(ptrs)`` of fp32 values that no program writes (the codes table), through the read-only
+    cache path, as an elementwise operation: its result keeps the layout of ``ptrs``, that of the block's
+    other values. (Triton lays a ``tl.load`` out by its addresses' contiguity, none for a gather; triton 3.6
+    then moved the block's values into that layout and back through shared memory.)"""
+    if COMPILED:
+        return tl.inline_asm_elementwise("ld.global.nc.f32 $0, [$1];", "=r,l", [ptrs], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
 def _max_propagating_nan(a, b):
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
@@ -269,9 +298,10 @@ def _div_normalized(n, d, COMPILED: tl.constexpr):
                                       pack=1)
     else:
         r = 1.0 / d
-    r = tl.fma(r, tl.fma(-d, r, 1.0), r)
+    neg_d = _neg(d, COMPILED)
+    r = tl.fma(r, tl.fma(neg_d, r, 1.0), r)
     q = n * r
-    return tl.fma(tl.fma(-d, q, n), r, q)
+    return tl.fma(tl.fma(neg_d, q, n), r, q)
 
 
 @triton.jit
@@ -288,7 +318,7 @@ def _sqrt_rn(v, COMPILED: tl.constexpr):
             r = tl.inline_asm_elementwise("rsqrt.approx.ftz.f32 $0, $1;", "=r,r", [v], dtype=tl.float32,
                                           is_pure=True, pack=1)
             root = v * r
-            u = tl.fma(tl.fma(-root, root, v), r * 0.5, root)
+            u = tl.fma(tl.fma(_neg(root, COMPILED), root, v), r * 0.5, root)
         else:
             u = tl.sqrt_rn(v)
     else:
@@ -539,7 +569,7 @@ def _step_block(
         if ALGO != _LION:
             m_mult = m_mult * beta1
         if COMPANDED:
-            m = tl.load(table_ptr + m_code) * m_mult[:, None]  # y / (2 - |y|) of y = code / 127
+            m = _gather(table_ptr + m_code, COMPILED) * m_mult[:, None]  # y / (2 - |y|) of y = code / 127
         else:
             m = m_code.to(tl.float32) * m_mult[:, None]
     elif HAS_M:
