@@ -77,7 +77,7 @@ Cost. The kernel is bound by instruction issue (Nsight Compute on an H200, trito
 ``_gather``: issue slots 77% busy, the integer pipe the busiest at 56%, DRAM at 53% of its peak), so its
 speed follows the instructions each value costs. Along the path every element takes (sm_90 SASS, triton
 3.6 and 3.9 alike) the exact variant executes about 83 instructions per element, 33 of them integer or
-compare/select (a half-rate pipe), and the approximate one about 69; the Llama-3.2-1B shapes run at about
+compare/select (a half-rate pipe), and the approximate one about 71; the Llama-3.2-1B shapes run at about
 0.85 (exact) and 0.89 (approximate) of the copy-bandwidth floor (docs/benchmarks.md). What keeps those counts down:
 - every value of a block stays in the layout of its loads (8 consecutive values per thread, one warp), so
   none moves between layouts through shared memory: the codes-table lookup is ``_gather``, an elementwise
@@ -95,8 +95,8 @@ compare/select (a half-rate pipe), and the approximate one about 69; the Llama-3
   (``_sqrt_rn``);
 - codes are rounded by one fp32 addition (``_code_bits``), not a conversion.
 The approximate variant with 8-bit moments is compiled with at most ``APPROX_MAX_REGISTERS`` registers
-(more warps per SM; measured faster with the kernel before ``_gather``, which needed 117; triton 3.6 now
-chooses 83 itself).
+(more warps per SM: 83 registers under triton 3.6 against the compiler's 111, no spills; measured 2-3% faster
+with the kernel before ``_gather``, and the same with the current one).
 
 Non-finite gradients. A group whose gradient holds a NaN or an Inf is not stored (param, rho, codes,
 scale keep their values); each program adds its count of such groups to ``skipped`` with one atomic. With
@@ -160,7 +160,7 @@ PREFETCH_LEVEL = 2
 MAX_REGISTERS = None
 # the cap of the approximate variant with 8-bit moments when MAX_REGISTERS is None (before _gather its Llama-3.2-1B
 # step measured 2-3% faster at 88 than at the compiler's 117; the exact variant's about 1% slower, and the fp32
-# moments' approximate program spills at 88: docs/benchmarks.md; triton 3.6 now chooses 83 itself)
+# moments' approximate program spills at 88: docs/benchmarks.md; with _gather the same with and without it)
 APPROX_MAX_REGISTERS = 88
 # cached launch plans: a few per optimizer call site (one per bucket of step count / layout), and gradient
 # release steps each batch of FSDP2 groups with a call of its own (with bucket_mb=0 an 8B Llama makes 33
