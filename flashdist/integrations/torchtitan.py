@@ -1,0 +1,167 @@
+"""torchtitan (0.3.0): flashdist optimizers named in a torchtitan job config, checkpointed by its
+CheckpointManager.
+
+In a config registry (a function that returns ``Trainer.Config``)::
+
+    from flashdist.integrations.torchtitan import flash_adamw
+
+    optimizer=flash_adamw(lr=3e-4, weight_decay=0.1),
+
+or, for several groups (first matching pattern wins, as in torchtitan)::
+
+    from flashdist.integrations.torchtitan import FlashOptimizersContainer
+    from torchtitan.components.optimizer import ParamGroupConfig
+
+    optimizer=FlashOptimizersContainer.Config(param_groups=[
+        ParamGroupConfig(pattern=r"\\.bias$|norm", optimizer_name="FlashAdamW",
+                         optimizer_kwargs={"lr": 3e-4, "weight_decay": 0.0}),
+        ParamGroupConfig(pattern=r".*", optimizer_name="FlashAdamW",
+                         optimizer_kwargs={"lr": 3e-4, "weight_decay": 0.1, "master_weight_bits": 24}),
+    ]),
+
+:class:`FlashOptimizersContainer` is torchtitan's ``OptimizersContainer`` that also knows the names
+``FlashAdamW``, ``FlashAdam``, ``FlashSGD``, ``FlashSGDW`` and ``FlashLion`` (torchtitan's own names still
+work, so one container may mix them). ``optimizer_kwargs`` are the optimizer's per-group options (``lr``,
+``betas``, ``master_weight_bits``, ``quantize_states``, ``companded``, ...); the container-wide
+``state_dict_format`` and ``backend`` fields reach every flashdist optimizer it builds
+(``optimizer_factory_kwargs_by_name={"FlashAdamW": {...}}`` overrides them per name). torchtitan's
+``implementation`` field (fused/foreach) is for torch's optimizers and does not reach flashdist's groups.
+
+Checkpoints. torchtitan saves the optimizer as a flat, name-keyed dict (``state.<fqn>.<state>``), and its own
+loader rebuilds each parameter's state from the keys of the LIVE optimizer state, which for flashdist are
+codes and scales. The container's default ``state_dict_format="compressed"`` saves exactly those (codes,
+scales and rho as DTensors with global shapes: 2.125 bytes + rho per parameter, resharded exactly by
+torch.distributed.checkpoint at any world size, no fp32 copy of the moments made at save or load).
+``state_dict_format="portable"`` (fp32 ``exp_avg``/``exp_avg_sq`` as torch.optim.AdamW, plus rho) works too:
+the container's ``load_state_dict`` rebuilds each parameter's state from the keys the checkpoint holds,
+not from the live ones. A checkpoint loads only into a container of the format it was saved with (DCP
+looks up the keys of the loading side).
+
+Memory: flashdist's rho only splits bf16/fp16 parameters. torchtitan keeps fp32 sharded parameters and
+casts them for compute (``MixedPrecisionPolicy``), so with fp32 parameters flashdist saves the moments only
+(8 -> 2.125 bytes per parameter); build the model in bf16 to get the full 7.125-byte budget.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
+from torchtitan.components.optimizer.utils import init_optim_state, load_flat_optim_state_dict
+
+from ..optim import FlashAdam, FlashAdamW, FlashLion, FlashOptimizer, FlashSGD, FlashSGDW
+
+FLASH_OPTIMIZERS: dict[str, type[FlashOptimizer]] = {
+    "FlashAdamW": FlashAdamW, "FlashAdam": FlashAdam, "FlashSGD": FlashSGD, "FlashSGDW": FlashSGDW,
+    "FlashLion": FlashLion,
+}
+# Group keys torchtitan adds for torch's fused/foreach kernels: not options of a flashdist optimizer.
+_TORCH_IMPL_KEYS = ("fused", "foreach")
+
+
+class FlashOptimizersContainer(OptimizersContainer):
+    """torchtitan's ``OptimizersContainer`` with flashdist's optimizers available by name (see the module
+    docstring for a config). Everything else (param-group patterns, model parts, step, zero_grad, lr
+    schedulers, the flat FQN-keyed state dict) is torchtitan's."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(OptimizersContainer.Config):
+        state_dict_format: Literal["compressed", "portable"] = "compressed"
+        """Checkpoint format of the flashdist optimizers: "compressed" (codes, scales and rho; exact
+        resharding at any world size, the smallest checkpoint) or "portable" (fp32 moments as
+        torch.optim.AdamW, plus rho)."""
+
+        backend: Literal["auto", "triton", "reference"] = "auto"
+        """flashdist step backend: "auto" (Triton kernel for CUDA tensors, eager torch otherwise)."""
+
+        def __post_init__(self) -> None:
+            if self.state_dict_format not in ("compressed", "portable"):
+                raise ValueError(f"flashdist: optimizer.state_dict_format must be 'compressed' or 'portable', "
+                                 f"got {self.state_dict_format!r}")
+            if self.backend not in ("auto", "triton", "reference"):
+                raise ValueError(f"flashdist: optimizer.backend must be 'auto', 'triton' or 'reference', got "
+                                 f"{self.backend!r}")
+
+    def __init__(self, config: Config, *, model_parts: list[torch.nn.Module]) -> None:
+        # torchtitan resolves names through a static method and passes per-name factory kwargs: give every
+        # flashdist name the container-wide options, without overriding what the config sets per name.
+        defaults = {"state_dict_format": config.state_dict_format, "backend": config.backend}
+        by_name = {name: {**defaults, **config.optimizer_factory_kwargs_by_name.get(name, {})}
+                   for name in FLASH_OPTIMIZERS}
+        by_name.update({k: v for k, v in config.optimizer_factory_kwargs_by_name.items() if k not in by_name})
+        config.optimizer_factory_kwargs_by_name = by_name
+        super().__init__(config, model_parts=model_parts)
+
+    @staticmethod
+    def _resolve_optimizer_factory(name: str) -> Callable[..., torch.optim.Optimizer]:
+        if name in FLASH_OPTIMIZERS:
+            return FLASH_OPTIMIZERS[name]
+        return OptimizersContainer._resolve_optimizer_factory(name)
+
+    @staticmethod
+    def _build_param_groups(model, param_group_configs, impl_kwargs):
+        groups, patterns = OptimizersContainer._build_param_groups(model, param_group_configs, impl_kwargs)
+        for name, name_groups in groups.items():
+            if name in FLASH_OPTIMIZERS:
+                for group in name_groups:
+                    for key in _TORCH_IMPL_KEYS:
+                        group.pop(key, None)
+        return groups, patterns
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # torchtitan's loader takes each parameter's state keys from the live optimizer (codes and scales for
+        # flashdist), so a portable checkpoint's exp_avg would never be looked up: rebuild flashdist's state
+        # from the keys the flat dict holds; flashdist's load_state_dict checks them.
+        for optim in self.optimizers:
+            if isinstance(optim, FlashOptimizer):
+                optim.load_state_dict(unflatten_state_dict(optim, state_dict))
+            else:
+                init_optim_state(optim)
+                load_flat_optim_state_dict(optim, state_dict)
+
+
+def unflatten_state_dict(optim: torch.optim.Optimizer, flat: dict[str, Any]) -> dict[str, Any]:
+    """The ``torch.optim.Optimizer.state_dict()``-shaped dict of ``optim`` in torchtitan's flat, FQN-keyed
+    optimizer dict ``flat`` (``state.<fqn>.<key>``, ``param_groups.<fqn>.<key>``), taking every key saved for
+    each parameter of ``optim``. Keys of other optimizers are ignored."""
+    by_prefix: dict[str, dict[str, Any]] = {}
+    for key, value in flat.items():
+        if key.startswith(("state.", "param_groups.")):
+            prefix, _, leaf = key.rpartition(".")
+            by_prefix.setdefault(prefix, {})[leaf] = value
+    state: dict[int, dict[str, Any]] = {}
+    groups: list[dict[str, Any]] = []
+    index = 0
+    for gi, group in enumerate(optim.param_groups):
+        fqns = group.get("param_names")
+        if not fqns:
+            raise ValueError(f"flashdist: param group {gi} of {type(optim).__name__} has no param_names; torchtitan's "
+                             "checkpoints are keyed by parameter name: build the optimizer from named_parameters()")
+        ids = []
+        for fqn in fqns:
+            saved = by_prefix.get(f"state.{fqn}")
+            if saved:
+                state[index] = dict(saved)
+            ids.append(index)
+            index += 1
+        saved_group = by_prefix.get(f"param_groups.{fqns[0]}")
+        if saved_group is None:
+            raise ValueError(f"flashdist: the checkpoint has no optimizer settings for parameter '{fqns[0]}' "
+                             f"(no 'param_groups.{fqns[0]}.*' keys): was it saved from another model?")
+        groups.append({**saved_group, "params": ids, "param_names": list(fqns)})
+    return {"state": state, "param_groups": groups}
+
+
+def flash_adamw(lr: float = 8e-4, *, state_dict_format: Literal["compressed", "portable"] = "compressed",
+                backend: Literal["auto", "triton", "reference"] = "auto",
+                **kwargs: Any) -> FlashOptimizersContainer.Config:
+    """torchtitan's ``default_adamw`` with FlashAdamW: one catch-all group, betas (0.9, 0.95), eps 1e-8,
+    weight decay 0.1 (torchtitan's defaults); ``kwargs`` are further FlashAdamW options
+    (``master_weight_bits``, ``quantize_states``, ``companded``, or to replace the defaults)."""
+    return FlashOptimizersContainer.Config(
+        state_dict_format=state_dict_format, backend=backend,
+        param_groups=[ParamGroupConfig(pattern=r".*", optimizer_name="FlashAdamW", optimizer_kwargs={
+            "lr": lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, **kwargs})])

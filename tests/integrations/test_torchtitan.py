@@ -1,0 +1,161 @@
+"""torchtitan 0.3.0: flashdist optimizers built from a torchtitan optimizer config, stepped through
+torchtitan's OptimizersContainer and LR schedulers, saved and resumed by torchtitan's CheckpointManager (DCP)
+under FSDP2 on gloo ranks. A resumed run must equal the run that never stopped, bit for bit, at the same
+world size and at another one."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("torchtitan", reason="the torchtitan integration is tested against torchtitan itself")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
+
+from harness import run_ranks  # noqa: E402
+from torchtitan.components.optimizer import ParamGroupConfig  # noqa: E402
+
+from flashdist import FlashAdamW  # noqa: E402
+from flashdist import distributed as D  # noqa: E402
+from flashdist.integrations.torchtitan import FlashOptimizersContainer, flash_adamw  # noqa: E402
+
+STEPS_BEFORE, STEPS_AFTER = 2, 2
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(40, 7)  # 7 rows: uneven shards on 2 ranks
+        self.out = nn.Linear(7, 3)
+        self.norm = nn.Parameter(torch.ones(3))
+
+
+def _model(seed: int = 0):
+    torch.manual_seed(seed)
+    return Net().to(torch.bfloat16)
+
+
+def _config(fmt: str) -> FlashOptimizersContainer.Config:
+    # Two flashdist optimizers in one container, as torchtitan batches groups by optimizer name.
+    return FlashOptimizersContainer.Config(state_dict_format=fmt, param_groups=[
+        ParamGroupConfig(pattern=r"^out\.", optimizer_name="FlashLion",
+                         optimizer_kwargs={"lr": 1e-3, "weight_decay": 0.1}),
+        ParamGroupConfig(pattern=r"norm|bias", optimizer_name="FlashAdamW",
+                         optimizer_kwargs={"lr": 1e-2, "weight_decay": 0.0}),
+        ParamGroupConfig(pattern=r".*", optimizer_name="FlashAdamW",
+                         optimizer_kwargs={"lr": 1e-2, "weight_decay": 0.1}),
+    ])
+
+
+def test_config_builds_flashdist_optimizers():
+    model = _model()
+    container = _config("compressed").build(model_parts=[model])
+    kinds = sorted(type(o).__name__ for o in container)
+    assert kinds == ["FlashAdamW", "FlashLion"]
+    adamw = next(o for o in container if isinstance(o, FlashAdamW))
+    assert adamw.state_dict_format == "compressed"
+    assert [g["weight_decay"] for g in adamw.param_groups] == [0.0, 0.1]
+    assert all("fused" not in g and "foreach" not in g for o in container for g in o.param_groups)
+    state = adamw.state[model.proj.weight]
+    assert state["exp_avg_codes"].dtype == torch.int8 and state["rho"].dtype == torch.int8
+    # one step through the container moves every trainable parameter
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    container.step()
+    assert all(not torch.equal(before[n], p) for n, p in model.named_parameters())
+
+
+def test_flash_adamw_defaults_and_per_name_options():
+    model = _model()
+    config = flash_adamw(lr=3e-4, master_weight_bits=32)
+    config.optimizer_factory_kwargs_by_name = {"FlashAdamW": {"state_dict_format": "portable"}}
+    (opt,) = list(config.build(model_parts=[model]))
+    assert isinstance(opt, FlashAdamW) and opt.state_dict_format == "portable"
+    group = opt.param_groups[0]
+    assert (group["lr"], tuple(group["betas"]), group["weight_decay"]) == (3e-4, (0.9, 0.95), 0.1)
+    assert opt.state[model.proj.weight]["rho"].dtype == torch.int16
+
+
+@pytest.mark.parametrize("field,value", [("state_dict_format", "fp32"), ("backend", "cuda")])
+def test_bad_option_is_one_line_error(field, value):
+    with pytest.raises(ValueError, match=f"optimizer.{field}") as info:
+        FlashOptimizersContainer.Config(**{field: value})
+    assert "\n" not in str(info.value)
+
+
+# ----- checkpoints through torchtitan's CheckpointManager, FSDP2 on gloo ranks --------------------------------
+
+
+def _grads(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return {name: torch.randn(p.shape, generator=g).to(torch.bfloat16) for name, p in _model().named_parameters()}
+
+
+def _setup(fmt: str, folder: str, seed: int):
+    from torch.distributed.fsdp import fully_shard
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.optimizer import LRSchedulersContainer
+
+    model = _model(seed)
+    fully_shard(model.proj)
+    fully_shard(model)
+    container = _config(fmt).build(model_parts=[model])
+    schedulers = LRSchedulersContainer.Config(warmup_steps=3).build(optimizers=container, training_steps=10)
+    manager = CheckpointManager.Config(enable=True, folder="checkpoint", interval=1).build(
+        dataloader=None, model_parts=[model], optimizers=container, lr_schedulers=schedulers, states={},
+        sd_adapter=None, base_folder=folder)
+    return model, container, schedulers, manager
+
+
+def _train(model, container, schedulers, first: int, n: int):
+    params = dict(model.named_parameters())
+    for step in range(first, first + n):
+        for name, full in _grads(step).items():
+            p = params[name]
+            p.grad = D.state_like(p, D.local_rows(full, p).clone(), tuple(full.shape))
+        container.step()
+        schedulers.step()
+        container.zero_grad()
+
+
+def _gather(model, container) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in model.named_parameters():
+        out[name] = D.full_tensor(p.detach()).clone()
+        for opt in container:
+            for key, value in opt.state.get(p, {}).items():
+                out[f"{name}:{key}"] = D.full_tensor(value).clone()
+    return out
+
+
+def _save_and_continue(rank, world_size, fmt, folder):
+    model, container, schedulers, manager = _setup(fmt, folder, seed=0)
+    _train(model, container, schedulers, 0, STEPS_BEFORE)
+    manager.save(curr_step=STEPS_BEFORE)
+    manager.close()
+    _train(model, container, schedulers, STEPS_BEFORE, STEPS_AFTER)
+    return _gather(model, container)
+
+
+def _resume(rank, world_size, fmt, folder):
+    model, container, schedulers, manager = _setup(fmt, folder, seed=1)  # other weights: the load must set them
+    assert manager.load(step=STEPS_BEFORE)
+    manager.close()
+    _train(model, container, schedulers, STEPS_BEFORE, STEPS_AFTER)
+    return _gather(model, container)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["compressed", "portable"])
+def test_checkpoint_manager_resume_is_exact(tmp_path, fmt):
+    uninterrupted = run_ranks(_save_and_continue, 2, fmt, str(tmp_path))[0]
+    for world_size in (2, 1):  # same world size, then another one (DCP reshards the saved shards)
+        resumed = run_ranks(_resume, world_size, fmt, str(tmp_path))[0]
+        assert resumed.keys() == uninterrupted.keys()
+        for key, value in uninterrupted.items():
+            assert torch.equal(resumed[key], value), f"{key} differs after resuming on {world_size} ranks"
+    assert uninterrupted["proj.weight:exp_avg_codes"].dtype == torch.int8  # the state stayed quantized
