@@ -44,6 +44,7 @@ casts them for compute (``MixedPrecisionPolicy``), so with fp32 parameters flash
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -92,8 +93,8 @@ class FlashOptimizersContainer(OptimizersContainer):
         by_name = {name: {**defaults, **config.optimizer_factory_kwargs_by_name.get(name, {})}
                    for name in FLASH_OPTIMIZERS}
         by_name.update({k: v for k, v in config.optimizer_factory_kwargs_by_name.items() if k not in by_name})
-        config.optimizer_factory_kwargs_by_name = by_name
-        super().__init__(config, model_parts=model_parts)
+        super().__init__(dataclasses.replace(config, optimizer_factory_kwargs_by_name=by_name),
+                         model_parts=model_parts)
 
     @staticmethod
     def _resolve_optimizer_factory(name: str) -> Callable[..., torch.optim.Optimizer]:
