@@ -161,3 +161,26 @@ def test_checkpoint_manager_resume_is_exact(tmp_path, fmt):
         for key, value in uninterrupted.items():
             assert torch.equal(resumed[key], value), f"{key} differs after resuming on {world_size} ranks"
     assert uninterrupted["proj.weight:exp_avg_codes"].dtype == torch.int8  # the state stayed quantized
+
+
+def test_job_config_and_command_line_reach_the_container(tmp_path, monkeypatch):
+    # torchtitan's own config loading: --module names a package with a config_registry, and command-line
+    # overrides reach the fields of FlashOptimizersContainer.Config.
+    from torchtitan.config import ConfigManager
+
+    package = tmp_path / "flash_job_config"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "config_registry.py").write_text(
+        "from torchtitan.trainer import Trainer\n"
+        "from flashdist.integrations.torchtitan import flash_adamw\n\n"
+        "def tiny_flash():\n"
+        "    return Trainer.Config(optimizer=flash_adamw(lr=1e-3, master_weight_bits=32))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = ConfigManager().parse_args(["--module", "flash_job_config", "--config", "tiny_flash",
+                                         "--optimizer.state_dict_format", "portable"])
+    assert isinstance(config.optimizer, FlashOptimizersContainer.Config)
+    assert config.optimizer.state_dict_format == "portable"
+    (opt,) = list(config.optimizer.build(model_parts=[_model()]))
+    assert isinstance(opt, FlashAdamW) and opt.state_dict_format == "portable"
+    assert opt.param_groups[0]["master_weight_bits"] == 32
