@@ -37,9 +37,10 @@ the container's ``load_state_dict`` rebuilds each parameter's state from the key
 not from the live ones. A checkpoint loads only into a container of the format it was saved with (DCP
 looks up the keys of the loading side).
 
-Memory: flashdist's rho only splits bf16/fp16 parameters. torchtitan keeps fp32 sharded parameters and
-casts them for compute (``MixedPrecisionPolicy``), so with fp32 parameters flashdist saves the moments only
-(8 -> 2.125 bytes per parameter); build the model in bf16 to get the full 7.125-byte budget.
+Memory: flashdist's rho only splits bf16/fp16 parameters. By default torchtitan keeps fp32 sharded
+parameters and casts them for compute (``training.mixed_precision_param``), so flashdist saves the moments
+only (8 -> 2.125 bytes per parameter); ``training.dtype = "bfloat16"`` makes the parameters bf16 and gives
+the full 7.125-byte budget (bf16 parameter and gradient, int8 rho, 8-bit moments).
 """
 
 from __future__ import annotations
