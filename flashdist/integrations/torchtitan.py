@@ -54,6 +54,8 @@ import torch
 from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
 from torchtitan.components.optimizer.utils import init_optim_state, load_flat_optim_state_dict
 
+from ..checkpoint.state import FORMATS
+from ..functional.backend import BACKENDS
 from ..optim import FlashAdam, FlashAdamW, FlashLion, FlashOptimizer, FlashSGD, FlashSGDW
 
 FLASH_OPTIMIZERS: dict[str, type[FlashOptimizer]] = {
@@ -80,12 +82,11 @@ class FlashOptimizersContainer(OptimizersContainer):
         """flashdist step backend: "auto" (Triton kernel for CUDA tensors, eager torch otherwise)."""
 
         def __post_init__(self) -> None:
-            if self.state_dict_format not in ("compressed", "portable"):
-                raise ValueError(f"flashdist: optimizer.state_dict_format must be 'compressed' or 'portable', "
-                                 f"got {self.state_dict_format!r}")
-            if self.backend not in ("auto", "triton", "reference"):
-                raise ValueError(f"flashdist: optimizer.backend must be 'auto', 'triton' or 'reference', got "
-                                 f"{self.backend!r}")
+            if self.state_dict_format not in FORMATS:
+                raise ValueError(f"flashdist: optimizer.state_dict_format must be one of {FORMATS}, got "
+                                 f"{self.state_dict_format!r}")
+            if self.backend not in BACKENDS:
+                raise ValueError(f"flashdist: optimizer.backend must be one of {BACKENDS}, got {self.backend!r}")
 
     def __init__(self, config: Config, *, model_parts: list[torch.nn.Module]) -> None:
         # torchtitan resolves names through a static method and passes per-name factory kwargs: give every
@@ -117,9 +118,12 @@ class FlashOptimizersContainer(OptimizersContainer):
         # torchtitan's loader takes each parameter's state keys from the live optimizer (codes and scales for
         # flashdist), so a portable checkpoint's exp_avg would never be looked up: rebuild flashdist's state
         # from the keys the flat dict holds; flashdist's load_state_dict checks them.
+        # Every flashdist optimizer's part is found first, so a checkpoint of another model changes nothing.
+        unflattened = {id(o): unflatten_state_dict(o, state_dict) for o in self.optimizers
+                       if isinstance(o, FlashOptimizer)}
         for optim in self.optimizers:
             if isinstance(optim, FlashOptimizer):
-                optim.load_state_dict(unflatten_state_dict(optim, state_dict))
+                optim.load_state_dict(unflattened[id(optim)])
             else:
                 init_optim_state(optim)
                 load_flat_optim_state_dict(optim, state_dict)

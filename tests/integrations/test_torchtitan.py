@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 from harness import run_ranks  # noqa: E402
 from torchtitan.components.optimizer import ParamGroupConfig  # noqa: E402
 
-from flashdist import FlashAdamW  # noqa: E402
+from flashdist import FlashAdamW, FlashLion  # noqa: E402
 from flashdist import distributed as D  # noqa: E402
 from flashdist.integrations.torchtitan import FlashOptimizersContainer, flash_adamw  # noqa: E402
 
@@ -184,3 +184,19 @@ def test_job_config_and_command_line_reach_the_container(tmp_path, monkeypatch):
     (opt,) = list(config.optimizer.build(model_parts=[_model()]))
     assert isinstance(opt, FlashAdamW) and opt.state_dict_format == "portable"
     assert opt.param_groups[0]["master_weight_bits"] == 32
+
+
+def test_checkpoint_of_another_model_is_one_line_error():
+    model = _model()
+    container = _config("compressed").build(model_parts=[model])
+    flat = container.state_dict()
+    lion = next(o for o in container if isinstance(o, FlashLion))  # loaded before the renamed group's
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    momentum_before = lion.state[model.out.weight]["exp_avg_codes"].clone()
+    flat["state.out.weight.exp_avg_codes"] = momentum_before + 1
+    renamed = {k.replace("proj.", "encoder."): v for k, v in flat.items()}
+    with pytest.raises(ValueError, match="'proj.bias'.*another model") as info:
+        container.load_state_dict(renamed)
+    assert "\n" not in str(info.value)
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    assert torch.equal(lion.state[model.out.weight]["exp_avg_codes"], momentum_before)
