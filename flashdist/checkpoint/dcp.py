@@ -680,6 +680,8 @@ def _short(e: BaseException) -> str:
         failures = [e.failures[rank] for rank in sorted(e.failures)]
         if failures:
             e = failures[0]
+            if isinstance(e, tuple):  # DCP's WRAPPED_EXCEPTION: (exception, traceback summary)
+                e = e[0]
     text = [line for line in str(e).strip().splitlines() if line.strip()]
     if isinstance(e, CheckpointError) and text:  # ours, already complete: one line, no prefix twice
         return text[0].removeprefix("flashdist: ")
