@@ -301,11 +301,10 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     :class:`CheckpointError` before a byte is written. A failure while writing raises
     :class:`CheckpointWriteError` on every rank, naming the path and the cause."""
     path = Path(path)
-    claim = None
+    claim, message = None, None
     if _rank() == 0:
         try:
             claim = _Claim(path)
-            message = None
         except CheckpointError as e:
             message = (type(e).__name__, str(e))
     # all ranks write into the folder rank 0 created, under the id rank 0 drew
