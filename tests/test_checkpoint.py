@@ -274,6 +274,11 @@ def test_killed_during_save_leaves_previous_checkpoint(tmp_path, moment):
     assert checkpoint.load(path, loaded, opt)["n"] == 1
     for p, e in zip(loaded.parameters(), expected):
         assert torch.equal(p, e)
+    # what the killed save left (its temporary folder, or PATH.old) neither blocks nor survives the next save
+    assert len(os.listdir(tmp_path)) == (3 if moment == "writing" else 2)
+    checkpoint.save(path, loaded, opt, extra={"n": 3})
+    assert sorted(os.listdir(tmp_path)) == ["ck", "kill.py"]
+    assert checkpoint.load(path, loaded, opt)["n"] == 3
 
 
 def test_compressed_checkpoint_into_fp32_moments_is_refused_with_the_reason(tmp_path):
