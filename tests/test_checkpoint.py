@@ -58,7 +58,7 @@ def test_save_load_resume_exact(tmp_path, fmt):
     opt = FlashAdamW(model.parameters(), lr=1e-2, state_dict_format=fmt)
     _train(model, opt, 3)
     checkpoint.save(tmp_path / "ck", model, opt, extra={"step": 3, "note": "hello", "rng": torch.arange(4)})
-    assert not (tmp_path / "ck.tmp").exists()
+    _only_checkpoint_left(tmp_path)
     model2 = _model(seed=5)
     opt2 = FlashAdamW(model2.parameters(), lr=1e-2, state_dict_format=fmt)
     extra = checkpoint.load(tmp_path / "ck", model2, opt2)
@@ -382,12 +382,12 @@ def test_concurrent_saves_never_mix(tmp_path, monkeypatch):
 
 
 def test_renames_wait_for_the_lock(tmp_path):
-    """The renames that put a checkpoint in place happen under an exclusive flock on PATH.lock."""
+    """The renames that put a checkpoint in place happen under an exclusive flock on PATH.flashdist-lock."""
     fcntl = pytest.importorskip("fcntl", reason="file locks are POSIX")
     model = _model()
     opt = FlashAdamW(model.parameters())
     path = tmp_path / "ck"
-    fd = os.open(tmp_path / "ck.lock", os.O_RDWR | os.O_CREAT)
+    fd = os.open(tmp_path / "ck.flashdist-lock", os.O_RDWR | os.O_CREAT)
     fcntl.flock(fd, fcntl.LOCK_EX)
     saver = threading.Thread(target=checkpoint.save, args=(path, model, opt))
     saver.start()

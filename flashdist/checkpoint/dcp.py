@@ -5,7 +5,7 @@
   ``PATH.tmp-<id>`` -> ``PATH``, then ``PATH.old`` is removed). A job killed at any moment leaves the last
   good checkpoint loadable: ``load`` falls back to ``PATH.old`` in the instant between the two renames.
 - Concurrent saves never mix: each writes its own folder, and the renames happen under an exclusive
-  ``flock`` on ``PATH.lock``, so the last save to finish wins whole. A crashed save's folder is recognised
+  ``flock`` on ``PATH.flashdist-lock``, so the last save to finish wins whole. A crashed save's folder is recognised
   (its writer's lock is gone) and removed by a later save; ``load`` never looks at it.
 - Never destroys what it did not write: a regular file at ``PATH``, a symbolic link, or a folder holding
   anything but DCP files is refused before anything is written.
@@ -357,7 +357,7 @@ def _gather(obj) -> list:
     return out
 
 
-_LOCK_SUFFIX = ".lock"
+_LOCK_SUFFIX = ".flashdist-lock"  # a name no user file is likely to have: the lock file is removed after use
 _WRITING = ".flashdist-writing"  # held (flock) by a live save in its temporary folder; removed at the commit
 _DCP_NAME = re.compile(r"(__\d+)?\.metadata(\.tmp)?|.*\.distcp")  # what DCP's FileSystemWriter writes
 _warned_no_flock = False
