@@ -30,6 +30,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import io
 import os
@@ -122,12 +123,36 @@ class SafeFileSystemReader(FileSystemReader):
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
         self._save_id = _save_id_of(metadata)
 
+    def prepare_global_plan(self, plans):
+        # The CRC of each shard file is checked by ONE rank that reads the file (the one with the fewest
+        # bytes to check so far), so a load reads the checkpoint once more in all, not once per rank;
+        # every rank still checks the save id of each file it reads.
+        plans = super().prepare_global_plan(plans)
+        load = [0] * len(plans)
+        owner: dict[str, int] = {}
+        for rank, plan in enumerate(plans):
+            for name in sorted({self.storage_data[item.storage_index].relative_path for item in plan.items}):
+                if name not in owner or load[rank] < load[owner[name]]:
+                    if name in owner:
+                        load[owner[name]] -= self._size(name)
+                    owner[name] = rank
+                    load[rank] += self._size(name)
+        return [dataclasses.replace(plan, storage_data={_FULL_CHECK: sorted(n for n, r in owner.items() if r == rank)})
+                if plan.storage_data is None else plan for rank, plan in enumerate(plans)]
+
+    def _size(self, name: str) -> int:
+        try:
+            return os.path.getsize(Path(self.path) / name)
+        except OSError:
+            return 0
+
     def read_data(self, plan, planner):
         # every shard this rank reads is checked first; an error here reaches every rank through DCP's
         # gather of read results, so no rank goes on alone
+        full = plan.storage_data.get(_FULL_CHECK) if isinstance(plan.storage_data, dict) else None
         files = sorted({self.storage_data[item.storage_index].relative_path for item in plan.items})
         for name in files:
-            verify_shard(Path(self.path) / name, self._save_id)
+            verify_shard(Path(self.path) / name, self._save_id, crc=full is None or name in full)
         return super().read_data(plan, planner)
 
 
@@ -158,6 +183,7 @@ _HEADER_SIZE = len(_SHARD_MAGIC) + len(_SAVE_ID_PREFIX) + 32
 _TRAILER = struct.Struct("<8sQI")  # magic, length of everything before the trailer, CRC-32 of it
 _TRAILER_MAGIC = b"fdshard\n"
 _CHUNK = 16 << 20
+_FULL_CHECK = "flashdist: shards whose CRC this rank checks"  # key in a LoadPlan's storage_data
 
 
 def _save_id_of(metadata: Metadata) -> str | None:
@@ -166,10 +192,11 @@ def _save_id_of(metadata: Metadata) -> str | None:
     return save_id if isinstance(save_id, str) and save_id.startswith(_SAVE_ID_PREFIX) else None
 
 
-def verify_shard(file: str | os.PathLike, save_id: str | None) -> None:
+def verify_shard(file: str | os.PathLike, save_id: str | None, *, crc: bool = True) -> None:
     """Raise :class:`CheckpointError` naming ``file`` unless it is an intact shard of the save ``save_id``
     (the id in its checkpoint's ``.metadata``; None for a checkpoint written before shards carried ids, whose
-    shards cannot be checked but must not be shards of a newer save either). Reads the whole file once."""
+    shards cannot be checked but must not be shards of a newer save either). With ``crc`` it reads the whole
+    file once to check its CRC-32; without, only its first and last bytes (id, length)."""
     file = Path(file)
     try:
         with open(file, "rb") as f:
@@ -194,6 +221,8 @@ def verify_shard(file: str | os.PathLike, save_id: str | None) -> None:
             magic, length, crc = _TRAILER.unpack(f.read(_TRAILER.size))
             if magic != _TRAILER_MAGIC or length != body:
                 raise CheckpointError(f"flashdist: shard {file} is truncated or damaged (its end marker is missing)")
+            if not crc:
+                return
             f.seek(0)
             actual, left = 0, body
             while left:

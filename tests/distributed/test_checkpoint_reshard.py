@@ -287,7 +287,8 @@ def _refused_load_job(rank, world, path):
 
 
 def test_shard_of_another_step_is_refused_on_every_rank(tmp_path):
-    """Rank 1's shard of step 1 replaced by rank 1's shard of step 2: every rank refuses, naming the file."""
+    """Rank 1's shard of step 1 replaced by rank 1's shard of step 2, or a damaged shard: every rank refuses,
+    naming the file."""
     first, second = tmp_path / "step1", tmp_path / "step2"
     run_ranks(_two_steps_job, 2, str(first), str(second))
     shard = first / "__1_0.distcp"
@@ -297,6 +298,13 @@ def test_shard_of_another_step_is_refused_on_every_rank(tmp_path):
         messages = run_ranks(_refused_load_job, world, str(first)) if world else [_refused_load_job(0, 1, first)]
         for message in messages:
             assert message and "__1_0.distcp belongs to another save" in message, message
+    # one flipped bit: the one rank that checks that file's CRC-32 (on 3 ranks) refuses it for all
+    shard = second / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1
+    shard.write_bytes(bytes(data))
+    for message in run_ranks(_refused_load_job, 3, str(second)):
+        assert message and "__0_0.distcp is damaged" in message, message
 
 
 def _save_refused_job(rank, world, path):
