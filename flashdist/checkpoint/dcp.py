@@ -99,7 +99,8 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """FileSystemReader whose metadata load cannot run code."""
+    """FileSystemReader whose metadata load cannot run code, and which refuses a shard file of another save
+    or a damaged one (:func:`verify_shard`) before reading from it."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = Path(self.path) / ".metadata"
@@ -425,7 +426,7 @@ def _check_target(path: Path) -> None:
                                   f"({shown}){what}; saving would delete them: choose another path or move them")
 
 
-def _flock(fd: int, flags: int) -> bool:
+def _flock(fd: int, flags: int) -> bool | None:
     """flock(fd, flags): True when locked, False when another holder has it (LOCK_NB), None when this file
     system cannot lock (then saves to one path are not serialised: docs/checkpoints.md)."""
     global _warned_no_flock
@@ -606,7 +607,7 @@ def _clone(state):
 def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """Load a checkpoint written by :func:`save` (at any world size) into ``model`` and ``optimizer``; returns
     the saved ``extra``. Every rank calls it. Raises :class:`CheckpointError` naming what does not match,
-    with the model and optimizer unchanged."""
+    or the shard file that belongs to another save or is damaged, with the model and optimizer unchanged."""
     where = resolve(path)
     reader = SafeFileSystemReader(str(where))
     metadata = reader.read_metadata()
