@@ -529,3 +529,20 @@ def test_failed_write_keeps_the_previous_checkpoint_and_removes_its_own_folder(t
     monkeypatch.undo()
     fresh = _model()
     assert checkpoint.load(tmp_path / "ck", fresh, FlashAdamW(fresh.parameters()))["n"] == 1
+
+
+def test_file_system_without_locks_warns_and_still_saves(tmp_path, monkeypatch):
+    """Where flock is not available (some network file systems), a save warns once and still completes."""
+    fcntl = pytest.importorskip("fcntl", reason="file locks are POSIX")
+
+    def no_locks(fd, flags):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    monkeypatch.setattr(checkpoint.dcp, "_warned_no_flock", False)
+    model = _model()
+    opt = FlashAdamW(model.parameters())
+    with pytest.warns(UserWarning, match="cannot lock files.*not serialised"):
+        checkpoint.save(tmp_path / "ck", model, opt, extra={"n": 1})
+    assert checkpoint.load(tmp_path / "ck", model, opt)["n"] == 1
+    _only_checkpoint_left(tmp_path)
