@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -55,7 +58,7 @@ def test_save_load_resume_exact(tmp_path, fmt):
     opt = FlashAdamW(model.parameters(), lr=1e-2, state_dict_format=fmt)
     _train(model, opt, 3)
     checkpoint.save(tmp_path / "ck", model, opt, extra={"step": 3, "note": "hello", "rng": torch.arange(4)})
-    assert not (tmp_path / "ck.tmp").exists()
+    _only_checkpoint_left(tmp_path)
     model2 = _model(seed=5)
     opt2 = FlashAdamW(model2.parameters(), lr=1e-2, state_dict_format=fmt)
     extra = checkpoint.load(tmp_path / "ck", model2, opt2)
@@ -271,6 +274,11 @@ def test_killed_during_save_leaves_previous_checkpoint(tmp_path, moment):
     assert checkpoint.load(path, loaded, opt)["n"] == 1
     for p, e in zip(loaded.parameters(), expected):
         assert torch.equal(p, e)
+    # what the killed save left (its temporary folder, or PATH.old) neither blocks nor survives the next save
+    assert len(os.listdir(tmp_path)) == (3 if moment == "writing" else 2)
+    checkpoint.save(path, loaded, opt, extra={"n": 3})
+    assert sorted(os.listdir(tmp_path)) == ["ck", "kill.py"]
+    assert checkpoint.load(path, loaded, opt)["n"] == 3
 
 
 def test_compressed_checkpoint_into_fp32_moments_is_refused_with_the_reason(tmp_path):
@@ -284,3 +292,257 @@ def test_compressed_checkpoint_into_fp32_moments_is_refused_with_the_reason(tmp_
     with pytest.raises(checkpoint.CheckpointError, match="compressed .*quantize_states=False"):
         checkpoint.load(tmp_path / "ck", model2, opt2)
     _equal(before, _snapshot(model2, opt2))
+
+
+# ----- saves that never lose, mix or half-write what was saved --------------------------------------------
+
+
+def _only_checkpoint_left(folder, name="ck"):
+    assert sorted(os.listdir(folder)) == [name], "a temporary folder or lock file was left behind"
+
+
+def test_save_refuses_a_file_or_foreign_folder_at_the_path(tmp_path):
+    model = _model()
+    opt = FlashAdamW(model.parameters())
+    user_file = tmp_path / "ck"
+    user_file.write_text("my notes")
+    with pytest.raises(checkpoint.CheckpointError, match=r"ck exists and is not a folder.*move the file"):
+        checkpoint.save(user_file, model, opt)
+    assert user_file.read_text() == "my notes"
+    _only_checkpoint_left(tmp_path)
+    user_file.unlink()
+    folder = tmp_path / "ck"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "__0_0.distcp").write_bytes(b"x")
+    with pytest.raises(checkpoint.CheckpointError, match=r"not part of a checkpoint \(config\.json\)"):
+        checkpoint.save(folder, model, opt)
+    assert sorted(os.listdir(folder)) == ["__0_0.distcp", "config.json"]
+    _only_checkpoint_left(tmp_path)
+    (tmp_path / "link").symlink_to(folder)
+    with pytest.raises(checkpoint.CheckpointError, match="symbolic link"):
+        checkpoint.save(tmp_path / "link", model, opt)
+    assert (tmp_path / "link").is_symlink()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    checkpoint.save(empty, model, opt, extra={"n": 1})  # an empty folder holds nothing to lose
+    assert checkpoint.load(empty, model, opt)["n"] == 1
+
+
+def _pause_after_writing(pause: threading.Event, resume: threading.Event, who: str):
+    """Patch DCP's writer so the save in thread ``who`` stops after writing its shards until ``resume``."""
+    real = torch.distributed.checkpoint.FileSystemWriter.write_data
+
+    def write_data(self, plan, planner):
+        fut = real(self, plan, planner)
+        if threading.current_thread().name == who:
+            pause.set()
+            assert resume.wait(60)
+        return fut
+
+    return write_data
+
+
+def _loads_as(path, model, tag):
+    loaded = _model(seed=11)
+    extra = checkpoint.load(path, loaded, FlashAdamW(loaded.parameters()))
+    assert extra["who"] == tag
+    for p, q in zip(model.parameters(), loaded.parameters()):
+        assert torch.equal(p, q), f"{tag}'s extra with other weights: the checkpoint mixes two saves"
+
+
+def test_concurrent_saves_never_mix(tmp_path, monkeypatch):
+    """Save A writes its shards and stalls; save B to the same path runs start to end; then A finishes. The
+    checkpoint is B's whole after B, and A's whole after A (with one shared temporary folder, A's metadata
+    ended up over B's shards)."""
+    path = tmp_path / "ck"
+    model_a, model_b = _model(seed=1), _model(seed=2)
+    opt_a, opt_b = FlashAdamW(model_a.parameters()), FlashAdamW(model_b.parameters())
+    paused, resume = threading.Event(), threading.Event()
+    monkeypatch.setattr(torch.distributed.checkpoint.FileSystemWriter, "write_data",
+                        _pause_after_writing(paused, resume, "A"))
+    errors = []
+
+    def save_a():
+        try:
+            checkpoint.save(path, model_a, opt_a, extra={"who": "A"})
+        except BaseException as e:  # noqa: BLE001 - reported by the test below
+            errors.append(e)
+
+    a = threading.Thread(target=save_a, name="A")
+    a.start()
+    assert paused.wait(60)
+    checkpoint.save(path, model_b, opt_b, extra={"who": "B"})
+    _loads_as(path, model_b, "B")
+    resume.set()
+    a.join(60)
+    assert not errors, errors
+    _loads_as(path, model_a, "A")
+    _only_checkpoint_left(tmp_path)
+
+
+def test_renames_wait_for_the_lock(tmp_path):
+    """The renames that put a checkpoint in place happen under an exclusive flock on PATH.flashdist-lock."""
+    fcntl = pytest.importorskip("fcntl", reason="file locks are POSIX")
+    model = _model()
+    opt = FlashAdamW(model.parameters())
+    path = tmp_path / "ck"
+    fd = os.open(tmp_path / "ck.flashdist-lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    saver = threading.Thread(target=checkpoint.save, args=(path, model, opt))
+    saver.start()
+    saver.join(8)
+    blocked = saver.is_alive() and not path.exists()
+    os.close(fd)
+    saver.join(60)
+    assert blocked and (path / ".metadata").exists()
+    _only_checkpoint_left(tmp_path)
+
+
+def test_leftovers_of_dead_saves_are_removed_never_loaded(tmp_path):
+    fcntl = pytest.importorskip("fcntl", reason="file locks are POSIX")
+    model = _model()
+    opt = FlashAdamW(model.parameters())
+    checkpoint.save(tmp_path / "good", model, opt, extra={"n": 1})
+    dead, live, foreign = (tmp_path / f"ck.tmp-{c * 32}" for c in "abc")
+    shutil.copytree(tmp_path / "good", dead)  # a whole checkpoint that was never moved into place
+    for folder in (dead, live, foreign):
+        folder.mkdir(exist_ok=True)
+        (folder / ".flashdist-writing").touch()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(checkpoint.CheckpointError, match="no checkpoint at"):
+        checkpoint.load(tmp_path / "ck", model, opt)
+    fd = os.open(live / ".flashdist-writing", os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # a save still writing
+    try:
+        checkpoint.save(tmp_path / "ck", model, opt, extra={"n": 2})
+    finally:
+        os.close(fd)
+    assert not dead.exists() and live.exists() and (foreign / "notes.txt").read_text() == "mine"
+    assert checkpoint.load(tmp_path / "ck", model, opt)["n"] == 2
+
+
+def _two_saves(tmp_path):
+    model = _model()
+    opt = FlashAdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, 1)
+    checkpoint.save(tmp_path / "a", model, opt, extra={"step": 1})
+    _train(model, opt, 1)
+    checkpoint.save(tmp_path / "b", model, opt, extra={"step": 2})
+    return tmp_path / "a", tmp_path / "b"
+
+
+def test_shard_of_another_save_is_refused(tmp_path):
+    a, b = _two_saves(tmp_path)
+    shard = next(a.glob("*.distcp"))
+    original = shard.read_bytes()
+    assert len(original) == len((b / shard.name).read_bytes())  # same model: the files differ in content only
+    shutil.copy(b / shard.name, shard)
+    _expect_refusal(a, rf"shard .*{shard.name} belongs to another save .* mixes files of two saves")
+    shutil.copy(b / ".metadata", a / ".metadata")  # the other save's metadata over this save's shard
+    shard.write_bytes(original)
+    _expect_refusal(a, rf"shard .*{shard.name} belongs to another save")
+
+
+def test_damaged_shard_is_refused(tmp_path):
+    a, _ = _two_saves(tmp_path)
+    shard = next(a.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1  # one flipped bit inside a tensor
+    shard.write_bytes(bytes(data))
+    _expect_refusal(a, rf"shard .*{shard.name} is damaged \(CRC-32")
+
+
+def test_checkpoints_without_save_ids_still_load_and_plain_dcp_reads_ours(tmp_path):
+    """A checkpoint written by plain dcp.save (as flashdist did before shards carried ids) loads; and
+    torch's own DCP reader reads a flashdist checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    model = _model()
+    opt = FlashAdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, 2)
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt),
+             "extra": {"step": 2}}
+    dcp.save(state, checkpoint_id=str(tmp_path / "legacy"))
+    model2 = _model(seed=5)
+    opt2 = FlashAdamW(model2.parameters(), lr=1e-2)
+    assert checkpoint.load(tmp_path / "legacy", model2, opt2)["step"] == 2
+    _equal(_snapshot(model, opt), _snapshot(model2, opt2))
+    checkpoint.save(tmp_path / "ck", model, opt)
+    back = {"model": {k: torch.zeros_like(v) for k, v in get_model_state_dict(model).items()}}
+    dcp.load(back, checkpoint_id=str(tmp_path / "ck"))
+    _equal(back["model"], get_model_state_dict(model))
+    # a shard of a newer save inside an older-format checkpoint is a mix too
+    shard = next((tmp_path / "legacy").glob("*.distcp"))
+    shutil.copy(tmp_path / "ck" / shard.name, shard)
+    _expect_refusal(tmp_path / "legacy", "predates shard ids: the folder mixes files of two saves")
+
+
+def _read_only_folder(tmp_path) -> Path:
+    """A folder no file can be created in: chmod 555 for a normal user; /sys for root (which chmod cannot stop)."""
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    folder.chmod(0o555)
+    candidates = [folder, Path("/sys")]
+    for candidate in candidates:
+        try:
+            (candidate / "flashdist-probe").mkdir()
+        except OSError:
+            return candidate
+        (candidate / "flashdist-probe").rmdir()
+    pytest.skip("no read-only folder here: running as root and /sys is writable")
+
+
+def test_read_only_folder_gives_one_clear_error(tmp_path):
+    model = _model()
+    opt = FlashAdamW(model.parameters())
+    folder = _read_only_folder(tmp_path)
+    try:
+        checkpoint.save(folder / "ck", model, opt)
+    except Exception as e:  # noqa: BLE001 - DCP's own failure is a BaseException that this would miss
+        error = e
+    assert isinstance(error, checkpoint.CheckpointWriteError) and isinstance(error, OSError)
+    message = str(error)
+    assert len(message.splitlines()) == 1 and f"{folder / 'ck'}" in message and "nothing was written" in message
+    assert not any(p.name.startswith("ck") for p in folder.iterdir())
+
+
+def test_failed_write_keeps_the_previous_checkpoint_and_removes_its_own_folder(tmp_path, monkeypatch):
+    model = _model()
+    opt = FlashAdamW(model.parameters(), lr=1e-2)
+    checkpoint.save(tmp_path / "ck", model, opt, extra={"n": 1})
+    real = torch.distributed.checkpoint.FileSystemWriter.write_data
+
+    def disk_full(self, plan, planner):
+        real(self, plan, planner)  # the shards are on disk, the metadata is not
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
+
+    monkeypatch.setattr(torch.distributed.checkpoint.FileSystemWriter, "write_data", disk_full)
+    _train(model, opt, 1)
+    with pytest.raises(checkpoint.CheckpointWriteError) as info:
+        checkpoint.save(tmp_path / "ck", model, opt, extra={"n": 2})
+    message = str(info.value)
+    assert len(message.splitlines()) == 1 and "No space left on device" in message
+    assert f"{tmp_path / 'ck'} was not changed" in message
+    _only_checkpoint_left(tmp_path)
+    monkeypatch.undo()
+    fresh = _model()
+    assert checkpoint.load(tmp_path / "ck", fresh, FlashAdamW(fresh.parameters()))["n"] == 1
+
+
+def test_file_system_without_locks_warns_and_still_saves(tmp_path, monkeypatch):
+    """Where flock is not available (some network file systems), a save warns once and still completes."""
+    fcntl = pytest.importorskip("fcntl", reason="file locks are POSIX")
+
+    def no_locks(fd, flags):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    monkeypatch.setattr(checkpoint.dcp, "_warned_no_flock", False)
+    model = _model()
+    opt = FlashAdamW(model.parameters())
+    with pytest.warns(UserWarning, match="cannot lock files.*not serialised"):
+        checkpoint.save(tmp_path / "ck", model, opt, extra={"n": 1})
+    assert checkpoint.load(tmp_path / "ck", model, opt)["n"] == 1
+    _only_checkpoint_left(tmp_path)

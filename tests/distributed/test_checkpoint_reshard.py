@@ -262,3 +262,64 @@ def test_never_stepped_optimizer_2_to_3(tmp_path):
     model, opt = _build("compressed", False)
     _train(model, opt, 0, STEPS_AFTER)
     _assert_same(_gather(model, opt), after, "never-stepped 2 -> 3 resumed")
+
+
+# ----- faults: shards of two steps, refusals on every rank ------------------------------------------------
+
+
+def _two_steps_job(rank, world, first, second):
+    model, opt = _build("compressed", True)
+    _train(model, opt, 0, 1)
+    checkpoint.save(first, model, opt, extra={"step": 1})
+    _train(model, opt, 1, 1)
+    checkpoint.save(second, model, opt, extra={"step": 2})
+
+
+def _refused_load_job(rank, world, path):
+    model, opt = _build("compressed", _distributed())
+    before = _gather(model, opt)
+    try:
+        checkpoint.load(path, model, opt)
+    except checkpoint.CheckpointError as e:
+        _assert_same(before, _gather(model, opt), f"rank {rank} after a refused load")
+        return str(e)
+    return None
+
+
+def test_shard_of_another_step_is_refused_on_every_rank(tmp_path):
+    """Rank 1's shard of step 1 replaced by rank 1's shard of step 2, or a damaged shard: every rank refuses,
+    naming the file."""
+    first, second = tmp_path / "step1", tmp_path / "step2"
+    run_ranks(_two_steps_job, 2, str(first), str(second))
+    shard = first / "__1_0.distcp"
+    assert shard.stat().st_size == (second / shard.name).stat().st_size
+    shard.write_bytes((second / shard.name).read_bytes())
+    for world in (2, None):
+        messages = run_ranks(_refused_load_job, world, str(first)) if world else [_refused_load_job(0, 1, first)]
+        for message in messages:
+            assert message and "__1_0.distcp belongs to another save" in message, message
+    # one flipped bit: the one rank that checks that file's CRC-32 (on 3 ranks) refuses it for all
+    shard = second / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1
+    shard.write_bytes(bytes(data))
+    for message in run_ranks(_refused_load_job, 3, str(second)):
+        assert message and "__0_0.distcp is damaged" in message, message
+
+
+def _save_refused_job(rank, world, path):
+    model, opt = _build("compressed", True)
+    try:
+        checkpoint.save(path, model, opt)
+    except checkpoint.CheckpointError as e:
+        return str(e)
+    return None
+
+
+def test_refused_save_raises_on_every_rank(tmp_path):
+    """Rank 0 checks the path; every rank raises the same one-line error instead of waiting for rank 0."""
+    path = tmp_path / "ck"
+    path.write_text("not a checkpoint")
+    messages = run_ranks(_save_refused_job, 2, str(path))
+    assert messages[0] == messages[1] and "exists and is not a folder" in messages[0]
+    assert path.read_text() == "not a checkpoint" and sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
