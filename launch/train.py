@@ -145,6 +145,27 @@ def mesh_shape(world: int, local_world: int, replicas: int | None = None,
     return replicas, shards
 
 
+def incarnation_store() -> dict:
+    """init_process_group arguments that give each incarnation of a torchrun job a store namespace of its own.
+
+    torchrun's workers meet in the TCPStore of the rank-0 agent, which outlives a restart after a failure:
+    the keys of the failed incarnation (its ranks' addresses) are still there, and in torch 2.13 the
+    workers of the restart read them (their store prefix is the LOCAL restart count, which differs between
+    a node whose worker failed and one whose workers were only restarted), so the new process group never
+    forms. The joins are counted in the store instead: every rank of an incarnation joins once, so
+    (joins - 1) // world_size numbers the incarnations alike on every node. {} when not under torchrun."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    from datetime import timedelta
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timedelta(minutes=10))
+    incarnation = (store.add("flashdist/joins", 1) - 1) // world
+    return {"store": dist.PrefixStore(f"flashdist/incarnation{incarnation}", store), "rank": rank,
+            "world_size": world}
+
+
 class Run:
     """Process-group, device and logging plumbing."""
 
@@ -155,7 +176,7 @@ class Run:
             local = int(os.environ.get("LOCAL_RANK", 0))
             if self.cuda:
                 torch.cuda.set_device(local)
-            dist.init_process_group("nccl" if self.cuda else "gloo")
+            dist.init_process_group("nccl" if self.cuda else "gloo", **incarnation_store())
         self.rank = dist.get_rank() if self.distributed else 0
         self.world = dist.get_world_size() if self.distributed else 1
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
@@ -290,6 +311,11 @@ def main(argv=None) -> dict:
     model, opt, sched = build(args, run)
     release = flashdist.enable_gradient_release(model, opt) if args.grad_release else None
     n_params = sum(p.numel() for p in model.parameters())
+    layout = "one process" if not run.distributed or args.no_fsdp else (
+        f"FSDP2 over {args.mesh[1]} ranks" if args.mesh[0] == 1 else
+        f"HSDP: {args.mesh[0]} replicas x {args.mesh[1]} shards")
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    run.print(f"{layout}" + (f" | restart {restarts}" if restarts else ""))
     start, log = 0, []
     ckpt = Path(args.ckpt_dir) / "latest" if args.ckpt_dir else None
     if args.auto_resume:
@@ -300,11 +326,6 @@ def main(argv=None) -> dict:
         sched.load_state_dict(extra["scheduler"])
         start, log = int(extra["step"]), json.loads(extra["log"])
         run.print(f"resumed from {ckpt} at step {start}")
-    layout = "one process" if not run.distributed or args.no_fsdp else (
-        f"FSDP2 over {args.mesh[1]} ranks" if args.mesh[0] == 1 else
-        f"HSDP: {args.mesh[0]} replicas x {args.mesh[1]} shards")
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    run.print(f"{layout}" + (f" | restart {restarts}" if restarts else ""))
     run.print(f"flashdist {flashdist.__version__} | torch {torch.__version__} | {run.world} rank(s) on "
               f"{run.device.type} | {n_params / 1e6:.2f} M params | corpus {corpus['train_bytes'] / 2**20:.1f} MiB "
               f"train / {corpus['val_bytes'] / 2**20:.1f} MiB val from {corpus['root']}")
