@@ -153,7 +153,9 @@ def incarnation_store() -> dict:
     workers of the restart read them (their store prefix is the LOCAL restart count, which differs between
     a node whose worker failed and one whose workers were only restarted), so the new process group never
     forms. The joins are counted in the store instead: every rank of an incarnation joins once, so
-    (joins - 1) // world_size numbers the incarnations alike on every node. {} when not under torchrun."""
+    (joins - 1) // world_size numbers the incarnations alike on every node (a rank that dies before it
+    joins, at import, shifts the count: that job fails at the process-group timeout and needs a fresh
+    start, which --auto-resume continues). {} when not under torchrun."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
     from datetime import timedelta

@@ -65,6 +65,13 @@ class Agent:
         self.proc.wait()
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def _descendants(pid: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -209,8 +216,8 @@ def test_a_rank_killed_mid_run_is_restarted_by_torchrun_from_the_last_checkpoint
         node0 = cluster.agent("elastic", 2, 2, args, max_restarts=1, host=True)
         node1 = cluster.agent("elastic", 2, 2, args, max_restarts=1, host=False)
         _wait_for(r"saved \S+ at step", [node0, node1], deadline)
-        victim = _descendants(node1.proc.pid)[0]
-        os.kill(victim, signal.SIGKILL)
+        workers = [pid for pid in _descendants(node1.proc.pid) if "train.py" in _cmdline(pid)]
+        os.kill(workers[0], signal.SIGKILL)
         _wait([node0, node1], deadline)
         output = node0.output() + node1.output()
     # TORCHELASTIC_RESTART_COUNT counts the restarts a node caused: rank 0's banner may not say "restart"
