@@ -1,7 +1,7 @@
 """Multi-node training, tested as two nodes on one host: torchrun agents on 127.0.0.1 joined by a c10d
 rendezvous run launch/train.py (tiny model, gloo, CPU) under HSDP, resume its checkpoint on other node
-counts, and survive a node that dies mid-run (torchrun --max-restarts brings the job back from its last
-checkpoint). With ``--same-batch`` every rank reads the single-process run's batch, so every layout must
+counts, survive a rank that dies mid-run (torchrun --max-restarts brings the job back from its last
+checkpoint) and a node that dies (the job ends; submitted again, it continues from its last checkpoint). With ``--same-batch`` every rank reads the single-process run's batch, so every layout must
 give that run's losses and checkpoint bit for bit: gradients reduced over copies of one batch sum exactly,
 and the optimizer step on a shard is the step on the whole tensor.
 
@@ -228,3 +228,22 @@ def test_a_rank_killed_mid_run_is_restarted_by_torchrun_from_the_last_checkpoint
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert (summary["world_size"], summary["mesh"], summary["resumed_from"]) == (4, [2, 2], resumed)
     _assert_same_run(tmp_path / "out", tmp_path / "ck", reference, f"killed and resumed at step {resumed}")
+
+
+def test_a_node_killed_mid_run_ends_the_job_and_a_resubmitted_job_resumes(tmp_path, reference):
+    """Node 1 dies (agent and workers killed) after a checkpoint: node 0's workers fail and its agent, with no
+    restarts left, ends; the job submitted again (a SLURM requeue) continues from the last checkpoint to the
+    uninterrupted run's losses and state."""
+    deadline = time.monotonic() + TIMEOUT
+    args = ["--ckpt-dir", str(tmp_path / "ck"), "--ckpt-every", "1", "--auto-resume", "--out-dir",
+            str(tmp_path / "out")]
+    with Cluster(tmp_path) as cluster:
+        node0, node1 = cluster.job("first", 2, 2, args)
+        _wait_for(r"saved \S+ at step", [node0, node1], deadline)
+        node1.kill()
+        code = node0.proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        assert code != 0, "the job went on without node 1:\n" + node0.output()[-3000:]
+        _wait(cluster.job("requeued", 2, 2, args), deadline)
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["world_size"] == 4 and 1 <= summary["resumed_from"] < STEPS
+    _assert_same_run(tmp_path / "out", tmp_path / "ck", reference, f"resubmitted at step {summary['resumed_from']}")
