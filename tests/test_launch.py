@@ -188,6 +188,15 @@ def test_memory_budget_reproduces_the_measured_8b_rows(tmp_path):
     assert hsdp["between_nodes_gib"] < fsdp["between_nodes_gib"] / 7  # HSDP's point: little inter-node traffic
 
 
+def test_memory_budget_refuses_gpu_counts_that_are_not_whole_nodes(capsys):
+    sys.path.insert(0, str(ROOT / "launch"))
+    import memory_budget
+
+    with pytest.raises(SystemExit):
+        memory_budget.main(["--gpus", "12"])
+    assert "--gpus [12] are not multiples of --gpus-per-node 8" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("model", ["8b", "tiny"])
 def test_memory_budget_counts_the_parameters_of_the_benchmark_model(model):
     """The analytic Llama shape counts what launch/llama.py builds (on the meta device: no memory)."""
