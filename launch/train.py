@@ -3,6 +3,16 @@
     torchrun --nproc_per_node=2 launch/train.py --steps 200 --ckpt-dir runs/ckpt --ckpt-every 100
     torchrun --nproc_per_node=2 launch/train.py --steps 300 --ckpt-dir runs/ckpt --resume
 
+Across nodes (launch/multinode.sh, launch/slurm/train.sbatch), the same script under torchrun --nnodes:
+
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 --rdzv-id=JOB \
+        --max-restarts=3 launch/train.py --ckpt-dir /shared/ckpt --ckpt-every 100 --auto-resume
+
+The mesh is ``--replicas`` x ``--shards`` ranks: by default HSDP with one replica group per node (each
+parameter sharded over the ranks of a node, replicated across nodes, placements (Replicate(), Shard(0)));
+``--replicas 1`` shards over every rank (plain FSDP2). ``--auto-resume`` continues from the last checkpoint
+when one exists, which is what a restart by ``--max-restarts`` or a SLURM requeue needs.
+
 CPU + gloo by default (one thread per rank), CUDA + NCCL when GPUs are present. Without torchrun it runs
 in one process without FSDP2. ``--optimizer``: ``flash_adamw`` (the default; ``flash`` is the old name)
 is FlashAdamW on bf16 parameters, ``flash_sgd`` FlashSGD (momentum 0.9, L2 decay as torch.optim.SGD) and
@@ -81,6 +91,21 @@ def parse_args(argv=None):
                     help="FSDP2 compute dtype; auto: bf16 on CUDA, fp32 on CPU (CPUs without bf16 matrix units "
                          "run bf16 matmuls ~10x slower). Parameters stay bf16 for FlashAdamW either way.")
     ap.add_argument("--no-fsdp", action="store_true", help="plain single-process model even under torchrun")
+    ap.add_argument("--replicas", type=int, default=None,
+                    help="HSDP replica groups (the mesh's first dim); default: the number of nodes "
+                         "(WORLD_SIZE / LOCAL_WORLD_SIZE); 1 = plain FSDP2 over every rank")
+    ap.add_argument("--shards", type=int, default=None,
+                    help="ranks each parameter is sharded over (the mesh's second dim); default: "
+                         "WORLD_SIZE / replicas. replicas x shards must equal WORLD_SIZE")
+    ap.add_argument("--auto-resume", action="store_true",
+                    help="continue from CKPT_DIR/latest when it exists, else start at step 0 (restarts by "
+                         "torchrun --max-restarts, SLURM requeues)")
+    ap.add_argument("--same-batch", action="store_true",
+                    help="every rank reads the batch of the single-process run: the numbers no longer depend "
+                         "on the mesh, so a multi-node run can be checked bit for bit against one process "
+                         "(a check, not a way to train: it adds no data per rank)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="CPU threads per rank; default: the node's cores / ranks on the node")
     args = ap.parse_args(argv)
     if args.optimizer == "flash":
         args.optimizer = "flash_adamw"
@@ -89,8 +114,11 @@ def parse_args(argv=None):
     args.weight_decay = weight_decay if args.weight_decay is None else args.weight_decay
     if args.grad_release and args.clip:
         ap.error("--grad-release steps during backward, before a global gradient norm exists: use --clip 0")
-    if args.resume and not args.ckpt_dir:
-        ap.error("--resume needs --ckpt-dir")
+    if (args.resume or args.auto_resume) and not args.ckpt_dir:
+        ap.error("--resume and --auto-resume need --ckpt-dir")
+    for name in ("replicas", "shards", "threads"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            ap.error(f"--{name} must be a positive integer, got {getattr(args, name)}")
     if args.optimizer == "adamw" and (args.grad_release or args.no_companding or args.master_weight_bits != "24"):
         ap.error("--grad-release, --no-companding and --master-weight-bits are options of the flash optimizers")
     if args.momentum is not None and args.optimizer != "flash_sgd":
@@ -99,22 +127,72 @@ def parse_args(argv=None):
     return args
 
 
+def mesh_shape(world: int, local_world: int, replicas: int | None = None,
+               shards: int | None = None) -> tuple[int, int]:
+    """(replicas, shards) for ``world`` ranks, ``local_world`` of them per node: by default one replica group
+    per node (HSDP: shard within a node, where the links are fast; replicate across nodes). Raises
+    ValueError naming the flag when the shape cannot cover the ranks."""
+    if world % local_world:
+        raise ValueError(f"WORLD_SIZE {world} is not a multiple of LOCAL_WORLD_SIZE {local_world}: every node "
+                         "must run the same number of ranks (torchrun --nproc-per-node)")
+    if replicas is None:
+        replicas = world // shards if shards and world % shards == 0 else world // local_world
+    if shards is None:
+        shards = world // replicas if world % replicas == 0 else 0
+    if replicas * shards != world:
+        raise ValueError(f"--replicas {replicas} x --shards {shards or '?'} does not cover the {world} ranks: "
+                         f"choose them so that replicas x shards = {world}")
+    return replicas, shards
+
+
+def incarnation_store() -> dict:
+    """init_process_group arguments that give each incarnation of a torchrun job a store namespace of its own.
+
+    torchrun's workers meet in the TCPStore of the rank-0 agent, which outlives a restart after a failure:
+    the keys of the failed incarnation (its ranks' addresses) are still there, and in torch 2.13 the
+    workers of the restart read them (their store prefix is the LOCAL restart count, which differs between
+    a node whose worker failed and one whose workers were only restarted), so the new process group never
+    forms. The joins are counted in the store instead: every rank of an incarnation joins once, so
+    (joins - 1) // world_size numbers the incarnations alike on every node (a rank that dies before it
+    joins, at import, shifts the count: that job fails at the process-group timeout and needs a fresh
+    start, which --auto-resume continues). {} when not under torchrun."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    from datetime import timedelta
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timedelta(minutes=10))
+    incarnation = (store.add("flashdist/joins", 1) - 1) // world
+    return {"store": dist.PrefixStore(f"flashdist/incarnation{incarnation}", store), "rank": rank,
+            "world_size": world}
+
+
 class Run:
     """Process-group, device and logging plumbing."""
 
-    def __init__(self):
+    def __init__(self, threads: int | None = None):
         self.distributed = "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) >= 1 and "MASTER_ADDR" in os.environ
         self.cuda = torch.cuda.is_available()
         if self.distributed:
             local = int(os.environ.get("LOCAL_RANK", 0))
             if self.cuda:
                 torch.cuda.set_device(local)
-            dist.init_process_group("nccl" if self.cuda else "gloo")
+            dist.init_process_group("nccl" if self.cuda else "gloo", **incarnation_store())
         self.rank = dist.get_rank() if self.distributed else 0
         self.world = dist.get_world_size() if self.distributed else 1
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
-        if not self.cuda:
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world))
+        self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.world)) if self.distributed else 1
+        if not self.cuda:  # the ranks of a node share its cores
+            torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // self.local_world))
+
+    def agree(self, flag: bool) -> bool:
+        """Rank 0's ``flag`` on every rank (a file that rank 0 sees decides for all)."""
+        if not self.distributed:
+            return flag
+        t = torch.tensor([int(flag)], device=self.device)
+        dist.broadcast(t, 0)
+        return bool(t.item())
 
     def print(self, *a):
         if self.rank == 0:
@@ -144,14 +222,21 @@ def build(args, run: Run):
     if args.optimizer != "adamw":
         model = model.to(torch.bfloat16)
     if run.distributed and not args.no_fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        replicas, shards = args.mesh
+        # a 1-D mesh is FSDP2; a 2-D one is HSDP: (Replicate(), Shard(0)), the shard groups being runs of
+        # consecutive ranks, which torchrun places on one node
+        mesh = (init_device_mesh(run.device.type, (shards,)) if replicas == 1 else
+                init_device_mesh(run.device.type, (replicas, shards), mesh_dim_names=("replicate", "shard")))
 
         compute = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(
             args.compute_dtype, torch.bfloat16 if run.cuda else torch.float32)
         mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
         for block in model.blocks:
-            fully_shard(block, mp_policy=mp)
-        fully_shard(model, mp_policy=mp)
+            fully_shard(block, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and n != "pos"]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2 or n == "pos"]
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -181,7 +266,7 @@ def build(args, run: Run):
 
 @torch.no_grad()
 def evaluate(model, val, args, run: Run) -> float:
-    g = torch.Generator().manual_seed(10_000 + run.rank)
+    g = torch.Generator().manual_seed(10_000 + (0 if args.same_batch else run.rank))
     losses = []
     for _ in range(args.eval_batches):
         x, y = batch(val, args.batch_size, args.seq_len, g)
@@ -215,7 +300,12 @@ def plot(log: list[dict], path: Path, title: str) -> bool:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    run = Run()
+    run = Run(args.threads)
+    try:
+        args.mesh = mesh_shape(run.world, run.local_world, args.replicas, args.shards)
+    except ValueError as e:
+        run.close()
+        raise SystemExit(f"train.py: {e}") from None
     out = Path(args.out_dir or f"runs/{args.optimizer}-seed{args.seed}")
     if run.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
@@ -223,8 +313,16 @@ def main(argv=None) -> dict:
     model, opt, sched = build(args, run)
     release = flashdist.enable_gradient_release(model, opt) if args.grad_release else None
     n_params = sum(p.numel() for p in model.parameters())
+    layout = "one process" if not run.distributed or args.no_fsdp else (
+        f"FSDP2 over {args.mesh[1]} ranks" if args.mesh[0] == 1 else
+        f"HSDP: {args.mesh[0]} replicas x {args.mesh[1]} shards")
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    run.print(f"{layout}" + (f" | restart {restarts}" if restarts else ""))
     start, log = 0, []
     ckpt = Path(args.ckpt_dir) / "latest" if args.ckpt_dir else None
+    if args.auto_resume:
+        # a damaged checkpoint counts as present, so that load() reports it instead of a fresh start overwriting it
+        args.resume = run.agree(ckpt.exists() or ckpt.with_name(ckpt.name + ".old").exists())
     if args.resume:
         extra = checkpoint.load(ckpt, model, opt)
         sched.load_state_dict(extra["scheduler"])
@@ -238,7 +336,7 @@ def main(argv=None) -> dict:
     t0, tokens = time.perf_counter(), 0
     end = min(args.steps, args.stop_at or args.steps)
     for step in range(start, end):
-        g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + run.rank)
+        g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + (0 if args.same_batch else run.rank))
         x, y = batch(train, args.batch_size, args.seq_len, g)
         loss = model(x.to(run.device), y.to(run.device))
         loss.backward()
@@ -271,7 +369,7 @@ def main(argv=None) -> dict:
     summary = {
         "optimizer": args.optimizer, "master_weight_bits": args.master_weight_bits,
         "companded": not args.no_companding, "grad_release": args.grad_release, "seed": args.seed,
-        "world_size": run.world, "device": run.device.type, "params": n_params, "steps": end,
+        "world_size": run.world, "mesh": list(args.mesh) if run.distributed else None, "device": run.device.type, "params": n_params, "steps": end,
         "resumed_from": start, "final_train_loss": log[-1]["loss"] if log else None, "final_val_loss": last_val,
         "tokens_per_s": tokens / elapsed if elapsed else None, "peak_mem_gib": run.memory_gib(),
         "bytes_per_param": report["bytes_per_param"] if report else None, "memory_report": report,

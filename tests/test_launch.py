@@ -108,3 +108,117 @@ def test_deepspeed_recipe_trains_and_resumes(tmp_path):
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = _log(tmp_path / "out")
     assert [r["step"] for r in rows][-2:] == [3, 4] and all(r["loss"] == r["loss"] for r in rows)
+
+
+def test_mesh_defaults_to_one_replica_group_per_node_and_refuses_shapes_that_miss_ranks():
+    sys.path.insert(0, str(ROOT / "launch"))
+    import train
+
+    assert train.mesh_shape(16, 8) == (2, 8)  # HSDP: replicate across the 2 nodes, shard within each
+    assert train.mesh_shape(2, 2) == (1, 2)  # one node: plain FSDP2
+    assert train.mesh_shape(16, 8, replicas=1) == (1, 16)  # FSDP2 across nodes
+    assert train.mesh_shape(16, 8, shards=4) == (4, 4)
+    assert train.mesh_shape(16, 8, replicas=2, shards=8) == (2, 8)
+    for kwargs, flag in [(dict(replicas=3), "--replicas 3"), (dict(replicas=2, shards=4), "--shards 4"),
+                         (dict(shards=5), "--shards 5")]:
+        with pytest.raises(ValueError, match=flag):
+            train.mesh_shape(16, 8, **kwargs)
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE"):
+        train.mesh_shape(6, 4)
+
+
+def test_mesh_and_resume_flags_are_checked(capsys):
+    sys.path.insert(0, str(ROOT / "launch"))
+    import train
+
+    for argv, message in [(["--auto-resume"], "need --ckpt-dir"), (["--replicas", "0"], "--replicas must be"),
+                          (["--shards", "-2"], "--shards must be"), (["--threads", "0"], "--threads must be")]:
+        with pytest.raises(SystemExit):
+            train.parse_args(argv)
+        assert message in capsys.readouterr().err
+
+
+def test_a_mesh_that_misses_ranks_stops_the_job_with_one_line(tmp_path):
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "launch" / "train.py"), *TINY, "--steps", "1", "--replicas", "3", "--out-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "--replicas 3 x --shards ? does not cover the 2 ranks" in proc.stderr
+    assert not (tmp_path / "log.jsonl").exists()
+
+
+def test_auto_resume_starts_fresh_without_a_checkpoint_and_continues_with_one(tmp_path):
+    ck = ["--ckpt-dir", str(tmp_path / "ck"), "--ckpt-every", "2", "--auto-resume"]
+    stdout = _train("--steps", "4", "--stop-at", "2", *ck, "--out-dir", str(tmp_path / "a"))
+    assert "resumed from" not in stdout and "FSDP2 over 2 ranks" in stdout
+    stdout = _train("--steps", "4", *ck, "--out-dir", str(tmp_path / "a"))
+    assert "at step 2" in stdout.split("resumed from")[1].splitlines()[0]
+    assert [r["step"] for r in _log(tmp_path / "a")] == [1, 2, 3, 4]
+
+
+def _benchmark_rows() -> dict[tuple[str, int], float]:
+    """persistent GiB/rank of the measured Llama-3.1-8B rows in docs/benchmarks.md, by (optimizer, ranks)."""
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    section = text.split("# Llama-3.1-8B shapes under FSDP2")[1].split("\n# ")[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) >= 4 and cells[1].isdigit():
+            rows[(cells[0], int(cells[1]))] = float(cells[3])
+    return rows
+
+
+def test_memory_budget_reproduces_the_measured_8b_rows(tmp_path):
+    """launch/memory_budget.py's persistent GiB per GPU equal the measured 8B rows of docs/benchmarks.md."""
+    sys.path.insert(0, str(ROOT / "launch"))
+    import memory_budget
+
+    measured = _benchmark_rows()
+    names = {"torch.optim.AdamW, fp32 master weights": "AdamW (fp32 master)", "FlashAdamW 24-bit": "FlashAdamW",
+             "FlashAdamW 24-bit + gradient release": "FlashAdamW + release"}
+    assert {name for name, _ in measured} == set(names) and {n for _, n in measured} == {1, 2}
+    for (name, ranks), gib in measured.items():
+        row = memory_budget.budget("Llama-3.1-8B", ranks)
+        assert abs(row["optimizers"][names[name]]["persistent_gib"] - gib) <= 0.1, (name, ranks)
+    rows = memory_budget.main(["--out", str(tmp_path / "budget.json")])
+    assert json.loads((tmp_path / "budget.json").read_text())["rows"] == json.loads(json.dumps(rows))
+    hsdp = memory_budget.budget("Llama-3.1-70B", 64, hsdp=True)
+    fsdp = memory_budget.budget("Llama-3.1-70B", 64)
+    assert (hsdp["replicas"], hsdp["shards"], fsdp["shards"]) == (8, 8, 64)
+    assert hsdp["between_nodes_gib"] < fsdp["between_nodes_gib"] / 7  # HSDP's point: little inter-node traffic
+
+
+def test_memory_budget_refuses_gpu_counts_that_are_not_whole_nodes(capsys):
+    sys.path.insert(0, str(ROOT / "launch"))
+    import memory_budget
+
+    with pytest.raises(SystemExit):
+        memory_budget.main(["--gpus", "12"])
+    assert "--gpus [12] are not multiples of --gpus-per-node 8" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model", ["8b", "tiny"])
+def test_memory_budget_counts_the_parameters_of_the_benchmark_model(model):
+    """The analytic Llama shape counts what launch/llama.py builds (on the meta device: no memory)."""
+    sys.path.insert(0, str(ROOT / "launch"))
+    import memory_budget
+    from llama import Llama, LlamaConfig
+
+    import torch
+
+    c = LlamaConfig.named(model)
+    with torch.device("meta"):
+        built = sum(p.numel() for p in Llama(c).parameters())
+    shape = memory_budget.Shape(hidden=c.hidden, layers=c.layers, heads=c.heads, kv_heads=c.kv_heads, mlp=c.mlp,
+                                vocab=c.vocab)
+    assert shape.params() == built
+    if model == "8b":
+        assert shape == memory_budget.MODELS["Llama-3.1-8B"]
+
+
+def test_multinode_scripts_parse_and_refuse_missing_settings():
+    for script in ("multinode.sh", "slurm/train.sbatch"):
+        assert subprocess.run(["bash", "-n", str(ROOT / "launch" / script)]).returncode == 0
+    env = {k: v for k, v in os.environ.items() if k not in ("NNODES", "RDZV_HOST", "CKPT_DIR")}
+    proc = subprocess.run(["bash", str(ROOT / "launch" / "multinode.sh")], env=env, capture_output=True, text=True)
+    assert proc.returncode != 0 and "set NNODES" in proc.stderr
