@@ -35,6 +35,10 @@ def _caller_stacklevel() -> int:
     return level
 
 
+_EAGER_STEP = ("flashdist: the optimizer step runs eagerly (it is one fused launch per param group already); "
+               "call torch.compile without fullgraph=True, or leave optimizer.step out of the compiled function")
+
+
 class PrecisionWarning(UserWarning):
     """fp32 parameters handed to a flashdist optimizer in a setting where the model likely computes in bf16."""
 
@@ -185,8 +189,8 @@ class FlashOptimizer(torch.optim.Optimizer):
         self._check_layout_options(candidate)
         for i, p in enumerate(params):
             self._check_param(candidate, i, p)
-        self._check_overlaps([(g, q) for g in self.param_groups for q in g["params"]]
-                             + [(candidate, p) for p in params])
+        self._check_overlaps([(g, i, q) for g in self.param_groups for i, q in enumerate(g["params"])]
+                             + [(candidate, i, p) for i, p in enumerate(params)])
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         if len(group["params"]) != len(params):
@@ -225,22 +229,22 @@ class FlashOptimizer(torch.optim.Optimizer):
                              "leave flat_layout=False")
 
     @staticmethod
-    def _check_overlaps(pairs: list[tuple[dict, torch.Tensor]]) -> None:
+    def _check_overlaps(params: list[tuple[dict, int, torch.Tensor]]) -> None:
         """Refuse two parameters whose memory overlaps (views of one storage): each would be stepped, so the
         shared values would be updated twice per step. The same tensor twice is torch's business (it refuses
         it across groups and warns within one)."""
         spans = []
-        for group, p in pairs:
+        for group, index, p in params:
             lp = D.local(p)
             if lp.numel() == 0 or lp.device.type == "meta":
                 continue
             start = lp.data_ptr()
-            spans.append((lp.untyped_storage().data_ptr(), start, start + lp.numel() * lp.element_size(), p, group))
-        spans.sort(key=lambda s: (s[0], s[1]))
-        for (sa, _, end_a, pa, ga), (sb, start_b, _, pb, gb) in zip(spans, spans[1:]):
+            spans.append((lp.untyped_storage().data_ptr(), start, start + lp.numel() * lp.element_size(), p,
+                          group, index))
+        spans.sort(key=lambda s: (s[0], s[1]))  # an overlap, if any, shows between neighbours in this order
+        for (sa, _, end_a, pa, ga, ia), (sb, start_b, _, pb, gb, ib) in zip(spans, spans[1:]):
             if sa == sb and start_b < end_a and pa is not pb:
-                name_a = param_name(ga, next(i for i, q in enumerate(ga["params"]) if q is pa), pa)
-                name_b = param_name(gb, next(i for i, q in enumerate(gb["params"]) if q is pb), pb)
+                name_a, name_b = param_name(ga, ia, pa), param_name(gb, ib, pb)
                 raise ValueError(f"flashdist: parameters {name_a} and {name_b} overlap in memory (views of one "
                                  "storage), so the shared values would be stepped twice; pass each tensor once")
 
@@ -291,7 +295,7 @@ class FlashOptimizer(torch.optim.Optimizer):
         for group, i, p in new:
             self._check_param(group, i, p)
         if new:
-            self._check_overlaps([(g, q) for g in self.param_groups for q in g["params"]])
+            self._check_overlaps([(g, i, q) for g in self.param_groups for i, q in enumerate(g["params"])])
         live = {id(p) for group in self.param_groups for p in group["params"]}
         for p in [p for p in self.state if id(p) not in live]:
             del self.state[p]
@@ -593,14 +597,15 @@ class FlashOptimizer(torch.optim.Optimizer):
     def _patch_step_function(self) -> None:
         """Make ``step`` (torch's hook-running wrapper included) opaque to torch.compile.
 
-        The step keeps Python-side caches (plans, bucketed tensor lists) that dynamo cannot trace usefully,
-        and the fused kernel is one launch per group already, so there is nothing left for the compiler to
-        fuse. ``torch.compile(optimizer.step)`` (fullgraph=True included) therefore runs the step eagerly,
-        and a compiled function that calls ``optimizer.step()`` graph-breaks there."""
+        The step keeps Python-side caches (plans, bucketed tensor lists) that dynamo cannot trace, and the
+        fused kernel is already one launch per group, so a compiler has nothing left to fuse. So
+        ``torch.compile(optimizer.step)`` runs the step eagerly (a graph break), and a compiled function
+        that calls ``optimizer.step()`` breaks its graph there. ``fullgraph=True`` forbids that break: dynamo
+        then raises before anything changed, with the reason below."""
         super()._patch_step_function()
         cls = type(self)
         if not getattr(cls.step, "flashdist_eager", False):
-            step = torch.compiler.disable(cls.step, recursive=True)
+            step = torch.compiler.disable(cls.step, recursive=True, reason=_EAGER_STEP)
             step.hooked = True  # torch's wrapper is inside: do not wrap again
             step.flashdist_eager = True
             cls.step = step
