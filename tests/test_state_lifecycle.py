@@ -94,6 +94,18 @@ def test_state_follows_parameters_in_a_load_and_in_the_memory_report():
     assert all(float(opt.state[p]["step"]) == 1 for p in other.parameters())
 
 
+def test_a_parameter_replaced_in_place_in_the_list_is_seen_at_its_step():
+    model, clone = _model(), _model()
+    opt = FlashAdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, 1)
+    old = model[0].weight
+    opt.param_groups[0]["params"][0] = clone[0].weight  # same list object, one entry replaced
+    model[0].weight = clone[0].weight
+    _train(model, opt, 1, start=1)
+    assert float(opt.state[clone[0].weight]["step"]) == 1 and float(opt.state[model[2].weight]["step"]) == 2
+    assert old not in opt.state
+
+
 def test_an_unchanged_step_does_no_per_parameter_work(monkeypatch):
     model = _model()
     opt = FlashAdamW(model.parameters())

@@ -121,7 +121,7 @@ class FlashOptimizer(torch.optim.Optimizer):
         self._plan_keys: dict[int, tuple] = {}  # id(param) -> key of the plan that holds its step counter
         self._dtensor_groups: set[int] = set()  # ids of param groups that hold DTensor parameters
         self._layouts: dict[int, tuple] = {}  # id(group) -> its layout options when its state was made
-        self._synced: list[tuple[dict, list]] = []  # (group, copy of its params) as last seen
+        self._synced: list[tuple[dict, list, list]] = []  # (group, its params list, a copy) as last seen
 
     def moments_of(self, group: dict) -> tuple[str, ...]:
         """State names of the moments the parameters of ``group`` keep (fp32, or as ``<name>_codes`` and
@@ -200,7 +200,7 @@ class FlashOptimizer(torch.optim.Optimizer):
         self._layouts[id(group)] = self._layout_of(group)
         if any(D.is_dtensor(p) for p in group["params"]):
             self._dtensor_groups.add(id(group))
-        self._synced.append((group, list(group["params"])))
+        self._synced.append((group, group["params"], list(group["params"])))
         self._warn_precision(group["params"], group)
         if group.get("flat_layout", False):
             # A wrapper (DeepSpeed ZeRO) replaces these tensors by its flat partitions after construction:
@@ -268,15 +268,19 @@ class FlashOptimizer(torch.optim.Optimizer):
 
     # ----- state that follows param_groups ------------------------------------------------------------
 
-    def _groups_changed(self) -> bool:
-        """Whether ``param_groups`` holds other parameters than when last synced: one identity comparison per
-        parameter, in C (``map``), no Python work per parameter."""
+    def _groups_changed(self, thorough: bool = True) -> bool:
+        """Whether ``param_groups`` holds other parameters than when last synced. ``thorough``: one identity
+        comparison per parameter, in C (``map``); otherwise (every step) the same group dicts holding the
+        same list objects of the same lengths: a list changed in place is caught when the step's plan no
+        longer matches the parameters with gradients (``_step_params``), or by ``state_dict``."""
         synced = self._synced
         if len(synced) != len(self.param_groups):
             return True
-        for group, (seen_group, seen) in zip(self.param_groups, synced):
+        for group, (seen_group, seen_list, seen) in zip(self.param_groups, synced):
             params = group["params"]
-            if group is not seen_group or len(params) != len(seen) or not all(map(operator.is_, params, seen)):
+            if group is not seen_group or params is not seen_list or len(params) != len(seen):
+                return True
+            if thorough and not all(map(operator.is_, params, seen)):
                 return True
         return False
 
@@ -289,7 +293,7 @@ class FlashOptimizer(torch.optim.Optimizer):
         when the groups changed; cheap to call again."""
         if not self._groups_changed():
             return
-        seen = {id(p) for _, params in self._synced for p in params}
+        seen = {id(p) for _, _, params in self._synced for p in params}
         new = [(group, i, p) for group in self.param_groups for i, p in enumerate(group["params"])
                if id(p) not in seen]
         for group, i, p in new:
@@ -309,7 +313,7 @@ class FlashOptimizer(torch.optim.Optimizer):
                 for p in group["params"]:
                     if p.requires_grad and not self._state_ready(p, group):
                         self._init_state(p, group)
-        self._synced = [(group, list(group["params"])) for group in self.param_groups]
+        self._synced = [(group, group["params"], list(group["params"])) for group in self.param_groups]
         for group in self.param_groups:
             self._warn_precision([p for g, i, p in new if g is group], group)
 
@@ -445,7 +449,7 @@ class FlashOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._groups_changed():
+        if self._groups_changed(thorough=False):
             self.sync_state()
         active = self._check_grads()
         for group, (params, grads) in zip(self.param_groups, active):
