@@ -13,8 +13,7 @@ import warnings
 import pytest
 import torch
 
-from flashdist import FlashAdamW, FlashSGD, memory_report
-from flashdist.optim.base import PrecisionWarning
+from flashdist import FlashAdamW, FlashSGD, PrecisionWarning, memory_report
 
 
 def _model(seed: int = 0, dtype=torch.bfloat16) -> torch.nn.Sequential:

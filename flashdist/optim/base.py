@@ -252,7 +252,7 @@ class FlashOptimizer(torch.optim.Optimizer):
         """Say once that fp32 parameters get no 24-bit split when every parameter of a group is fp32 and the
         group asks for 24-bit masters (the default): the sign of an fp32 model that computes in bf16 (HF
         ``bf16=True`` autocast, Accelerate's FSDP2 mixed precision, which upcasts the parameters)."""
-        if self._precision_warned or group["master_weight_bits"] != 24 or group.get("flat_layout", False):
+        if getattr(self, "_precision_warned", False) or group["master_weight_bits"] != 24 or group.get("flat_layout", False):
             return
         params = [p for p in params if p.requires_grad]
         if not params or any(p.dtype != torch.float32 for p in params):
