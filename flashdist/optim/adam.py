@@ -33,7 +33,9 @@ class FlashAdamW(FlashOptimizer):
             that computes in bf16 (autocast, the Trainer's ``bf16=True``, Accelerate's FSDP2 mixed precision,
             which upcasts the parameters), which gets fp32 gradients and no 24-bit split; cast the model to
             bf16 before building the optimizer (docs/integrations.md). ``master_weight_bits=None`` says the
-            fp32 parameters are meant and silences it.
+            fp32 parameters are meant and silences it. After FSDP2 sharding,
+            ``optimizer.check_precision(model)`` reads the model's ``MixedPrecisionPolicy`` and names the
+            fp32 parameters it computes in bf16/fp16 (no guess, no false alarm).
         quantize_states: keep the moments as 8-bit codes (default) or as fp32.
         companded: softsign (first moment) and sqrt (second moment) companding before 8-bit group
             quantization (default); False is linear group absmax for both, the paper's ablation.

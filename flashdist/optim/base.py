@@ -266,6 +266,27 @@ class FlashOptimizer(torch.optim.Optimizer):
             "deliberate fp32 training pass master_weight_bits=None (it only affects bf16/fp16 parameters) to "
             "silence this.", PrecisionWarning, stacklevel=_caller_stacklevel())
 
+    def check_precision(self, model: torch.nn.Module) -> list[str]:
+        """The trainable fp32 parameters of this optimizer that FSDP2 computes in bf16 or fp16 (a
+        ``MixedPrecisionPolicy(param_dtype=...)`` in ``model``; Accelerate's FSDP2 mixed precision sets one
+        and upcasts the parameters): they get fp32 gradients and no 24-bit split. Warns once (a
+        ``PrecisionWarning``, whatever ``master_weight_bits``) when there are any; returns their names (FQNs
+        in ``model``). Call it after the model is sharded, e.g. after ``accelerator.prepare``."""
+        names = {id(p): n for n, p in model.named_parameters()}
+        compute = D.fsdp_compute_dtypes(model)
+        found = [names.get(id(p), param_name(g, i, p)) for g in self.param_groups for i, p in enumerate(g["params"])
+                 if p.requires_grad and p.dtype == torch.float32
+                 and compute.get(id(p), torch.float32) in (torch.bfloat16, torch.float16)]
+        if found and not getattr(self, "_precision_warned", False):
+            self._precision_warned = True
+            warnings.warn(
+                f"flashdist: FSDP2 computes {len(found)} fp32 parameters of {type(self).__name__} in lower "
+                f"precision (e.g. {found[0]}): they get fp32 gradients and no 8-bit rho split. Cast the model to "
+                "bf16 before sharding and building the optimizer, without FSDP2 mixed precision, to keep bf16 "
+                "weights with 24-bit masters: see docs/integrations.md.", PrecisionWarning,
+                stacklevel=_caller_stacklevel())
+        return found
+
     # ----- state that follows param_groups ------------------------------------------------------------
 
     def _groups_changed(self, thorough: bool = True) -> bool:

@@ -156,7 +156,20 @@ def _mixed_precision_ranks(rank: int, world_size: int) -> list[str]:
         for step in range(2):
             _train_step(model, optimizer, step, accelerator.backward)
     assert all(p.dtype == torch.float32 for g in optimizer.param_groups for p in g["params"] if p.requires_grad)
-    return [str(w.message) for w in record if issubclass(w.category, flashdist.PrecisionWarning)]
+    # the precise check, from the module's FSDP2 state: the trainable parameters (not the frozen layer), and
+    # nothing for a model FSDP2 computes in fp32
+    found = optimizer.optimizer.check_precision(model)
+    assert found == ["1.weight", "1.bias", "3.weight", "3.bias"], found
+    messages = [str(w.message) for w in record if issubclass(w.category, flashdist.PrecisionWarning)]
+    plain = torch.nn.Linear(8, 8)
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(plain)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", flashdist.PrecisionWarning)
+        fp32_optimizer = flashdist.FlashAdamW(plain.parameters(), master_weight_bits=None)  # fp32 on purpose
+        assert fp32_optimizer.check_precision(plain) == []
+    return messages
 
 
 def test_accelerate_fsdp2_mixed_precision_warns_once_about_fp32_parameters():
