@@ -92,9 +92,10 @@ class FlashOptimizer(torch.optim.Optimizer):
     Accelerate's FSDP2 ``prepare`` puts sharded DTensors in place of the original tensors): a parameter seen
     for the first time gets its state (at the step, ``state_dict``, ``load_state_dict`` or
     ``flashdist.memory_report`` that first sees it), a parameter no longer in any group loses its state, and
-    frozen parameters (``requires_grad=False``) hold none until they are stepped with a gradient. A change
-    is detected by comparing each group's parameter list with the one last seen, by identity (no Python
-    work per parameter on an unchanged step)."""
+    frozen parameters (``requires_grad=False``) hold none until they are stepped with a gradient. Each step
+    compares each group's dict and parameter list object with those last seen (no Python work per
+    parameter); an entry replaced in place is caught by the step's cached plan, which compares the
+    parameters with gradients by identity anyway, and by ``state_dict``."""
 
     _moments: tuple[str, ...] = ()
     _torch_counts_steps = True  # the torch optimizer this one replaces keeps state["step"] (SGD does not)
