@@ -123,6 +123,10 @@ class FlashOptimizer(torch.optim.Optimizer):
         self._dtensor_groups: set[int] = set()  # ids of param groups that hold DTensor parameters
         self._layouts: dict[int, tuple] = {}  # id(group) -> its layout options when its state was made
         self._synced: list[tuple[dict, list, list]] = []  # (group, its params list, a copy) as last seen
+        # ids of tensors seen in flat_layout groups: their state is never freed by sync_state, because
+        # DeepSpeed ZeRO-3 puts each sub-group's partition into the group for its step and empties the group
+        # after it (the state of a tensor holds that tensor, so its id stays its own while it has state)
+        self._flat_ids: set[int] = set()
 
     def moments_of(self, group: dict) -> tuple[str, ...]:
         """State names of the moments the parameters of ``group`` keep (fp32, or as ``<name>_codes`` and
@@ -206,6 +210,7 @@ class FlashOptimizer(torch.optim.Optimizer):
         if group.get("flat_layout", False):
             # A wrapper (DeepSpeed ZeRO) replaces these tensors by its flat partitions after construction:
             # their state is created by the first step (or load) that sees them.
+            self._flat_ids.update(map(id, group["params"]))
             return
         for p in group["params"]:
             if p.requires_grad:  # frozen parameters hold no state until they are stepped
@@ -309,7 +314,9 @@ class FlashOptimizer(torch.optim.Optimizer):
     def sync_state(self) -> None:
         """Bring the state in line with the parameters in ``param_groups`` now: check and create the state of
         parameters never seen before (those with ``requires_grad``; ``flat_layout`` groups create theirs at
-        their first step), drop the state of parameters no longer in any group, and forget every cached plan.
+        their first step), drop the state of parameters no longer in any group (not of tensors once in a
+        ``flat_layout`` group: DeepSpeed ZeRO-3 swaps its partitions in and out of the group around each
+        step, and the state is its to keep), and forget every cached plan.
         Every rank creates state for the same (trainable) parameters, so ``dcp.save`` sees the same keys
         everywhere. Called by ``step``, ``state_dict``, ``load_state_dict`` and ``flashdist.memory_report``
         when the groups changed; cheap to call again."""
@@ -323,7 +330,9 @@ class FlashOptimizer(torch.optim.Optimizer):
         if new:
             self._check_overlaps([(g, i, q) for g in self.param_groups for i, q in enumerate(g["params"])])
         live = {id(p) for group in self.param_groups for p in group["params"]}
-        for p in [p for p in self.state if id(p) not in live]:
+        self._flat_ids.update(id(p) for group in self.param_groups if group.get("flat_layout", False)
+                              for p in group["params"])
+        for p in [p for p in self.state if id(p) not in live and id(p) not in self._flat_ids]:
             del self.state[p]
         self._invalidate_plans()
         self._dtensor_groups = {id(g) for g in self.param_groups if any(D.is_dtensor(p) for p in g["params"])}
