@@ -155,14 +155,18 @@ class FlashOptimizer(torch.optim.Optimizer):
     def _check_group(self, group: dict) -> None:
         """The checks every step runs on a group: its hyper-parameters, and layout options unchanged."""
         self._check_hyperparameters(group)
-        if self._layouts.get(id(group)) != self._layout_of(group):
-            was = dict(zip(LAYOUT_OPTIONS, self._layouts.get(id(group), ())))
+        self._check_layout_unchanged(group)
+
+    def _check_layout_unchanged(self, group: dict) -> None:
+        known = self._layouts.get(id(group))
+        if known is not None and known != self._layout_of(group):  # (a group not seen yet: sync_state records it)
+            was = dict(zip(LAYOUT_OPTIONS, known))
             now = dict(zip(LAYOUT_OPTIONS, self._layout_of(group)))
             changed = {k: (was[k], now[k]) for k in was if was[k] != now[k]}
             raise ValueError(f"flashdist: layout options of a param group changed after its state was made "
                              f"({', '.join(f'{k}: {a!r} -> {b!r}' for k, (a, b) in changed.items())}); they decide "
-                             "the state's layout and are fixed: build a new optimizer (flashdist.save the "
-                             "portable state first to carry the moments over), or set them back")
+                             "the state's layout and are fixed: set them back, or build a new optimizer with "
+                             "the options you want")
 
     def add_param_group(self, param_group: dict) -> None:
         """As ``torch.optim.Optimizer.add_param_group``: ``params`` may be a tensor or any iterable of tensors
@@ -496,6 +500,7 @@ class FlashOptimizer(torch.optim.Optimizer):
         same parameters have gradients and their state is unchanged, and rebuilt otherwise."""
         if not params:
             return
+        self._check_layout_unchanged(group)  # (step() checked already; gradient release steps through here)
         key = (id(group), len(params), id(params[0]))
         plan = self._plans.get(key)
         if plan is None or not plan.matches(params):
