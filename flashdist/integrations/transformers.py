@@ -206,12 +206,24 @@ def _add_member(enum_cls: type, value: str) -> None:
     enum_cls._value2member_map_[value] = member
 
 
-def register() -> None:
+def register(*, deepspeed: bool = True) -> None:
     """Make ``TrainingArguments(optim="flash_adamw")`` (and every name of :data:`OPTIMIZERS`) build flashdist
     optimizers in the Trainer. Idempotent; call it before building TrainingArguments (or parsing them with
     HfArgumentParser). On an untested Transformers version it raises ``ImportError`` naming the public route,
-    and changes nothing."""
+    and changes nothing.
+
+    With ``deepspeed=True`` (the default) and DeepSpeed installed, it also runs
+    ``flashdist.integrations.deepspeed.register()``, so that a DeepSpeed config given to the Trainer may name
+    ``"type": "FlashAdamW"``, and a flashdist optimizer passed as ``optimizers=(...)`` without
+    ``flat_layout=True`` is refused under ZeRO instead of keeping fp32 moments."""
     names, handlers = _check_version()
+    if deepspeed:
+        from .._compat import HAS_DEEPSPEED
+
+        if HAS_DEEPSPEED:
+            from . import deepspeed as fd_deepspeed
+
+            fd_deepspeed.register()
     for value in OPTIMIZERS:
         _add_member(names, value)
         handlers[names(value)] = _handler
