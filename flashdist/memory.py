@@ -46,7 +46,12 @@ def _nbytes(t: torch.Tensor | None) -> int:
 def memory_report(optimizer: torch.optim.Optimizer, *, include_grads: bool = True) -> dict[str, float]:
     """MEASURED bytes held for the optimizer's parameters on this rank, summed from the real local tensors:
     ``params``, ``grads`` (those that exist now), ``rho``, ``codes``, ``scales``, ``fp32_moments``,
-    ``other`` (any other tensor state), their ``total`` and ``bytes_per_param`` (total / local numel)."""
+    ``other`` (any other tensor state), their ``total`` and ``bytes_per_param`` (total / local numel).
+    Frozen parameters count in ``params`` and ``numel`` but hold no state; parameters swapped into
+    ``param_groups`` since the last step are counted with their (new) state."""
+    sync_state = getattr(optimizer, "sync_state", None)
+    if sync_state is not None:  # a flashdist optimizer whose param_groups were swapped: count the live state
+        sync_state()
     out = dict.fromkeys(("params", "grads", "rho", "codes", "scales", "fp32_moments", "other"), 0)
     numel = 0
     seen: set[int] = set()

@@ -60,6 +60,9 @@ class FlashAdamW(FlashOptimizer):
         check_number("lr", group["lr"], low=0.0)
         check_betas(group["betas"], high_open=True)
         check_number("eps", group["eps"], low=0.0)
+        if group["eps"] == 0:  # 8-bit second moments round small values to 0: m / sqrt(0) would be inf or NaN
+            raise ValueError("flashdist: eps must be > 0, got 0; the quantized second moment can be exactly 0 "
+                             "where the first is not, so eps=0 turns the update into inf or NaN (use e.g. 1e-8)")
         check_number("weight_decay", group["weight_decay"], low=0.0)
 
     def _step_bucket(self, group, bucket, grads, step, skipped):

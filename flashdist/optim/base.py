@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import itertools
+import math
 import operator
+import os
+import sys
+import warnings
 from collections import defaultdict
 from typing import Any
 
@@ -17,6 +21,26 @@ SUPPORTED_PARAM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _GRAD = operator.attrgetter("grad")
 _LAYOUT = operator.attrgetter("layout")
 MASTER_WEIGHT_BITS = (24, 32, None)
+LAYOUT_OPTIONS = ("master_weight_bits", "quantize_states", "companded", "flat_layout")
+
+
+_INTERNAL_FILES = (os.path.dirname(os.path.dirname(__file__)), os.path.dirname(torch.__file__))
+
+
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the first frame outside flashdist and torch."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL_FILES):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+_EAGER_STEP = ("flashdist: the optimizer step runs eagerly (it is one fused launch per param group already); "
+               "call torch.compile without fullgraph=True, or leave optimizer.step out of the compiled function")
+
+
+class PrecisionWarning(UserWarning):
+    """fp32 parameters handed to a flashdist optimizer in a setting where the model likely computes in bf16."""
 
 
 def state_layout(shape, flat_layout: bool = False) -> tuple[int, int, int] | None:
@@ -44,8 +68,8 @@ def check_number(name: str, value: Any, *, low: float, high: float | None = None
         if value.numel() != 1:
             raise ValueError(f"flashdist: {name} must be a number, got a tensor of shape {tuple(value.shape)}")
         value = value.item()
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
-        raise ValueError(f"flashdist: {name} must be a real number, got {value!r}")
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise ValueError(f"flashdist: {name} must be a finite real number, got {value!r}")
     if value < low or (high is not None and (value >= high if high_open else value > high)):
         bound = f"[{low}, {high})" if high_open else (f"[{low}, {high}]" if high is not None else f">= {low}")
         raise ValueError(f"flashdist: {name} must be in {bound}, got {value!r}")
@@ -62,7 +86,15 @@ def check_betas(betas: Any, *, high_open: bool) -> None:
 class FlashOptimizer(torch.optim.Optimizer):
     """Base class. Subclasses set ``_moments`` (state names of their moments, e.g. ("exp_avg", "exp_avg_sq"),
     or override ``moments_of`` when a group's hyper-parameters decide them) and implement
-    ``_check_hyperparameters`` and ``_step_bucket``."""
+    ``_check_hyperparameters`` and ``_step_bucket``.
+
+    State follows the parameters that are in ``param_groups`` now (frameworks swap them after construction:
+    Accelerate's FSDP2 ``prepare`` puts sharded DTensors in place of the original tensors): a parameter seen
+    for the first time gets its state (at the step, ``state_dict``, ``load_state_dict`` or
+    ``flashdist.memory_report`` that first sees it), a parameter no longer in any group loses its state, and
+    frozen parameters (``requires_grad=False``) hold none until they are stepped with a gradient. A change
+    is detected by comparing each group's parameter list with the one last seen, by identity (no Python
+    work per parameter on an unchanged step)."""
 
     _moments: tuple[str, ...] = ()
     _torch_counts_steps = True  # the torch optimizer this one replaces keeps state["step"] (SGD does not)
@@ -78,10 +110,18 @@ class FlashOptimizer(torch.optim.Optimizer):
         self.backend = backend
         self.state_dict_format = state_dict_format
         self.skipped = None  # int32 counter of skipped (non-finite) groups, on the parameters' device
+        self._precision_warned = False
+        self._reset_caches()
+        super().__init__(params, defaults)
+
+    def _reset_caches(self) -> None:
+        """Everything derived from ``param_groups`` and ``state`` that ``sync_state`` rebuilds (and that a
+        copy or an unpickled optimizer must not inherit: plans and sets keyed by ``id()``)."""
         self._plans: dict[tuple, _Plan] = {}
         self._plan_keys: dict[int, tuple] = {}  # id(param) -> key of the plan that holds its step counter
         self._dtensor_groups: set[int] = set()  # ids of param groups that hold DTensor parameters
-        super().__init__(params, defaults)
+        self._layouts: dict[int, tuple] = {}  # id(group) -> its layout options when its state was made
+        self._synced: list[tuple[dict, list, list]] = []  # (group, its params list, a copy) as last seen
 
     def moments_of(self, group: dict) -> tuple[str, ...]:
         """State names of the moments the parameters of ``group`` keep (fp32, or as ``<name>_codes`` and
@@ -103,13 +143,43 @@ class FlashOptimizer(torch.optim.Optimizer):
         if not isinstance(group.get("flat_layout", False), bool):
             raise ValueError(f"flashdist: flat_layout must be True or False, got {group['flat_layout']!r}")
 
+    @staticmethod
+    def _layout_of(group: dict) -> tuple:
+        return tuple(group.get(key, False) for key in LAYOUT_OPTIONS)
+
+    def _check_group(self, group: dict) -> None:
+        """The checks every step runs on a group: its hyper-parameters, and layout options unchanged."""
+        self._check_hyperparameters(group)
+        if self._layouts.get(id(group)) != self._layout_of(group):
+            was = dict(zip(LAYOUT_OPTIONS, self._layouts.get(id(group), ())))
+            now = dict(zip(LAYOUT_OPTIONS, self._layout_of(group)))
+            changed = {k: (was[k], now[k]) for k in was if was[k] != now[k]}
+            raise ValueError(f"flashdist: layout options of a param group changed after its state was made "
+                             f"({', '.join(f'{k}: {a!r} -> {b!r}' for k, (a, b) in changed.items())}); they decide "
+                             "the state's layout and are fixed: build a new optimizer (flashdist.save the "
+                             "portable state first to carry the moments over), or set them back")
+
     def add_param_group(self, param_group: dict) -> None:
-        # Validate everything first so that a bad group leaves the optimizer unchanged.
+        """As ``torch.optim.Optimizer.add_param_group``: ``params`` may be a tensor or any iterable of tensors
+        or of ``(name, tensor)`` pairs (``named_parameters()``), generators included. Every check runs
+        before anything changes, so a refused group leaves the optimizer as it was."""
+        if not isinstance(param_group, dict):
+            raise TypeError(f"flashdist: a param group must be a dict, got {type(param_group).__name__}")
+        given = param_group.get("params")
+        if given is None:
+            raise ValueError("flashdist: a param group needs a 'params' entry")
+        if isinstance(given, set):
+            raise TypeError("flashdist: a param group's params must be an ordered collection (a list, a tuple or "
+                            "a generator), not a set: the order of a set changes between runs")
+        # Materialize once: a generator is consumed here and torch must be handed the same tensors.
+        entries = [given] if isinstance(given, torch.Tensor) else list(given)
+        if not entries and iter(given) is given:
+            raise ValueError("flashdist: a param group's params is an iterator that yields no parameters (a "
+                             "generator such as model.parameters() already consumed?); pass a fresh generator "
+                             "or a list")
+        param_group = {**param_group, "params": entries}
         candidate = dict(param_group)
-        params = candidate["params"]
-        if isinstance(params, torch.Tensor):
-            params = [params]
-        params = list(params)
+        params = entries
         if params and isinstance(params[0], tuple):  # named parameters
             candidate["param_names"] = [n for n, _ in params]
             params = [p for _, p in params]
@@ -119,21 +189,31 @@ class FlashOptimizer(torch.optim.Optimizer):
         self._check_layout_options(candidate)
         for i, p in enumerate(params):
             self._check_param(candidate, i, p)
+        self._check_overlaps([(g, i, q) for g in self.param_groups for i, q in enumerate(g["params"])]
+                             + [(candidate, i, p) for i, p in enumerate(params)])
         super().add_param_group(param_group)
         group = self.param_groups[-1]
+        if len(group["params"]) != len(params):
+            self.param_groups.pop()
+            raise ValueError(f"flashdist: a param group given {len(params)} parameters ended up with "
+                             f"{len(group['params'])}; pass the parameters as a list")
+        self._layouts[id(group)] = self._layout_of(group)
         if any(D.is_dtensor(p) for p in group["params"]):
             self._dtensor_groups.add(id(group))
+        self._synced.append((group, group["params"], list(group["params"])))
+        self._warn_precision(group["params"], group)
         if group.get("flat_layout", False):
             # A wrapper (DeepSpeed ZeRO) replaces these tensors by its flat partitions after construction:
             # their state is created by the first step (or load) that sees them.
             return
         for p in group["params"]:
-            self._init_state(p, group)
+            if p.requires_grad:  # frozen parameters hold no state until they are stepped
+                self._init_state(p, group)
 
     def _check_param(self, group: dict, index: int, p: torch.Tensor) -> None:
-        name = param_name(group, index, p)
         if not isinstance(p, torch.Tensor):
-            raise TypeError(f"flashdist: {name} is a {type(p).__name__}, not a tensor")
+            raise TypeError(f"flashdist: param_groups[...]['params'][{index}] is a {type(p).__name__}, not a tensor")
+        name = param_name(group, index, p)
         if p.dtype not in SUPPORTED_PARAM_DTYPES:
             raise TypeError(f"flashdist: {name} has dtype {p.dtype}; flashdist optimizers take bfloat16, "
                             "float16 or float32 parameters (cast the model, e.g. model.to(torch.bfloat16))")
@@ -148,10 +228,111 @@ class FlashOptimizer(torch.optim.Optimizer):
                              "flat 1-D partitions (plain tensors). FSDP2 parameters use the row-aligned layout: "
                              "leave flat_layout=False")
 
+    @staticmethod
+    def _check_overlaps(params: list[tuple[dict, int, torch.Tensor]]) -> None:
+        """Refuse two parameters whose memory overlaps (views of one storage): each would be stepped, so the
+        shared values would be updated twice per step. The same tensor twice is torch's business (it refuses
+        it across groups and warns within one)."""
+        spans = []
+        for group, index, p in params:
+            lp = D.local(p)
+            if lp.numel() == 0 or lp.device.type == "meta":
+                continue
+            start = lp.data_ptr()
+            spans.append((lp.untyped_storage().data_ptr(), start, start + lp.numel() * lp.element_size(), p,
+                          group, index))
+        spans.sort(key=lambda s: (s[0], s[1]))  # an overlap, if any, shows between neighbours in this order
+        for (sa, _, end_a, pa, ga, ia), (sb, start_b, _, pb, gb, ib) in zip(spans, spans[1:]):
+            if sa == sb and start_b < end_a and pa is not pb:
+                name_a, name_b = param_name(ga, ia, pa), param_name(gb, ib, pb)
+                raise ValueError(f"flashdist: parameters {name_a} and {name_b} overlap in memory (views of one "
+                                 "storage), so the shared values would be stepped twice; pass each tensor once")
+
+    def _warn_precision(self, params, group: dict) -> None:
+        """Say once that fp32 parameters get no 24-bit split when every parameter of a group is fp32 and the
+        group asks for 24-bit masters (the default): the sign of an fp32 model that computes in bf16 (HF
+        ``bf16=True`` autocast, Accelerate's FSDP2 mixed precision, which upcasts the parameters)."""
+        if self._precision_warned or group["master_weight_bits"] != 24 or group.get("flat_layout", False):
+            return
+        params = [p for p in params if p.requires_grad]
+        if not params or any(p.dtype != torch.float32 for p in params):
+            return
+        self._precision_warned = True
+        warnings.warn(
+            f"flashdist: {type(self).__name__} got fp32 parameters ({len(params)} in a group); they are their own "
+            "master weights: fp32 gradients, no 8-bit rho split. If the model computes in bf16 (autocast, "
+            "Trainer bf16=True, FSDP2/Accelerate mixed precision), cast it to bf16 before building the optimizer "
+            "(model.to(torch.bfloat16)) to keep bf16 weights with 24-bit masters: see docs/integrations.md. For "
+            "deliberate fp32 training pass master_weight_bits=None (it only affects bf16/fp16 parameters) to "
+            "silence this.", PrecisionWarning, stacklevel=_caller_stacklevel())
+
+    # ----- state that follows param_groups ------------------------------------------------------------
+
+    def _groups_changed(self, thorough: bool = True) -> bool:
+        """Whether ``param_groups`` holds other parameters than when last synced. ``thorough``: one identity
+        comparison per parameter, in C (``map``); otherwise (every step) the same group dicts holding the
+        same list objects of the same lengths: a list changed in place is caught when the step's plan no
+        longer matches the parameters with gradients (``_step_params``), or by ``state_dict``."""
+        synced = self._synced
+        if len(synced) != len(self.param_groups):
+            return True
+        for group, (seen_group, seen_list, seen) in zip(self.param_groups, synced):
+            params = group["params"]
+            if group is not seen_group or params is not seen_list or len(params) != len(seen):
+                return True
+            if thorough and not all(map(operator.is_, params, seen)):
+                return True
+        return False
+
+    def sync_state(self) -> None:
+        """Bring the state in line with the parameters in ``param_groups`` now: check and create the state of
+        parameters never seen before (those with ``requires_grad``; ``flat_layout`` groups create theirs at
+        their first step), drop the state of parameters no longer in any group, and forget every cached plan.
+        Every rank creates state for the same (trainable) parameters, so ``dcp.save`` sees the same keys
+        everywhere. Called by ``step``, ``state_dict``, ``load_state_dict`` and ``flashdist.memory_report``
+        when the groups changed; cheap to call again."""
+        if not self._groups_changed():
+            return
+        seen = {id(p) for _, _, params in self._synced for p in params}
+        new = [(group, i, p) for group in self.param_groups for i, p in enumerate(group["params"])
+               if id(p) not in seen]
+        for group, i, p in new:
+            self._check_param(group, i, p)
+        if new:
+            self._check_overlaps([(g, i, q) for g in self.param_groups for i, q in enumerate(g["params"])])
+        live = {id(p) for group in self.param_groups for p in group["params"]}
+        for p in [p for p in self.state if id(p) not in live]:
+            del self.state[p]
+        self._invalidate_plans()
+        self._dtensor_groups = {id(g) for g in self.param_groups if any(D.is_dtensor(p) for p in g["params"])}
+        for group in self.param_groups:
+            self._layouts.setdefault(id(group), self._layout_of(group))
+        self._layouts = {id(g): self._layouts[id(g)] for g in self.param_groups}
+        for group in self.param_groups:
+            if not group.get("flat_layout", False):
+                for p in group["params"]:
+                    if p.requires_grad and not self._state_ready(p, group):
+                        self._init_state(p, group)
+        self._synced = [(group, group["params"], list(group["params"])) for group in self.param_groups]
+        for group in self.param_groups:
+            self._warn_precision([p for g, i, p in new if g is group], group)
+
+    def _ensure_trainable_state(self) -> None:
+        """State for every parameter that requires a gradient (one unfrozen since the last step may have
+        none yet): before a state dict is taken, so that every rank saves the same keys (dcp.save)."""
+        self.sync_state()
+        for group in self.param_groups:
+            if not group.get("flat_layout", False):
+                for p in group["params"]:
+                    if p.requires_grad and not self._state_ready(p, group):
+                        self._init_state(p, group)
+                        self._invalidate_plans()
+
     def _init_state(self, p: torch.Tensor, group: dict) -> None:
-        """Create the missing parts of ``p``'s state. Called for every parameter at construction (every rank,
-        every parameter, so that a checkpoint can be saved before the first step and every rank writes the same
-        keys: dcp.save), and by step and load for parameters that have none yet (``flat_layout`` groups).
+        """Create the missing parts of ``p``'s state. Called for every trainable parameter at construction and
+        on first sight (every rank, so that a checkpoint can be saved before the first step and every rank
+        writes the same keys: dcp.save), and by step and load for parameters that have none yet (frozen ones
+        stepped after all, ``flat_layout`` groups).
 
         It also adopts state that a loader wrote straight into ``self.state`` without ``load_state_dict``
         (DeepSpeed's universal checkpoints: a plain-number ``step`` and float ``exp_avg``/``exp_avg_sq`` of
@@ -216,7 +397,7 @@ class FlashOptimizer(torch.optim.Optimizer):
         as fp32, when it has no rho: fp32 parameters or ``master_weight_bits=None``). For a DTensor
         parameter the result is a DTensor with the same placements."""
         self._group_of(p)
-        rho = self.state[p].get("rho")
+        rho = self.state.get(p, {}).get("rho")
         if rho is None:
             return p.detach().float()
         master = R.merge(D.local(p).detach(), D.local(rho))
@@ -232,7 +413,7 @@ class FlashOptimizer(torch.optim.Optimizer):
         layout (sparse) and, for DTensor parameters, the gradient's placements are checked."""
         active = []
         for group in self.param_groups:
-            self._check_hyperparameters(group)
+            self._check_group(group)
             params = group["params"]
             grads = list(map(_GRAD, params))
             if all(map(operator.is_not, grads, itertools.repeat(None))):
@@ -268,6 +449,8 @@ class FlashOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._groups_changed(thorough=False):
+            self.sync_state()
         active = self._check_grads()
         for group, (params, grads) in zip(self.param_groups, active):
             self._step_params(group, params, grads)
@@ -285,6 +468,8 @@ class FlashOptimizer(torch.optim.Optimizer):
         key = (id(group), len(params), id(params[0]))
         plan = self._plans.get(key)
         if plan is None or not plan.matches(params):
+            if self._groups_changed():  # (gradient release steps through here, not through step())
+                self.sync_state()
             for p in params:
                 if not self._state_ready(p, group):
                     self._init_state(p, group)
@@ -338,28 +523,96 @@ class FlashOptimizer(torch.optim.Optimizer):
 
     # ----- state dict ----------------------------------------------------------------------------------
 
+    @torch._disable_dynamo
     def state_dict(self) -> dict:
         """torch's state dict in this optimizer's ``state_dict_format``: "portable" (default; fp32 moments
         under torch.optim.AdamW's names, plus rho) or "compressed" (codes, scales, rho). See
-        flashdist.checkpoint.state."""
+        flashdist.checkpoint.state. Every trainable parameter has state in it, stepped or not (dcp.save needs
+        the same keys on every rank); frozen parameters never stepped have none, as in torch.optim. Hooks
+        run as in torch.optim: ``register_state_dict_pre_hook`` hooks before, ``register_state_dict_post_hook``
+        hooks on the dict that is returned (and may replace it)."""
         from ..checkpoint.state import export_state_dict
 
-        return export_state_dict(self, super().state_dict(), self.state_dict_format)
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        self._ensure_trainable_state()
+        state_dict = export_state_dict(self, self._packed_state_dict(), self.state_dict_format)
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
 
+    def _packed_state_dict(self) -> dict:
+        """torch.optim.Optimizer.state_dict's packing (parameters numbered in group order, state keyed by
+        those numbers), without its hooks: they must see the exported dict."""
+        index: dict[int, int] = {}
+        groups = []
+        start = 0
+        for group in self.param_groups:
+            packed = {k: v for k, v in group.items() if k != "params"}
+            index.update({id(p): i for i, p in enumerate(group["params"], start) if id(p) not in index})
+            packed["params"] = [index[id(p)] for p in group["params"]]
+            start += len(packed["params"])
+            groups.append(packed)
+        state = {(index[id(k)] if isinstance(k, torch.Tensor) else k): v for k, v in self.state.items()}
+        return {"state": state, "param_groups": groups}
+
+    @torch._disable_dynamo
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a portable, compressed or torch.optim.AdamW state dict, keeping int8/uint8/bf16 state in its
         dtype (torch's Optimizer would cast it to the parameter dtype). Shapes, dtypes, format version and
         master_weight_bits are checked for every parameter before anything is copied: a mismatch raises an
         error naming the parameter and leaves the optimizer unchanged. A state dict without rho (e.g.
         torch.optim.AdamW's) keeps the current rho: set the fp32 weights with
-        flashdist.load_fp32_state_dict."""
+        flashdist.load_fp32_state_dict. ``register_load_state_dict_pre_hook`` hooks run first (and may
+        replace the dict), ``register_load_state_dict_post_hook`` hooks after the load, as in torch.optim."""
         from ..checkpoint.state import load_state_dict
 
+        state_dict = dict(state_dict) if isinstance(state_dict, dict) else state_dict
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        self.sync_state()
         self._invalidate_plans()
         try:
             load_state_dict(self, state_dict)
         finally:
             self._invalidate_plans()
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+    # ----- copies, pickling, torch.compile ------------------------------------------------------------
+
+    def __getstate__(self) -> dict:
+        # torch.optim.Optimizer pickles defaults, state and param_groups only; the settings ride along,
+        # the caches (plans and sets keyed by id(), which a copy would get stale) are rebuilt on arrival
+        state = super().__getstate__()
+        state.update(backend=self.backend, state_dict_format=self.state_dict_format, skipped=self.skipped,
+                     _precision_warned=self._precision_warned)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._reset_caches()
+        self.sync_state()
+
+    def _patch_step_function(self) -> None:
+        """Make ``step`` (torch's hook-running wrapper included) opaque to torch.compile.
+
+        The step keeps Python-side caches (plans, bucketed tensor lists) that dynamo cannot trace, and the
+        fused kernel is already one launch per group, so a compiler has nothing left to fuse. So
+        ``torch.compile(optimizer.step)`` runs the step eagerly (a graph break), and a compiled function
+        that calls ``optimizer.step()`` breaks its graph there. ``fullgraph=True`` forbids that break: dynamo
+        then raises before anything changed, with the reason below."""
+        super()._patch_step_function()
+        cls = type(self)
+        if not getattr(cls.step, "flashdist_eager", False):
+            step = torch.compiler.disable(cls.step, recursive=True, reason=_EAGER_STEP)
+            step.hooked = True  # torch's wrapper is inside: do not wrap again
+            step.flashdist_eager = True
+            cls.step = step
 
 
 class _Bucket:

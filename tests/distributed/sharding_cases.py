@@ -188,11 +188,15 @@ class NoCollectives(TorchDispatchMode):
 
 def check_state_layout(model: nn.Module, optimizer) -> None:
     """Every state tensor of a DTensor parameter is a DTensor with the parameter's mesh and placements and
-    its true global shape and stride; scales are (rows, groups) and hold exactly the local rows."""
+    its true global shape and stride; scales are (rows, groups) and hold exactly the local rows. Frozen
+    parameters hold no state."""
     from flashdist.quant.codes import quantized_layout
 
     for name, p in model.named_parameters():
-        state = optimizer.state[p]
+        state = optimizer.state.get(p)
+        if not p.requires_grad:  # frozen parameters hold no optimizer state
+            assert not state, f"{name}: a frozen parameter holds state {sorted(state)}"
+            continue
         assert state, f"{name}: no state created up front"
         for key, value in state.items():
             if key == "step":

@@ -1,0 +1,138 @@
+"""Accelerate's FSDP2 flow with a flashdist optimizer built BEFORE ``prepare`` (as the HF Trainer does):
+``prepare`` shards the model and swaps the optimizer's ``param_groups`` entries for the sharded DTensors
+(accelerate.utils.fsdp_utils.fsdp2_switch_optimizer_parameters); the optimizer's state must follow. On 2
+gloo ranks it trains, saves (``save_state``: DCP through ``save_fsdp_optimizer``) and resumes
+(``load_state``) bit-identically to one process running flashdist on the unsharded model."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+from harness import run_ranks
+
+pytestmark = pytest.mark.slow  # multi-process
+
+LR = 1e-2
+
+
+def _model() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 40), torch.nn.Tanh(),
+                                torch.nn.Linear(40, 8)).to(torch.bfloat16)
+    model[0].requires_grad_(False)  # a frozen layer: no optimizer state, on every rank alike
+    return model
+
+
+def _batch(step: int) -> torch.Tensor:
+    return torch.randn(6, 16, generator=torch.Generator().manual_seed(1000 + step), dtype=torch.bfloat16)
+
+
+def _train_step(model, optimizer, step: int, backward=None) -> None:
+    loss = model(_batch(step)).float().pow(2).mean()
+    (backward or torch.Tensor.backward)(loss)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _single_process(steps: int) -> dict[str, torch.Tensor]:
+    import flashdist
+
+    model = _model()
+    optimizer = flashdist.FlashAdamW(model.parameters(), lr=LR)
+    for step in range(steps):
+        _train_step(model, optimizer, step)
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def _accelerator():
+    """An Accelerator in its FSDP2 mode on the harness's gloo process group.
+
+    Accelerate's launcher refuses ``--cpu`` with FSDP, so this sets up what a GPU launch would: the
+    launcher's environment variables, then the FSDP distributed type and the FSDP2 plugin in accelerate's
+    shared state (``Accelerator(cpu=True)`` picks MULTI_CPU; a GPU launch with ``--use_fsdp`` picks FSDP).
+    Everything after that, ``prepare``, ``save_state`` and ``load_state``, is accelerate's own code."""
+    from accelerate import Accelerator
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=True,
+                                            cpu_ram_efficient_loading=False, state_dict_type="SHARDED_STATE_DICT")
+    accelerator = Accelerator(cpu=True)
+    accelerator.state.distributed_type = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = plugin
+    assert accelerator.is_fsdp2
+    return accelerator
+
+
+def _full_params(model) -> dict[str, torch.Tensor]:
+    return {name: p.full_tensor().detach().clone() for name, p in model.named_parameters()}
+
+
+def _check_state_follows(model, optimizer) -> None:
+    """After prepare: the optimizer holds the sharded DTensors, and state for exactly the trainable ones,
+    sharded like them (the original full-size tensors' state is gone)."""
+    from torch.distributed.tensor import DTensor
+
+    import flashdist
+
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    assert all(isinstance(p, DTensor) for p in params)
+    trainable = [p for p in params if p.requires_grad]
+    report = flashdist.memory_report(optimizer)  # first sight of the swapped-in parameters
+    assert set(map(id, optimizer.state)) == set(map(id, trainable))
+    for p in trainable:
+        for key, value in optimizer.state[p].items():
+            if key != "step":
+                assert isinstance(value, DTensor) and value.placements == p.placements, key
+    local = sum(p.to_local().numel() for p in params)
+    assert report["numel"] == local < sum(p.numel() for p in params)
+    assert report["rho"] == sum(p.to_local().numel() for p in trainable)  # int8 rho of bf16 parameters
+
+
+def _ranks(rank: int, world_size: int, folder: str, steps: int) -> dict:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    import flashdist
+
+    # run 1: optimizer built on the unsharded model, then prepare; save before the first step (state for
+    # every trainable parameter must exist on every rank for DCP) and halfway
+    accelerator = _accelerator()
+    model = _model()
+    optimizer = flashdist.FlashAdamW(model.parameters(), lr=LR)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    _check_state_follows(model, optimizer.optimizer)
+    accelerator.save_state(os.path.join(folder, "before-first-step"))
+    for step in range(steps):
+        if step == steps // 2:
+            accelerator.save_state(os.path.join(folder, "halfway"))
+        _train_step(model, optimizer, step, accelerator.backward)
+    straight = _full_params(model)
+    # run 2: a fresh job resumes from the halfway checkpoint
+    accelerator = _accelerator()
+    model = _model()
+    optimizer = flashdist.FlashAdamW(model.parameters(), lr=LR)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.load_state(os.path.join(folder, "halfway"))
+    steps_done = {float(s["step"]) for s in optimizer.optimizer.state.values()}
+    for step in range(steps // 2, steps):
+        _train_step(model, optimizer, step, accelerator.backward)
+    resumed = _full_params(model)
+    return {"straight": straight, "resumed": resumed, "steps_done": steps_done}
+
+
+def test_accelerate_fsdp2_trains_saves_and_resumes_exactly():
+    pytest.importorskip("accelerate")
+    steps = 4
+    with tempfile.TemporaryDirectory(prefix="flashdist-accelerate-") as folder:
+        results = run_ranks(_ranks, 2, folder, steps, timeout=180.0)
+    want = _single_process(steps)
+    for rank, got in enumerate(results):
+        assert got["steps_done"] == {steps // 2}, f"rank {rank}: resumed at steps {got['steps_done']}"
+        for run in ("straight", "resumed"):
+            assert got[run].keys() == want.keys()
+            for name, value in want.items():
+                assert torch.equal(got[run][name], value), f"rank {rank}, {run}: {name} differs from one process"

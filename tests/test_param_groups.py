@@ -1,0 +1,152 @@
+"""Param groups take every form torch.optim accepts, and bad hyper-parameters or parameter sets are refused
+at construction (or, for layout options changed on a live group, at the next step) with a clear error."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from flashdist import FlashAdamW, FlashLion, FlashSGD
+
+
+def _model(seed: int = 0) -> torch.nn.Sequential:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.Linear(16, 8)).to(torch.bfloat16)
+
+
+def _groups(model: torch.nn.Sequential, form: str):
+    """Two groups (the second without weight decay) with ``params`` in the given form."""
+    a, b = model[0], model[1]
+    forms = {
+        "list": lambda m: list(m.parameters()),
+        "tuple": lambda m: tuple(m.parameters()),
+        "generator": lambda m: m.parameters(),
+        "named-generator": lambda m: m.named_parameters(),
+        "tensor": lambda m: m.weight,
+    }
+    return [{"params": forms[form](a)}, {"params": forms[form](b), "weight_decay": 0.0}]
+
+
+def _step(model, opt, seed=1):
+    torch.manual_seed(seed)
+    model(torch.randn(4, 32, dtype=torch.bfloat16)).float().pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("form", ["list", "tuple", "generator", "named-generator", "tensor"])
+def test_every_iterable_form_trains_like_a_list(form):
+    ref_model, model = _model(), _model()
+    ref = FlashAdamW(_groups(ref_model, "tensor" if form == "tensor" else "list"), lr=1e-2, weight_decay=0.1)
+    opt = FlashAdamW(_groups(model, form), lr=1e-2, weight_decay=0.1)
+    want = 2 if form != "tensor" else 1
+    assert [len(g["params"]) for g in opt.param_groups] == [want, want]
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    if form == "named-generator":
+        assert opt.param_groups[0]["param_names"] == ["weight", "bias"]
+    before = [p.detach().clone() for p in model.parameters()]
+    for seed in range(2):
+        _step(ref_model, ref, seed)
+        _step(model, opt, seed)
+    for p, q, old in zip(model.parameters(), ref_model.parameters(), before):
+        if any(p is t for g in opt.param_groups for t in g["params"]):
+            assert not torch.equal(p.detach(), old), "a parameter given to the optimizer did not train"
+        assert torch.equal(p.detach(), q.detach())
+
+
+@pytest.mark.parametrize("form", ["list", "generator", "named-generator"])
+def test_single_group_forms(form):
+    model = _model()
+    params = {"list": list(model.parameters()), "generator": model.parameters(),
+              "named-generator": model.named_parameters()}[form]
+    opt = FlashSGD(params, lr=0.1, momentum=0.9)
+    assert len(opt.param_groups[0]["params"]) == 4
+    assert len(opt.state) == 4
+
+
+def test_add_param_group_takes_a_generator():
+    model = _model()
+    opt = FlashLion(model[0].parameters())
+    opt.add_param_group({"params": model[1].parameters(), "lr": 1e-3})
+    assert len(opt.param_groups[1]["params"]) == 2 and opt.param_groups[1]["lr"] == 1e-3
+    assert all(p in opt.state for p in model[1].parameters())
+
+
+def test_a_spent_generator_is_refused():
+    model = _model()
+    spent = model[1].parameters()
+    list(spent)
+    with pytest.raises(ValueError, match="yields no parameters"):
+        FlashAdamW([{"params": model[0].parameters()}, {"params": spent}])
+
+
+def test_a_set_is_refused():
+    with pytest.raises(TypeError, match="not a set"):
+        FlashAdamW([{"params": set(_model().parameters())}])
+
+
+# ----- hyper-parameters -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,value", [("lr", math.inf), ("lr", math.nan), ("eps", math.inf),
+                                        ("weight_decay", -math.inf), ("weight_decay", math.inf)])
+def test_non_finite_hyperparameters_are_refused(name, value):
+    with pytest.raises(ValueError, match=f"{name} must be a finite"):
+        FlashAdamW(_model().parameters(), **{name: value})
+
+
+def test_non_finite_lr_set_on_a_live_group_is_refused_at_the_step_and_changes_nothing():
+    model = _model()
+    opt = FlashAdamW(model.parameters())
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.param_groups[0]["lr"] = float("inf")
+    model(torch.randn(2, 32, dtype=torch.bfloat16)).float().sum().backward()
+    with pytest.raises(ValueError, match="lr must be a finite"):
+        opt.step()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before))
+
+
+def test_eps_zero_is_refused():
+    # torch.optim.AdamW accepts eps=0 and returns NaN for any coordinate with a zero gradient history; with
+    # 8-bit second moments a zero code under a non-zero first moment would give inf
+    with pytest.raises(ValueError, match="eps must be > 0"):
+        FlashAdamW(_model().parameters(), eps=0.0)
+
+
+@pytest.mark.parametrize("key,value", [("master_weight_bits", 32), ("master_weight_bits", None),
+                                       ("quantize_states", False), ("companded", False), ("flat_layout", True)])
+def test_layout_options_changed_on_a_live_group_are_refused_at_the_step(key, value):
+    model = _model()
+    opt = FlashAdamW(model.parameters())
+    _step(model, opt)
+    state_before = {k: v.clone() for k, v in opt.state[model[0].weight].items()}
+    opt.param_groups[0][key] = value
+    model(torch.randn(2, 32, dtype=torch.bfloat16)).float().sum().backward()
+    with pytest.raises(ValueError, match=f"layout options of a param group changed.*{key}"):
+        opt.step()
+    assert all(torch.equal(opt.state[model[0].weight][k], v) for k, v in state_before.items())
+    opt.param_groups[0][key] = {"master_weight_bits": 24, "flat_layout": False}.get(key, True)
+    opt.step()  # set back: steps again
+
+
+# ----- overlapping parameters -----------------------------------------------------------------------------
+
+
+def test_overlapping_views_are_refused_naming_both():
+    base = torch.zeros(8, 32, dtype=torch.bfloat16)
+    top = torch.nn.Parameter(base[:5])
+    bottom = torch.nn.Parameter(base[4:])
+    with pytest.raises(ValueError, match=r"'top'.*'bottom'.*overlap"):
+        FlashAdamW([("top", top), ("bottom", bottom)])
+    opt = FlashAdamW([("top", top)])
+    with pytest.raises(ValueError, match="overlap"):
+        opt.add_param_group({"params": [("bottom", bottom)]})
+    assert len(opt.param_groups) == 1  # refused group left nothing behind
+
+
+def test_disjoint_views_of_one_storage_are_fine():
+    base = torch.zeros(8, 32, dtype=torch.bfloat16)
+    opt = FlashAdamW([torch.nn.Parameter(base[:4]), torch.nn.Parameter(base[4:])])
+    assert len(opt.state) == 2

@@ -1,0 +1,309 @@
+"""The optimizer's state follows the parameters in ``param_groups``, and the optimizer behaves like a
+torch.optim.Optimizer where clients use it: frameworks swapping parameters (Accelerate's FSDP2 flow, shown
+on 2 ranks in tests/distributed/test_accelerate_fsdp2.py), frozen parameters, state-dict and load hooks,
+copy.deepcopy and pickle, torch.compile(optimizer.step), the fp32-parameter precision warning."""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+import warnings
+
+import pytest
+import torch
+
+from flashdist import FlashAdamW, FlashSGD, memory_report
+from flashdist.optim.base import PrecisionWarning
+
+
+def _model(seed: int = 0, dtype=torch.bfloat16) -> torch.nn.Sequential:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8)).to(dtype)
+
+
+def _backward(model, seed: int) -> None:
+    torch.manual_seed(100 + seed)
+    x = torch.randn(4, 32, dtype=next(model.parameters()).dtype)
+    model(x).float().pow(2).mean().backward()
+
+
+def _train(model, opt, steps: int, start: int = 0) -> None:
+    for seed in range(start, start + steps):
+        _backward(model, seed)
+        opt.step()
+        opt.zero_grad()
+
+
+def _state_bits(opt, params) -> list[dict]:
+    return [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+
+
+# ----- state follows param_groups ---------------------------------------------------------------------------
+
+
+def _swap_like_accelerate(opt, new_params: dict) -> None:
+    """What accelerate's FSDP2 prepare does to a built optimizer: first every entry is replaced in place by
+    a placeholder, then each group's list by a new list of the new parameters."""
+    old = [list(g["params"]) for g in opt.param_groups]
+    for group in opt.param_groups:
+        for i, p in enumerate(group["params"]):
+            group["params"][i] = torch.empty(1, dtype=p.dtype)
+    for group, params in zip(opt.param_groups, old):
+        group["params"] = [new_params[id(p)] for p in params]
+
+
+def test_swapped_parameters_get_state_and_departed_ones_lose_it():
+    model, twin = _model(), _model()
+    opt = FlashAdamW(model.parameters(), lr=1e-2)
+    ref = FlashAdamW(twin.parameters(), lr=1e-2)
+    _train(model, opt, 2)
+    _train(twin, ref, 2)
+    # a new model object holding the same values (like sharded copies), swapped into the optimizer
+    clone = copy.deepcopy(model)
+    _swap_like_accelerate(opt, {id(p): q for p, q in zip(model.parameters(), clone.parameters())})
+    # first sight at state_dict: no KeyError (torch.optim's state_dict would raise one), state for the new
+    # parameters only, fresh (step 0), and the old tensors' state is gone
+    sd = opt.state_dict()
+    assert set(sd["state"]) == {0, 1, 2, 3}
+    assert all(float(s["step"]) == 0 for s in sd["state"].values())
+    assert set(map(id, opt.state)) == set(map(id, clone.parameters()))
+    report = memory_report(opt)
+    assert report["numel"] == sum(p.numel() for p in clone.parameters())
+    assert report["codes"] == 2 * sum(p.numel() for p in clone.parameters() if p.ndim == 2)
+    # and it trains: the moments start again from zero, so compare with a fresh optimizer on a fresh twin
+    fresh_model = copy.deepcopy(clone)
+    fresh = FlashAdamW(fresh_model.parameters(), lr=1e-2)
+    _train(clone, opt, 2, start=2)
+    _train(fresh_model, fresh, 2, start=2)
+    for p, q in zip(clone.parameters(), fresh_model.parameters()):
+        assert torch.equal(p, q)
+        assert all(torch.equal(a, b) for a, b in zip(opt.state[p].values(), fresh.state[q].values()))
+    assert not any(torch.equal(p, q) for p, q in zip(clone.parameters(), model.parameters()) if p.ndim == 2)
+
+
+def test_state_follows_parameters_in_a_load_and_in_the_memory_report():
+    model, other = _model(), _model(seed=1)
+    opt = FlashAdamW(model.parameters())
+    _train(model, opt, 1)
+    saved = opt.state_dict()
+    opt.param_groups[0]["params"] = list(other.parameters())
+    assert memory_report(opt)["rho"] == sum(p.numel() for p in other.parameters())  # bf16: one int8 each
+    assert set(map(id, opt.state)) == set(map(id, other.parameters()))
+    opt.load_state_dict(saved)  # into the swapped-in parameters' fresh state
+    assert all(float(opt.state[p]["step"]) == 1 for p in other.parameters())
+
+
+def test_a_parameter_replaced_in_place_in_the_list_is_seen_at_its_step():
+    model, clone = _model(), _model()
+    opt = FlashAdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, 1)
+    old = model[0].weight
+    opt.param_groups[0]["params"][0] = clone[0].weight  # same list object, one entry replaced
+    model[0].weight = clone[0].weight
+    _train(model, opt, 1, start=1)
+    assert float(opt.state[clone[0].weight]["step"]) == 1 and float(opt.state[model[2].weight]["step"]) == 2
+    assert old not in opt.state
+
+
+def test_an_unchanged_step_does_no_per_parameter_work(monkeypatch):
+    model = _model()
+    opt = FlashAdamW(model.parameters())
+    _train(model, opt, 1)
+    calls = []
+    monkeypatch.setattr(opt, "_init_state", lambda *a: calls.append(a))
+    monkeypatch.setattr(opt, "_state_ready", lambda *a: calls.append(a))
+    monkeypatch.setattr(opt, "_check_param", lambda *a: calls.append(a))
+    _train(model, opt, 3, start=1)
+    assert not calls
+
+
+# ----- frozen parameters ------------------------------------------------------------------------------------
+
+
+def test_frozen_parameters_hold_no_state_until_trained():
+    model = _model()
+    frozen = model[0]
+    for p in frozen.parameters():
+        p.requires_grad_(False)
+    opt = FlashAdamW(model.parameters(), lr=1e-2)
+    assert set(map(id, opt.state)) == set(map(id, model[2].parameters()))
+    report = memory_report(opt)
+    assert report["rho"] == sum(p.numel() for p in model[2].parameters())
+    assert report["numel"] == sum(p.numel() for p in model.parameters())
+    _train(model, opt, 1)
+    assert not any(p in opt.state for p in frozen.parameters())
+    sd = opt.state_dict()  # like torch.optim: frozen parameters have no entry
+    assert set(sd["state"]) == {2, 3}
+    # unfrozen: a state dict taken before its first step already holds its state (dcp.save needs the same
+    # keys on every rank, and every rank unfreezes the same parameters), then it trains
+    frozen.weight.requires_grad_(True)
+    assert set(opt.state_dict()["state"]) == {0, 2, 3}
+    before = frozen.weight.detach().clone()
+    _train(model, opt, 1, start=1)
+    assert float(opt.state[frozen.weight]["step"]) == 1
+    assert not torch.equal(before, frozen.weight.detach())
+
+
+def test_a_parameter_unfrozen_between_steps_gets_state_at_its_first_step():
+    model = _model()
+    model[0].weight.requires_grad_(False)
+    opt = FlashSGD(model.parameters(), lr=1e-2, momentum=0.9)
+    _train(model, opt, 1)
+    model[0].weight.requires_grad_(True)
+    _train(model, opt, 1, start=1)
+    assert "momentum_buffer_codes" in opt.state[model[0].weight]
+
+
+# ----- hooks ----------------------------------------------------------------------------------------------
+
+
+def test_state_dict_hooks_see_and_replace_the_returned_dict():
+    model = _model()
+    opt = FlashAdamW(model.parameters())
+    _train(model, opt, 1)
+    seen = []
+    opt.register_state_dict_pre_hook(lambda o: seen.append(("pre", o is opt)))
+
+    def post(o, sd):
+        seen.append(("post", sorted(sd["state"][0])))
+        return {**sd, "extra": 1}
+
+    opt.register_state_dict_post_hook(post)
+    sd = opt.state_dict()
+    assert seen == [("pre", True), ("post", ["exp_avg", "exp_avg_sq", "rho", "step"])]
+    assert sd["extra"] == 1
+
+
+def test_load_state_dict_hooks_fire_and_a_pre_hook_may_replace_the_dict():
+    model = _model()
+    opt = FlashAdamW(model.parameters())
+    _train(model, opt, 2)
+    saved = opt.state_dict()
+    seen = []
+
+    def pre(o, sd):
+        seen.append("pre")
+        assert "renamed" in sd
+        sd = dict(sd)
+        sd["state"] = sd.pop("renamed")
+        return sd
+
+    opt.register_load_state_dict_pre_hook(pre)
+    opt.register_load_state_dict_post_hook(lambda o: seen.append(("post", float(o.state[model[0].weight]["step"]))))
+    fresh = FlashAdamW(model.parameters())
+    fresh.register_load_state_dict_pre_hook(pre)
+    fresh.register_load_state_dict_post_hook(lambda o: seen.append(("post", float(o.state[model[0].weight]["step"]))))
+    renamed = {"param_groups": saved["param_groups"], "renamed": saved["state"]}
+    fresh.load_state_dict(renamed)
+    assert seen == ["pre", ("post", 2.0)]
+    assert "renamed" in renamed  # the caller's dict is not changed
+
+
+# ----- copies and pickling --------------------------------------------------------------------------------
+
+
+def test_deepcopy_steps_and_is_independent():
+    model = _model()
+    opt = FlashAdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, 2)
+    model_copy = copy.deepcopy(model)
+    both = copy.deepcopy({"model": model, "opt": opt})  # a copy of the pair shares the copied parameters
+    opt_copy = both["opt"]
+    assert all(p is q for p, q in zip(both["model"].parameters(), opt_copy.param_groups[0]["params"]))
+    _train(model, opt, 2, start=2)
+    _train(both["model"], opt_copy, 2, start=2)
+    for p, q in zip(model.parameters(), both["model"].parameters()):
+        assert torch.equal(p, q)
+        assert float(opt_copy.state[q]["step"]) == 4 and float(opt.state[p]["step"]) == 4
+    assert opt_copy.backend == opt.backend and opt_copy.state_dict_format == opt.state_dict_format
+    assert not torch.equal(model_copy[0].weight, model[0].weight)
+
+
+def test_pickle_round_trip_of_model_and_optimizer_trains_on():
+    model = _model()
+    opt = FlashAdamW(model.parameters(), lr=1e-2, state_dict_format="compressed")
+    _train(model, opt, 2)
+    buffer = io.BytesIO()
+    pickle.dump((model, opt), buffer)
+    model2, opt2 = pickle.loads(buffer.getvalue())
+    assert opt2.state_dict_format == "compressed"
+    _train(model, opt, 1, start=2)
+    _train(model2, opt2, 1, start=2)
+    assert all(p is q for p, q in zip(model2.parameters(), opt2.param_groups[0]["params"]))
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p, q)
+
+
+# ----- torch.compile --------------------------------------------------------------------------------------
+
+
+def test_compiled_step_runs_eagerly_and_matches():
+    torch._dynamo.reset()
+    model, twin = _model(), _model()
+    opt, ref = FlashAdamW(model.parameters(), lr=1e-2), FlashAdamW(twin.parameters(), lr=1e-2)
+    compiled = torch.compile(opt.step)
+    seen = []
+    opt.register_step_post_hook(lambda *a: seen.append(1))  # torch's hook wrapper still runs
+    for seed in range(2):
+        _backward(model, seed)
+        _backward(twin, seed)
+        compiled()
+        ref.step()
+        opt.zero_grad()
+        ref.zero_grad()
+    assert len(seen) == 2
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_compiled_step_with_fullgraph_says_why_and_changes_nothing():
+    torch._dynamo.reset()
+    model = _model()
+    opt = FlashAdamW(model.parameters(), lr=1e-2)
+    _backward(model, 0)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(Exception, match="flashdist: the optimizer step runs eagerly") as info:
+        torch.compile(opt.step, fullgraph=True)()
+    assert not isinstance(info.value, RecursionError)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert float(opt.state[model[0].weight]["step"]) == 0
+    opt.step()  # eager still works
+    assert float(opt.state[model[0].weight]["step"]) == 1
+
+
+# ----- precision warning ----------------------------------------------------------------------------------
+
+
+def test_fp32_parameters_warn_once_how_to_get_24_bit_masters():
+    with pytest.warns(PrecisionWarning, match=r"model.to\(torch.bfloat16\).*docs/integrations.md") as record:
+        opt = FlashAdamW(_model(dtype=torch.float32).parameters())
+    assert len([w for w in record if w.category is PrecisionWarning]) == 1
+    assert record[0].filename == __file__  # points at the user's line
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PrecisionWarning)
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(4, 4))]})  # said once
+
+
+@pytest.mark.parametrize("case", ["bf16", "fp32-with-master_weight_bits=None", "mixed-bf16-and-fp32"])
+def test_no_precision_warning_without_the_sign(case):
+    model = _model(dtype=torch.float32 if case.startswith("fp32") else torch.bfloat16)
+    if case.startswith("mixed"):
+        model[2].float()  # e.g. a head kept in fp32 on purpose
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PrecisionWarning)
+        FlashAdamW(model.parameters(), master_weight_bits=None if "None" in case else 24)
+
+
+def test_precision_warning_when_fp32_parameters_are_swapped_in():
+    # Accelerate's FSDP2 with mixed precision upcasts a bf16 model's parameters to fp32 after the optimizer
+    # was built on the bf16 ones
+    model = _model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PrecisionWarning)
+        opt = FlashAdamW(model.parameters())
+    upcast = copy.deepcopy(model).float()
+    opt.param_groups[0]["params"] = list(upcast.parameters())
+    with pytest.warns(PrecisionWarning, match="fp32 parameters"):
+        _train(upcast, opt, 1)
+    assert "rho" not in opt.state[upcast[0].weight]
