@@ -183,7 +183,7 @@ def prepare_config(config: dict) -> tuple[dict, OptimizerSpec | None]:
     kwargs = _optimizer_kwargs(cls, section.get("params"))
     _check_combination(config, cls)
     try:  # every hyper-parameter check the class makes, on a stand-in parameter (flat layout: no state)
-        cls([torch.zeros(1, requires_grad=True)], **kwargs)
+        cls([torch.zeros(1, dtype=torch.bfloat16, requires_grad=True)], **kwargs)
     except (TypeError, ValueError) as e:
         raise ValueError(f"flashdist: optimizer.params of {cls.__name__} in the DeepSpeed config: {e}") from e
     out = {k: v for k, v in config.items() if k != "optimizer"}

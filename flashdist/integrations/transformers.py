@@ -151,7 +151,7 @@ def optimizer_cls_and_kwargs(name: str, args=None, optim_args: str | dict | None
     if deepspeed:
         kwargs["flat_layout"] = True  # ZeRO's flat partitions keep 8-bit moments only in the flat layout
     try:  # every check the class makes, now rather than at the Trainer's first step
-        cls([torch.zeros(1, requires_grad=True)], **kwargs)
+        cls([torch.zeros(1, dtype=torch.bfloat16, requires_grad=True)], **kwargs)
     except (TypeError, ValueError) as e:
         raise ValueError(f"flashdist: {cls.__name__} from optim={name!r}, optim_args={optim_args!r}: {e}") from e
     return cls, kwargs
