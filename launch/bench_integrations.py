@@ -116,6 +116,36 @@ def fsdp2() -> dict:
     return report
 
 
+# ----- Accelerate FSDP2, one rank -----------------------------------------------------------------------
+
+
+def accelerate_fsdp2(mixed_precision: str) -> dict:
+    """Accelerate's own FSDP2 prepare. Accelerate enables FSDP only for GPU-class distributed types, so on CPU
+    its shared state is set to FSDP + an FSDP2 plugin, as a GPU launch would have it."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    AcceleratorState._reset_state(True)
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                            transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+                                            cpu_ram_efficient_loading=False)
+    accelerator = Accelerator(cpu=True, mixed_precision=mixed_precision)
+    accelerator.state.distributed_type = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    if mixed_precision != "no":
+        plugin.set_mixed_precision(mixed_precision)
+    accelerator.state.fsdp_plugin = plugin
+    model = _llama(torch.bfloat16)
+    model, optimizer = accelerator.prepare(model, FlashAdamW(model.parameters(), lr=1e-3))
+    for step in range(2):
+        accelerator.backward(model(**_batch(step)).loss)
+        optimizer.step()
+        report = flashdist.memory_report(optimizer.optimizer)
+        optimizer.zero_grad()
+    return report
+
+
 # ----- DeepSpeed ZeRO-2 through Accelerate, one rank ---------------------------------------------------
 
 
@@ -156,10 +186,12 @@ CASES = {
     "Trainer, optim=\"flash_adamw\", fp32 model": lambda: trainer(torch.float32, "optim"),
     "Accelerate, one process, bf16 model": accelerate_single,
     "torchrun FSDP2 (fully_shard), bf16 model": fsdp2,
+    "Accelerate FSDP2, mixed_precision=\"no\", bf16 model": lambda: accelerate_fsdp2("no"),
+    "Accelerate FSDP2, mixed_precision=\"bf16\" (upcasts to fp32)": lambda: accelerate_fsdp2("bf16"),
     "DeepSpeed ZeRO-2 via Accelerate, fp32 master partitions": lambda: deepspeed_accelerate(False),
     "DeepSpeed ZeRO-2 via Accelerate, bf16 masters + rho": lambda: deepspeed_accelerate(True),
 }
-DISTRIBUTED = ("torchrun", "DeepSpeed")
+DISTRIBUTED = ("torchrun", "Accelerate FSDP2", "DeepSpeed")
 
 
 def _init_one_rank_group() -> None:
