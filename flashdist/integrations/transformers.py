@@ -111,7 +111,7 @@ def parse_optim_args(optim_args: str | dict | None, cls: type = None) -> dict[st
     kwargs = {key: _value(v) if isinstance(v, str) else v for key, v in items.items()}
     if cls is not None:
         accepted = _accepted(cls)
-        unknown = sorted(set(kwargs) - set(accepted) - {"flat_layout"})
+        unknown = sorted(set(kwargs) - set(accepted))
         if unknown:
             raise ValueError(f"flashdist: optim_args has {unknown}, which {cls.__name__} does not take. It takes: "
                              f"{', '.join(a for a in accepted if a != 'params')}")
@@ -132,6 +132,7 @@ def optimizer_cls_and_kwargs(name: str, args=None, optim_args: str | dict | None
     ``optimizer_cls_and_kwargs``; ``register()`` is not needed for it.
 
         Trainer(model, args, optimizer_cls_and_kwargs=fd_hf.optimizer_cls_and_kwargs("flash_adamw", args))"""
+    name = str(getattr(name, "value", name))  # TrainingArguments hold an OptimizerNames member
     cls = _optimizer_class(name)
     kwargs: dict[str, Any] = {}
     if args is not None:
@@ -166,7 +167,7 @@ def _check_version():
     from packaging.version import Version
 
     version = Version(transformers.__version__)
-    if version.release and Version(version.base_version) not in SpecifierSet(SUPPORTED_TRANSFORMERS):
+    if Version(version.base_version) not in SpecifierSet(SUPPORTED_TRANSFORMERS):  # 5.25.0.dev0 counts as 5.25.0
         raise ImportError(
             f"flashdist: register() supports transformers{SUPPORTED_TRANSFORMERS}, this is {transformers.__version__}"
             ". Use the public route instead: Trainer(..., optimizer_cls_and_kwargs=flashdist.integrations."
