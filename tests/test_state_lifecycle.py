@@ -13,8 +13,7 @@ import warnings
 import pytest
 import torch
 
-from flashdist import FlashAdamW, FlashSGD, memory_report
-from flashdist.optim.base import PrecisionWarning
+from flashdist import FlashAdamW, FlashSGD, PrecisionWarning, memory_report
 
 
 def _model(seed: int = 0, dtype=torch.bfloat16) -> torch.nn.Sequential:
@@ -104,6 +103,21 @@ def test_a_parameter_replaced_in_place_in_the_list_is_seen_at_its_step():
     _train(model, opt, 1, start=1)
     assert float(opt.state[clone[0].weight]["step"]) == 1 and float(opt.state[model[2].weight]["step"]) == 2
     assert old not in opt.state
+
+
+def test_flat_layout_partitions_swapped_in_and_out_keep_their_state():
+    # DeepSpeed ZeRO-3 puts each sub-group's flat partition into the group for its step and empties the group
+    # after it: the state of those partitions is DeepSpeed's to keep
+    parts = [torch.nn.Parameter(torch.randn(64, dtype=torch.bfloat16)) for _ in range(2)]
+    opt = FlashAdamW([parts[0]], flat_layout=True)
+    for _ in range(2):
+        for p in parts:
+            p.grad = torch.randn_like(p)
+            opt.param_groups[0]["params"] = [p]
+            opt.step()
+            opt.param_groups[0]["params"] = []
+            memory_report(opt)
+    assert all(float(opt.state[p]["step"]) == 2 and "rho" in opt.state[p] for p in parts)
 
 
 def test_an_unchanged_step_does_no_per_parameter_work(monkeypatch):

@@ -17,11 +17,25 @@ class FlashAdamW(FlashOptimizer):
     drops rho (pure bf16 training: updates smaller than half a bf16 spacing are lost).
 
     Args:
-        params: parameters or param groups, as for any torch optimizer; ``named_parameters()`` gives
-            error messages with parameter names. bf16/fp16/fp32, plain tensors or FSDP2 DTensors.
-        lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
+        params: parameters or param groups, as for any torch optimizer (lists, tuples, generators,
+            ``named_parameters()``, a single tensor, in each group too); ``named_parameters()`` gives error
+            messages with parameter names. bf16/fp16/fp32, plain tensors or FSDP2 DTensors. Two parameters
+            whose memory overlaps (views of one storage) are refused, naming both: each would be stepped.
+            Frozen parameters (``requires_grad=False``) hold no state until a step finds a gradient on them
+            (a ``state_dict()`` taken once they are trainable holds theirs, so every rank saves the same keys).
+        lr, betas, eps, weight_decay: as ``torch.optim.AdamW``, but finite (inf and NaN are refused, here and
+            when set on a live group before a step), and ``eps > 0``: torch accepts ``eps=0`` and returns NaN
+            where a gradient was always 0; with 8-bit moments a second-moment code of 0 under a non-zero first
+            moment would give inf.
         master_weight_bits: 24 (int8 rho, default), 32 (int16 rho) or None. Only bf16/fp16 parameters
-            are split; fp32 parameters are their own master weight.
+            are split; fp32 parameters are their own master weight. A group of only fp32 parameters with the
+            default 24 draws one ``flashdist.PrecisionWarning``: it is the sign of an fp32 model
+            that computes in bf16 (autocast, the Trainer's ``bf16=True``, Accelerate's FSDP2 mixed precision,
+            which upcasts the parameters), which gets fp32 gradients and no 24-bit split; cast the model to
+            bf16 before building the optimizer (docs/integrations.md). ``master_weight_bits=None`` says the
+            fp32 parameters are meant and silences it. After FSDP2 sharding,
+            ``optimizer.check_precision(model)`` reads the model's ``MixedPrecisionPolicy`` and names the
+            fp32 parameters it computes in bf16/fp16 (no guess, no false alarm).
         quantize_states: keep the moments as 8-bit codes (default) or as fp32.
         companded: softsign (first moment) and sqrt (second moment) companding before 8-bit group
             quantization (default); False is linear group absmax for both, the paper's ablation.
@@ -41,7 +55,18 @@ class FlashAdamW(FlashOptimizer):
     values of one row whose gradient holds a NaN or an Inf is skipped: its parameter, rho and moments stay
     as they were, and ``optimizer.skipped`` (an int32 tensor on the parameters' device, no sync needed to
     keep counting) counts the skipped groups. Layout options (master_weight_bits, quantize_states,
-    companded, flat_layout) are fixed for a parameter once the optimizer is built.
+    companded, flat_layout) are fixed once the optimizer is built: changed on a live param group, the next
+    step refuses them, naming the option, and changes nothing.
+
+    Behaves like a torch.optim.Optimizer where clients reach it: ``state_dict``/``load_state_dict`` hooks run
+    as in torch (post-hooks see and may replace the returned dict; load pre-hooks may replace the loaded
+    one); ``copy.deepcopy`` and pickling give an optimizer that steps its own copies of the parameters;
+    state follows the parameters in ``param_groups`` when a framework swaps them (Accelerate's FSDP2
+    ``prepare``): new ones get state on first sight, replaced ones lose theirs. ``torch.compile`` does not
+    trace the step: ``torch.compile(optimizer.step)`` runs it eagerly (the step keeps Python-side plans
+    dynamo cannot trace, and the fused kernel is already one launch per group), a compiled function that
+    calls ``optimizer.step()`` breaks its graph there, and ``fullgraph=True`` raises dynamo's error, with
+    that reason, before anything changed. Compiling the model is unaffected.
     """
 
     _moments = ("exp_avg", "exp_avg_sq")

@@ -92,9 +92,10 @@ class FlashOptimizer(torch.optim.Optimizer):
     Accelerate's FSDP2 ``prepare`` puts sharded DTensors in place of the original tensors): a parameter seen
     for the first time gets its state (at the step, ``state_dict``, ``load_state_dict`` or
     ``flashdist.memory_report`` that first sees it), a parameter no longer in any group loses its state, and
-    frozen parameters (``requires_grad=False``) hold none until they are stepped with a gradient. A change
-    is detected by comparing each group's parameter list with the one last seen, by identity (no Python
-    work per parameter on an unchanged step)."""
+    frozen parameters (``requires_grad=False``) hold none until they are stepped with a gradient. Each step
+    compares each group's dict and parameter list object with those last seen (no Python work per
+    parameter); an entry replaced in place is caught by the step's cached plan, which compares the
+    parameters with gradients by identity anyway, and by ``state_dict``."""
 
     _moments: tuple[str, ...] = ()
     _torch_counts_steps = True  # the torch optimizer this one replaces keeps state["step"] (SGD does not)
@@ -122,6 +123,10 @@ class FlashOptimizer(torch.optim.Optimizer):
         self._dtensor_groups: set[int] = set()  # ids of param groups that hold DTensor parameters
         self._layouts: dict[int, tuple] = {}  # id(group) -> its layout options when its state was made
         self._synced: list[tuple[dict, list, list]] = []  # (group, its params list, a copy) as last seen
+        # ids of tensors seen in flat_layout groups: their state is never freed by sync_state, because
+        # DeepSpeed ZeRO-3 puts each sub-group's partition into the group for its step and empties the group
+        # after it (the state of a tensor holds that tensor, so its id stays its own while it has state)
+        self._flat_ids: set[int] = set()
 
     def moments_of(self, group: dict) -> tuple[str, ...]:
         """State names of the moments the parameters of ``group`` keep (fp32, or as ``<name>_codes`` and
@@ -150,14 +155,18 @@ class FlashOptimizer(torch.optim.Optimizer):
     def _check_group(self, group: dict) -> None:
         """The checks every step runs on a group: its hyper-parameters, and layout options unchanged."""
         self._check_hyperparameters(group)
-        if self._layouts.get(id(group)) != self._layout_of(group):
-            was = dict(zip(LAYOUT_OPTIONS, self._layouts.get(id(group), ())))
+        self._check_layout_unchanged(group)
+
+    def _check_layout_unchanged(self, group: dict) -> None:
+        known = self._layouts.get(id(group))
+        if known is not None and known != self._layout_of(group):  # (a group not seen yet: sync_state records it)
+            was = dict(zip(LAYOUT_OPTIONS, known))
             now = dict(zip(LAYOUT_OPTIONS, self._layout_of(group)))
             changed = {k: (was[k], now[k]) for k in was if was[k] != now[k]}
             raise ValueError(f"flashdist: layout options of a param group changed after its state was made "
                              f"({', '.join(f'{k}: {a!r} -> {b!r}' for k, (a, b) in changed.items())}); they decide "
-                             "the state's layout and are fixed: build a new optimizer (flashdist.save the "
-                             "portable state first to carry the moments over), or set them back")
+                             "the state's layout and are fixed: set them back, or build a new optimizer with "
+                             "the options you want")
 
     def add_param_group(self, param_group: dict) -> None:
         """As ``torch.optim.Optimizer.add_param_group``: ``params`` may be a tensor or any iterable of tensors
@@ -205,6 +214,7 @@ class FlashOptimizer(torch.optim.Optimizer):
         if group.get("flat_layout", False):
             # A wrapper (DeepSpeed ZeRO) replaces these tensors by its flat partitions after construction:
             # their state is created by the first step (or load) that sees them.
+            self._flat_ids.update(map(id, group["params"]))
             return
         for p in group["params"]:
             if p.requires_grad:  # frozen parameters hold no state until they are stepped
@@ -252,7 +262,7 @@ class FlashOptimizer(torch.optim.Optimizer):
         """Say once that fp32 parameters get no 24-bit split when every parameter of a group is fp32 and the
         group asks for 24-bit masters (the default): the sign of an fp32 model that computes in bf16 (HF
         ``bf16=True`` autocast, Accelerate's FSDP2 mixed precision, which upcasts the parameters)."""
-        if self._precision_warned or group["master_weight_bits"] != 24 or group.get("flat_layout", False):
+        if getattr(self, "_precision_warned", False) or group["master_weight_bits"] != 24 or group.get("flat_layout", False):
             return
         params = [p for p in params if p.requires_grad]
         if not params or any(p.dtype != torch.float32 for p in params):
@@ -265,6 +275,27 @@ class FlashOptimizer(torch.optim.Optimizer):
             "(model.to(torch.bfloat16)) to keep bf16 weights with 24-bit masters: see docs/integrations.md. For "
             "deliberate fp32 training pass master_weight_bits=None (it only affects bf16/fp16 parameters) to "
             "silence this.", PrecisionWarning, stacklevel=_caller_stacklevel())
+
+    def check_precision(self, model: torch.nn.Module) -> list[str]:
+        """The trainable fp32 parameters of this optimizer that FSDP2 computes in bf16 or fp16 (a
+        ``MixedPrecisionPolicy(param_dtype=...)`` in ``model``; Accelerate's FSDP2 mixed precision sets one
+        and upcasts the parameters): they get fp32 gradients and no 24-bit split. Warns once (a
+        ``PrecisionWarning``, whatever ``master_weight_bits``) when there are any; returns their names (FQNs
+        in ``model``). Call it after the model is sharded, e.g. after ``accelerator.prepare``."""
+        names = {id(p): n for n, p in model.named_parameters()}
+        compute = D.fsdp_compute_dtypes(model)
+        found = [names.get(id(p), param_name(g, i, p)) for g in self.param_groups for i, p in enumerate(g["params"])
+                 if p.requires_grad and p.dtype == torch.float32
+                 and compute.get(id(p), torch.float32) in (torch.bfloat16, torch.float16)]
+        if found and not getattr(self, "_precision_warned", False):
+            self._precision_warned = True
+            warnings.warn(
+                f"flashdist: FSDP2 computes {len(found)} fp32 parameters of {type(self).__name__} in lower "
+                f"precision (e.g. {found[0]}): they get fp32 gradients and no 8-bit rho split. Cast the model to "
+                "bf16 before sharding and building the optimizer, without FSDP2 mixed precision, to keep bf16 "
+                "weights with 24-bit masters: see docs/integrations.md.", PrecisionWarning,
+                stacklevel=_caller_stacklevel())
+        return found
 
     # ----- state that follows param_groups ------------------------------------------------------------
 
@@ -287,7 +318,9 @@ class FlashOptimizer(torch.optim.Optimizer):
     def sync_state(self) -> None:
         """Bring the state in line with the parameters in ``param_groups`` now: check and create the state of
         parameters never seen before (those with ``requires_grad``; ``flat_layout`` groups create theirs at
-        their first step), drop the state of parameters no longer in any group, and forget every cached plan.
+        their first step), drop the state of parameters no longer in any group (not of tensors once in a
+        ``flat_layout`` group: DeepSpeed ZeRO-3 swaps its partitions in and out of the group around each
+        step, and the state is its to keep), and forget every cached plan.
         Every rank creates state for the same (trainable) parameters, so ``dcp.save`` sees the same keys
         everywhere. Called by ``step``, ``state_dict``, ``load_state_dict`` and ``flashdist.memory_report``
         when the groups changed; cheap to call again."""
@@ -301,7 +334,9 @@ class FlashOptimizer(torch.optim.Optimizer):
         if new:
             self._check_overlaps([(g, i, q) for g in self.param_groups for i, q in enumerate(g["params"])])
         live = {id(p) for group in self.param_groups for p in group["params"]}
-        for p in [p for p in self.state if id(p) not in live]:
+        self._flat_ids.update(id(p) for group in self.param_groups if group.get("flat_layout", False)
+                              for p in group["params"])
+        for p in [p for p in self.state if id(p) not in live and id(p) not in self._flat_ids]:
             del self.state[p]
         self._invalidate_plans()
         self._dtensor_groups = {id(g) for g in self.param_groups if any(D.is_dtensor(p) for p in g["params"])}
@@ -465,6 +500,7 @@ class FlashOptimizer(torch.optim.Optimizer):
         same parameters have gradients and their state is unchanged, and rebuilt otherwise."""
         if not params:
             return
+        self._check_layout_unchanged(group)  # (step() checked already; gradient release steps through here)
         key = (id(group), len(params), id(params[0]))
         plan = self._plans.get(key)
         if plan is None or not plan.matches(params):

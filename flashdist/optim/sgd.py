@@ -62,8 +62,7 @@ class FlashSGD(FlashOptimizer):
                              f"torch.optim.SGD), got momentum={group['momentum']!r}, "
                              f"dampening={group['dampening']!r}")
         # A momentum buffer exists from construction on or never: refuse switching momentum on or off.
-        params = group["params"]
-        state = self.state.get(params[0]) if params else None
+        state = next((self.state[p] for p in group["params"] if p in self.state), None)  # frozen ones hold none
         if state:
             has_buffer = any(key.startswith("momentum_buffer") for key in state)
             if has_buffer != (group["momentum"] != 0):

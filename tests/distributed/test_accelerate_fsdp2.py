@@ -47,7 +47,7 @@ def _single_process(steps: int) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-def _accelerator():
+def _accelerator(mixed_precision: str = "no"):
     """An Accelerator in its FSDP2 mode on the harness's gloo process group.
 
     Accelerate's launcher refuses ``--cpu`` with FSDP, so this sets up what a GPU launch would: the
@@ -60,7 +60,9 @@ def _accelerator():
 
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=True,
                                             cpu_ram_efficient_loading=False, state_dict_type="SHARDED_STATE_DICT")
-    accelerator = Accelerator(cpu=True)
+    accelerator = Accelerator(cpu=True, mixed_precision=mixed_precision)
+    if mixed_precision != "no":
+        plugin.set_mixed_precision(mixed_precision)  # what AcceleratorState does for an FSDP launch
     accelerator.state.distributed_type = DistributedType.FSDP
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     accelerator.state.fsdp_plugin = plugin
@@ -136,3 +138,44 @@ def test_accelerate_fsdp2_trains_saves_and_resumes_exactly():
             assert got[run].keys() == want.keys()
             for name, value in want.items():
                 assert torch.equal(got[run][name], value), f"rank {rank}, {run}: {name} differs from one process"
+
+
+def _mixed_precision_ranks(rank: int, world_size: int) -> list[str]:
+    import warnings
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    import flashdist
+
+    accelerator = _accelerator("bf16")
+    model = _model()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        optimizer = flashdist.FlashAdamW(model.parameters(), lr=LR)  # bf16 parameters: nothing to say yet
+        model, optimizer = accelerator.prepare(model, optimizer)  # upcasts them to fp32 DTensors
+        for step in range(2):
+            _train_step(model, optimizer, step, accelerator.backward)
+    assert all(p.dtype == torch.float32 for g in optimizer.param_groups for p in g["params"] if p.requires_grad)
+    # the precise check, from the module's FSDP2 state: the trainable parameters (not the frozen layer), and
+    # nothing for a model FSDP2 computes in fp32
+    found = optimizer.optimizer.check_precision(model)
+    assert found == ["1.weight", "1.bias", "3.weight", "3.bias"], found
+    messages = [str(w.message) for w in record if issubclass(w.category, flashdist.PrecisionWarning)]
+    plain = torch.nn.Linear(8, 8)
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(plain)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", flashdist.PrecisionWarning)
+        fp32_optimizer = flashdist.FlashAdamW(plain.parameters(), master_weight_bits=None)  # fp32 on purpose
+        assert fp32_optimizer.check_precision(plain) == []
+    return messages
+
+
+def test_accelerate_fsdp2_mixed_precision_warns_once_about_fp32_parameters():
+    # Accelerate's FSDP2 with mixed_precision="bf16" upcasts the bf16 parameters to fp32 masters and computes
+    # in bf16 (MixedPrecisionPolicy): flashdist then keeps fp32 gradients and no rho, and says so once
+    pytest.importorskip("accelerate")
+    for rank, messages in enumerate(run_ranks(_mixed_precision_ranks, 2, timeout=180.0)):
+        assert len(messages) == 1, f"rank {rank}: {messages}"
+        assert "docs/integrations.md" in messages[0] and "master_weight_bits=None" in messages[0]
