@@ -4,13 +4,13 @@ refused with the fix; never silently fp32 moments."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 from flashdist import FlashAdamW
 from flashdist._compat import HAS_DEEPSPEED
@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "distributed"))
 from harness import run_ranks  # noqa: E402
 
 needs_stack = pytest.mark.skipif(
-    not HAS_DEEPSPEED or any(__import__("importlib").util.find_spec(m) is None for m in ("accelerate", "transformers")),
+    not HAS_DEEPSPEED or any(importlib.util.find_spec(m) is None for m in ("accelerate", "transformers")),
     reason="needs deepspeed, accelerate and transformers (launch/setup.sh installs them)")
 
 
@@ -124,10 +124,12 @@ def _rank_routes(rank: int, world: int, out_dir: str) -> dict:
 
     from flashdist.integrations import transformers as fd_hf
 
+    original = deepspeed.initialize
     fd_hf.register()  # registers flashdist.integrations.deepspeed too
-    results = {"routed": deepspeed.initialize is not fds._deepspeed_initialize()}
+    routed = deepspeed.initialize
     fds.register()  # idempotent
-    results["routed_once"] = fds._deepspeed_initialize().__module__.startswith("deepspeed")
+    results = {"routed": routed is not original and routed.__wrapped__ is original,
+               "routed_once": deepspeed.initialize is routed}
     from accelerate.utils import DummyOptim
 
     named = _config(optimizer={"type": "FlashAdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}})
@@ -144,8 +146,8 @@ def _rank_routes(rank: int, world: int, out_dir: str) -> dict:
                     lambda m: FlashAdamW(m.parameters(), lr=1e-2, flat_layout=True))
     except ValueError as e:
         results["accelerate-bf16-masters-without-bf16"] = str(e)
-    results["trainer-optim"] = _trainer(os.path.join(out_dir, "a"), _config(bf16={"enabled": False}), optim="flash_adamw",
-                                        optim_args="master_weight_bits=24")
+    results["trainer-optim"] = _trainer(os.path.join(out_dir, "a"), _config(bf16={"enabled": False}),
+                                        optim="flash_adamw", optim_args="master_weight_bits=24")
     # Transformers' deepspeed_init drops an optimizers=(...) instance and builds args.optim (docs/integrations.md)
     results["trainer-instance"] = _trainer(os.path.join(out_dir, "c"), _config(bf16={"enabled": False}),
                                            optimizers_of=lambda m: (FlashAdamW(m.parameters(), lr=1e-2), None))
