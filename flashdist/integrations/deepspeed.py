@@ -145,6 +145,11 @@ def _check_combination(config: dict, cls: type) -> None:
                          "steps on the CPU with DeepSpeedCPUAdam); remove offload_optimizer: flashdist's 8-bit "
                          "moments are what saves the optimizer memory")
     bf16 = config.get("bf16") or config.get("bfloat16") or {}
+    if bf16.get("bf16_master_weights_and_grads") and bf16.get("enabled", False) in (False, "false", None):
+        raise ValueError("flashdist: bf16.bf16_master_weights_and_grads is set but bf16.enabled is false: DeepSpeed "
+                         "would train the fp32 model with bf16 master partitions (16-bit masters, and no memory "
+                         "saved on the model). Set bf16.enabled: true for a bf16 model with bf16 masters + rho, or "
+                         "remove bf16_master_weights_and_grads for fp32 masters")
     if bf16.get("bf16_master_weights_and_grads") and not bf16.get("bf16_optimizer_states"):
         raise ValueError("flashdist: bf16.bf16_master_weights_and_grads needs bf16.bf16_optimizer_states: true as "
                          "well (without it DeepSpeed requires ZeRO-Offload). flashdist keeps its own 8-bit moments "
@@ -178,7 +183,7 @@ def prepare_config(config: dict) -> tuple[dict, OptimizerSpec | None]:
     kwargs = _optimizer_kwargs(cls, section.get("params"))
     _check_combination(config, cls)
     try:  # every hyper-parameter check the class makes, on a stand-in parameter (flat layout: no state)
-        cls([torch.zeros(1, requires_grad=True)], **kwargs)
+        cls([torch.zeros(1, dtype=torch.bfloat16, requires_grad=True)], **kwargs)
     except (TypeError, ValueError) as e:
         raise ValueError(f"flashdist: optimizer.params of {cls.__name__} in the DeepSpeed config: {e}") from e
     out = {k: v for k, v in config.items() if k != "optimizer"}
@@ -214,16 +219,16 @@ def initialize(*args, **kwargs):
     ``"flashdist.FlashAdamW"``; any class of flashdist.optim); its ``params`` are the class's keyword arguments.
     Any other config goes to DeepSpeed untouched. Raises ``ValueError`` before DeepSpeed starts for an unknown
     flashdist type, a bad parameter, an impossible combination (no ZeRO, ZeRO-Offload,
-    bf16_master_weights_and_grads without bf16_optimizer_states), an ``optimizer=`` argument together with a
+    bf16_master_weights_and_grads without bf16_optimizer_states or with bf16 disabled; checked for a flashdist
+    optimizer passed as ``optimizer=`` too), an ``optimizer=`` argument together with a
     flashdist optimizer in the config, or a flashdist optimizer passed as ``optimizer=`` without
     ``flat_layout=True`` (a callable that builds one is checked when DeepSpeed calls it). The flashdist optimizer
     itself is ``engine.basic_optimizer``."""
-    deepspeed = _require_deepspeed()
-    bound = inspect.signature(deepspeed.initialize).bind(*args, **kwargs)
+    _require_deepspeed()
+    ds_initialize = _deepspeed_initialize()
+    bound = inspect.signature(ds_initialize).bind(*args, **kwargs)
     call = dict(bound.arguments)
     _check_optimizer_argument(call.get("optimizer"))
-    if callable(call.get("optimizer")) and not isinstance(call["optimizer"], torch.optim.Optimizer):
-        call["optimizer"] = _CheckedCallable(call["optimizer"])
     ds_args = call.get("args")
     source = call.get("config")
     if source is None:
@@ -231,11 +236,17 @@ def initialize(*args, **kwargs):
     from_args = source is None and getattr(ds_args, "deepspeed_config", None) is not None
     if from_args:
         source = ds_args.deepspeed_config
-    if source is None:
-        return deepspeed.initialize(**call)
-    config, spec = prepare_config(load_config(source))
+    config = load_config(source) if source is not None else None
+    optimizer = call.get("optimizer")
+    if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
+        call["optimizer"] = _CheckedCallable(optimizer, config)
+    elif config is not None and _is_flash(optimizer):
+        _check_combination(config, type(optimizer))
+    if config is None:
+        return ds_initialize(**call)
+    config, spec = prepare_config(config)
     if spec is None:
-        return deepspeed.initialize(**call)
+        return ds_initialize(**call)
     if call.get("optimizer") is not None:
         raise ValueError(f"flashdist: the DeepSpeed config names {spec.cls.__name__} and an optimizer was passed "
                          "as well; pass one of the two")
@@ -246,15 +257,19 @@ def initialize(*args, **kwargs):
     call.pop("config_params", None)
     call["config"] = config
     call["optimizer"] = spec
-    return deepspeed.initialize(**call)
+    return ds_initialize(**call)
+
+
+def _is_flash(optimizer) -> bool:
+    from ..optim.base import FlashOptimizer
+
+    return isinstance(optimizer, FlashOptimizer)
 
 
 def _check_optimizer_argument(optimizer) -> None:
     """A flashdist optimizer built on the model parameters has row-layout state for tensors that ZeRO replaces
-    by its flat partitions right after: refuse it, saying what works."""
-    from ..optim.base import FlashOptimizer
-
-    if isinstance(optimizer, FlashOptimizer) and not all(g.get("flat_layout") for g in optimizer.param_groups):
+    by its flat partitions right after (their moments would stay fp32): refuse it, saying what works."""
+    if _is_flash(optimizer) and not all(g.get("flat_layout") for g in optimizer.param_groups):
         raise ValueError(f"flashdist: a {type(optimizer).__name__} built on the model was passed to DeepSpeed; ZeRO "
                          "swaps its parameters for flat partitions. Name it in the config's optimizer section, or "
                          f"pass a callable: optimizer=lambda params: {type(optimizer).__name__}(params, "
@@ -264,13 +279,53 @@ def _check_optimizer_argument(optimizer) -> None:
 class _CheckedCallable:
     """A user's optimizer callable, with the check above applied to what it builds."""
 
-    def __init__(self, build):
+    def __init__(self, build, config: dict | None = None):
         self.build = build
+        self.config = config
 
     def __call__(self, params):
         optimizer = self.build(params)
         _check_optimizer_argument(optimizer)
+        if self.config is not None and _is_flash(optimizer):
+            _check_combination(self.config, type(optimizer))
         return optimizer
+
+
+# ----- deepspeed.initialize as Accelerate, the Trainer and Lightning call it ----------------------------
+
+_ORIGINAL_INITIALIZE = "_flashdist_original_initialize"
+
+
+def _deepspeed_initialize():
+    """DeepSpeed's own ``initialize``, also after :func:`register` replaced the module attribute."""
+    deepspeed = _require_deepspeed()
+    return getattr(deepspeed.initialize, _ORIGINAL_INITIALIZE, deepspeed.initialize)
+
+
+def register() -> None:
+    """Route ``deepspeed.initialize`` through :func:`initialize`, for frameworks that call DeepSpeed themselves
+    (Accelerate's ``prepare``, the Transformers Trainer, Lightning's DeepSpeedStrategy). Afterwards:
+
+    - a config naming a flashdist optimizer (``"type": "FlashAdamW"``) builds it with ``flat_layout=True`` (with
+      Accelerate, pass ``accelerate.utils.DummyOptim(params)`` as the optimizer, as for any config optimizer);
+    - a flashdist optimizer instance built without ``flat_layout=True`` is refused with the fix (its moments
+      would stay fp32 on ZeRO's flat partitions), and the combinations :func:`initialize` lists are refused;
+    - every other call goes to DeepSpeed unchanged.
+
+    Idempotent. Without it, DeepSpeed does not know flashdist's names and raises its own ``AttributeError``
+    (``torch.optim`` has no ``FlashAdamW``), and a flashdist optimizer instance is not checked."""
+    deepspeed = _require_deepspeed()
+    if hasattr(deepspeed.initialize, _ORIGINAL_INITIALIZE):
+        return
+    original = deepspeed.initialize
+
+    def routed(*args, **kwargs):
+        return initialize(*args, **kwargs)
+
+    routed.__doc__ = initialize.__doc__
+    routed.__wrapped__ = original
+    setattr(routed, _ORIGINAL_INITIALIZE, original)
+    deepspeed.initialize = routed
 
 
 # ----- live engine: universal-checkpoint load with rho -------------------------------------------------
