@@ -321,3 +321,21 @@ def test_precision_warning_when_fp32_parameters_are_swapped_in():
     with pytest.warns(PrecisionWarning, match="fp32 parameters"):
         _train(upcast, opt, 1)
     assert "rho" not in opt.state[upcast[0].weight]
+
+
+def test_plain_1d_tensor_swapped_into_a_row_layout_group_is_refused():
+    """DeepSpeed ZeRO swaps a group's parameters for one flat 1-d partition; in a row-layout group its
+    moments would silently stay fp32, so the first step refuses it and names the fix."""
+    model = torch.nn.Linear(64, 32).to(torch.bfloat16)
+    opt = FlashAdamW(model.parameters(), lr=1e-3)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).requires_grad_()
+    flat.grad = torch.ones_like(flat)
+    opt.param_groups[0]["params"] = [flat]
+    with pytest.raises(ValueError, match="plain 1-d tensor.*flat_layout=True"):
+        opt.step()
+    # a user's own 1-d nn.Parameter swapped in is an ordinary new parameter
+    bias = torch.nn.Parameter(torch.zeros(32, dtype=torch.bfloat16))
+    bias.grad = torch.ones_like(bias)
+    opt.param_groups[0]["params"] = [bias]
+    opt.step()
+    assert "exp_avg" in opt.state[bias] and bias.float().abs().sum() > 0

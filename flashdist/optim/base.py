@@ -331,6 +331,7 @@ class FlashOptimizer(torch.optim.Optimizer):
                if id(p) not in seen]
         for group, i, p in new:
             self._check_param(group, i, p)
+            self._check_not_flat_partition(group, i, p)
         if new:
             self._check_overlaps([(g, i, q) for g in self.param_groups for i, q in enumerate(g["params"])])
         live = {id(p) for group in self.param_groups for p in group["params"]}
@@ -351,6 +352,21 @@ class FlashOptimizer(torch.optim.Optimizer):
         self._synced = [(group, group["params"], list(group["params"])) for group in self.param_groups]
         for group in self.param_groups:
             self._warn_precision([p for g, i, p in new if g is group], group)
+
+    def _check_not_flat_partition(self, group: dict, index: int, p: torch.Tensor) -> None:
+        """Refuse a plain 1-d tensor swapped into a row-layout group after construction: that is how DeepSpeed
+        ZeRO hands an optimizer its flat partitions, whose moments the row-aligned layout would keep in fp32
+        (1-d tensors have no rows): silently unquantized. A user's own 1-d parameters are ``nn.Parameter``s, or
+        are given at construction."""
+        if (p.ndim != 1 or group.get("flat_layout", False) or not group["quantize_states"]
+                or isinstance(p, torch.nn.Parameter) or D.is_dtensor(p)):
+            return
+        raise ValueError(f"flashdist: {param_name(group, index, p)}, a plain 1-d tensor, was put into a param group "
+                         "built for row-aligned 8-bit moments (as DeepSpeed ZeRO does with its flat partitions), "
+                         "where its moments would stay fp32: build the optimizer with flat_layout=True, or name it "
+                         "in the DeepSpeed config (\"type\": \"FlashAdamW\") and call "
+                         "flashdist.integrations.deepspeed.initialize (or register() before Accelerate or the "
+                         "Trainer starts DeepSpeed)")
 
     def _ensure_trainable_state(self) -> None:
         """State for every parameter that requires a gradient (one unfrozen since the last step may have

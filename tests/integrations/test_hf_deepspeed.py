@@ -124,12 +124,17 @@ def _rank_routes(rank: int, world: int, out_dir: str) -> dict:
 
     from flashdist.integrations import transformers as fd_hf
 
+    results = {}
+    try:  # before any register(): the optimizer itself refuses ZeRO's flat partitions in a row-layout group
+        _accelerate(_config(), lambda m: FlashAdamW(m.parameters(), lr=1e-2))
+    except ValueError as e:
+        results["unregistered-row-layout-instance"] = str(e)
     original = deepspeed.initialize
     fd_hf.register()  # registers flashdist.integrations.deepspeed too
     routed = deepspeed.initialize
     fds.register()  # idempotent
-    results = {"routed": routed is not original and routed.__wrapped__ is original,
-               "routed_once": deepspeed.initialize is routed}
+    results.update(routed=routed is not original and routed.__wrapped__ is original,
+                   routed_once=deepspeed.initialize is routed)
     from accelerate.utils import DummyOptim
 
     named = _config(optimizer={"type": "FlashAdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}})
@@ -169,5 +174,7 @@ def test_deepspeed_through_accelerate(tmp_path):
     assert results["routed"] and results["routed_once"]
     message = results["accelerate-row-layout-instance"]
     assert "ZeRO swaps its parameters for flat partitions" in message and "flat_layout=True" in message
+    message = results["unregistered-row-layout-instance"]
+    assert "a plain 1-d tensor" in message and "flat_layout=True" in message
     assert results["trainer-instance"]["type"] == "AdamW"
     assert "bf16.enabled is false" in results["accelerate-bf16-masters-without-bf16"]
