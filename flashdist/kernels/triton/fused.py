@@ -178,6 +178,8 @@ _TINY = tl.constexpr(Q.TINY)
 _LIFT = tl.constexpr(Q.LIFT)
 _FP32_EXP_MASK = tl.constexpr(0x7F800000)
 _FP32_MAX = tl.constexpr(3.4028234663852886e38)
+_SCALE_MAX = tl.constexpr(Q.SCALE_MAX)  # codes.scale_fits' limits
+_SQRT_SCALE_MAX = tl.constexpr(Q.SQRT_SCALE_MAX)
 # fp32 magnitude bits from which _split_bf16's parameter may round to infinity (int8 rho: half a rho step
 # below the midpoint between bf16's largest value and infinity); _merge_bf16's states past it are not split's
 _SPLIT_LIMIT = tl.constexpr(0x7F7F7F80)
@@ -455,6 +457,29 @@ def _signs_differ(a, b):
     return (a.to(tl.int32, bitcast=True) ^ b.to(tl.int32, bitcast=True)) < 0
 
 
+@triton.jit
+def _new_param(theta, P_KIND: tl.constexpr, RHO_KIND: tl.constexpr, RHO_LOG2: tl.constexpr):
+    """``rho.split`` of ``theta`` (without rho: ``theta`` rounded to the param dtype) as (the parameter: its
+    bf16 bits in the low 16 of an int32, sign extended, or its fp32 value for fp16 and fp32; rho as an int32,
+    0 without rho)."""
+    r = 0
+    if P_KIND == 0:
+        if RHO_KIND != 0:
+            w, y = _split_bf16(theta, RHO_LOG2)
+            p_out = w >> 16
+            r = y >> (15 - RHO_LOG2)
+        else:
+            p_out = _f32_to_bf16_bits(theta)
+    elif P_KIND == 1:
+        if RHO_KIND != 0:
+            p_out, r = _split_fp16(theta, RHO_LOG2)
+        else:
+            p_out = theta.to(tl.float16).to(tl.float32)  # round to nearest even, as torch
+    else:
+        p_out = theta
+    return p_out, r
+
+
 # ----- one block of one tensor -----------------------------------------------------------------------------
 
 
@@ -546,15 +571,11 @@ def _step_block(
         offs = gid[:, None] * _GROUP + lane[None, :]
         mask = offs < numel
 
-    # Gradient, and which elements are skipped with fp32 moments (quantized: which groups, below).
+    # Gradient (which elements or groups are skipped is decided below, from the new moments).
     if G_KIND == 0:
         g = (tl.load(g_ptr + offs, mask=mask, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
     else:
         g = tl.load(g_ptr + offs, mask=mask, other=0).to(tl.float32)
-    if not QUANTIZED:
-        bad = (g.to(tl.int32, bitcast=True) & _FP32_EXP_MASK) == _FP32_EXP_MASK  # NaN or Inf
-        keep = mask & ~bad
-        n_bad = tl.sum(bad.to(tl.int32), axis=1)
 
     # Moments: Adam's and SGD's decayed beta1 * m (SGD: momentum * buffer) and Adam's beta2 * v
     # (codes.dequantize_exp_avg / dequantize_exp_avg_sq with the betas as factors), Lion's m itself: each
@@ -642,15 +663,44 @@ def _step_block(
         theta = theta - tl.where(c > 0, 1.0, tl.where(c < 0, -1.0, 0.0)) * step_size
         m = m * beta2 + g * one_minus_beta2
 
+    # Skipped groups (reference._store_): with 8-bit moments, those where a new moment does not fit its
+    # scale (codes.scale_fits of the group absmax; the first moment's propagates a NaN, and is not finite
+    # where the gradient is not); with fp32 moments, the elements whose new last moment is not finite
+    # (without moments: whose gradient is not). SGD's step has no bound: its groups are skipped too where
+    # the new parameter is not finite (for 8-bit moments a NaN first moment there flags the group).
+    if ALGO == _SGD:
+        p_out, r = _new_param(theta, P_KIND, RHO_KIND, RHO_LOG2)
+        if P_KIND == 0:
+            p_bad = (p_out & 0x7F80) == 0x7F80
+        else:
+            p_bad = (p_out.to(tl.int32, bitcast=True) & _FP32_EXP_MASK) == _FP32_EXP_MASK
+        if QUANTIZED:
+            m = tl.where(p_bad, float("nan"), m)
+    if not QUANTIZED:
+        if not HAS_M:
+            bad = (g.to(tl.int32, bitcast=True) & _FP32_EXP_MASK) == _FP32_EXP_MASK
+        elif ALGO == _ADAM:
+            bad = ~(v <= _FP32_MAX)
+        else:
+            bad = ~(tl.abs(m) <= _FP32_MAX)
+        if ALGO == _SGD:
+            bad = bad | p_bad
+        keep = mask & ~bad
+        n_bad = tl.sum(bad.to(tl.int32), axis=1)
     # New moments (codes.quantize_exp_avg / quantize_exp_avg_sq): codes against the exact group absmax
     # A, stored rounded to bf16 as the scale. Masked slots hold exact zeros (zero code, gradient and
     # param), like the reference's padding, so they need no masking in the max.
     if QUANTIZED:
-        # The absmax propagates a NaN: finite exactly where the group's gradient is (reference._store_).
-        # (Adam's update computed it, with a and the normalizer s below.)
+        # (Adam's update computed the first moment's absmax, with a and the normalizer s below.)
         if ALGO != _ADAM:
             absmax, a, e, s = _group_normalizer(m)
-        bad_group = ~(absmax <= _FP32_MAX)
+            bad_group = ~(absmax <= _SCALE_MAX)
+        elif COMPANDED:  # the second moment is stored as codes of u = sqrt(v)
+            v_absmax = tl.max(u, axis=1)
+            bad_group = ~(absmax <= _SCALE_MAX) | ~(v_absmax <= _SQRT_SCALE_MAX)
+        else:
+            v_absmax = tl.max(v, axis=1)
+            bad_group = ~(absmax <= _SCALE_MAX) | ~(v_absmax <= _SCALE_MAX)
         keep = mask & ~bad_group[:, None]
         keep_group = gvalid & ~bad_group
         n_bad = bad_group.to(tl.int32)
@@ -671,11 +721,11 @@ def _step_block(
         if COMPANDED:
             # x = sqrt(v) is 0 or at least 2^-74.5 (the root of the smallest subnormal), so 255 / A cannot
             # overflow and the reference's lift by 2^64 (A < 2^-64) changes no bit: it is left out here
-            absmax = tl.max(u, axis=1)
+            absmax = v_absmax
             a = tl.where(absmax > 0, absmax, 1.0)
             q = u * tl.div_rn(tl.full(a.shape, 255.0, tl.float32), a)[:, None]
         else:
-            absmax = tl.max(v, axis=1)
+            absmax = v_absmax
             a = tl.where(absmax > 0, absmax, 1.0)
             lift = tl.where(a < _TINY, _LIFT, 1.0)
             q = (v * lift[:, None]) * tl.div_rn(tl.full(a.shape, 255.0, tl.float32), a * lift)[:, None]
@@ -686,22 +736,15 @@ def _step_block(
     if HAS_M and not QUANTIZED:
         tl.store(m_ptr + offs, m, mask=keep)
 
-    # New parameter and rho (rho.split; without rho, theta rounded to the param dtype).
+    # New parameter and rho.
+    if ALGO != _SGD:
+        p_out, r = _new_param(theta, P_KIND, RHO_KIND, RHO_LOG2)
     if P_KIND == 0:
-        if RHO_KIND != 0:
-            w, y = _split_bf16(theta, RHO_LOG2)
-            tl.store(p_ptr + offs, (w >> 16).to(tl.int16), mask=keep)
-            r = y >> RHO_SHIFT
-        else:
-            tl.store(p_ptr + offs, _f32_to_bf16_bits(theta).to(tl.int16), mask=keep)
+        tl.store(p_ptr + offs, p_out.to(tl.int16), mask=keep)
     elif P_KIND == 1:
-        if RHO_KIND != 0:
-            low, r = _split_fp16(theta, RHO_LOG2)
-        else:
-            low = theta.to(tl.float16).to(tl.float32)  # round to nearest even, as torch
-        tl.store(p_ptr + offs, low.to(tl.float16), mask=keep)
+        tl.store(p_ptr + offs, p_out.to(tl.float16), mask=keep)
     else:
-        tl.store(p_ptr + offs, theta, mask=keep)
+        tl.store(p_ptr + offs, p_out, mask=keep)
     if RHO_KIND == 1:
         tl.store(rho_ptr + offs, r.to(tl.int8), mask=keep)
     elif RHO_KIND == 2:
