@@ -398,7 +398,7 @@ def _rho_probe(p_ptr, rho_ptr, theta_ptr, merged_ptr, low_ptr, split_rho_ptr, FP
         tl.store(low_ptr + offs, low.to(tl.float16).to(tl.int16, bitcast=True))
     else:
         tl.store(merged_ptr + offs, K._merge_bf16(tl.load(p_ptr + offs).to(tl.int32), rho, 15 - RHO_LOG2))
-        w, y = K._split_bf16(theta, RHO_LOG2)
+        w, y, _ = K._split_bf16(theta, theta, RHO_LOG2, False)
         tl.store(low_ptr + offs, (w >> 16).to(tl.int16))
         if RHO_LOG2 == 7:
             r = (y >> 8).to(tl.int8).to(tl.int32)

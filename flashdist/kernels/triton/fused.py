@@ -98,13 +98,15 @@ The approximate variant with 8-bit moments is compiled with at most ``APPROX_MAX
 (more warps per SM: 83 registers under triton 3.6 against the compiler's 111, no spills; measured 2-3% faster
 with the kernel before ``_gather``, and the same with the current one).
 
-Non-finite gradients. A group whose gradient holds a NaN or an Inf is not stored (param, rho, codes,
-scale keep their values); each program adds its count of such groups to ``skipped`` with one atomic. With
-8-bit moments the flag is the absmax of the group's new first moment, taken with a NaN-propagating max:
-the update scales the gradient and adds finite numbers within fp32's range, so that absmax is finite
-exactly where the gradient is (with coupled weight decay, a non-finite parameter makes it non-finite too,
-and its group is skipped). This costs nothing beyond the absmax the scale needs; fp32 moments check each
-gradient value.
+Non-finite gradients, and finite ones whose step overflows. A group is not stored (param, rho, codes,
+scale keep their values) where ``reference._store_`` skips it, and each program adds its count of such
+groups to ``skipped`` with one atomic. With 8-bit moments the flag is one comparison per group of the
+absmaxes the scales need anyway (``codes.scale_fits``): the new first moment's, taken with a NaN-propagating
+max, is not finite exactly where the gradient is not (with coupled weight decay, also where the parameter
+is not), and Adam's second moment adds its own limit to the same predicate; fp32 moments check each value
+of the new last moment. SGD's new parameter is checked too (its step has no bound): with bf16 parameters
+and rho inside ``_split_bf16``'s general path, the only one that can make an infinite parameter, so the
+common path pays nothing; with other parameters one comparison and select per value.
 """
 
 from __future__ import annotations
@@ -365,7 +367,7 @@ def _merge_bf16(p16, rho, RHO_SHIFT: tl.constexpr):
 
 
 @triton.jit
-def _split_bf16(theta, RHO_LOG2: tl.constexpr):
+def _split_bf16(theta, x, RHO_LOG2: tl.constexpr, FLAG: tl.constexpr):
     """``rho.split`` of fp32 ``theta`` into a bf16 parameter and rho, as two int32 words: the parameter's
     bits are the high 16 of the first, rho is bits ``RHO_SHIFT`` up of the second (int8: byte 1; int16: the
     low half), so that the stores take them without a shift.
@@ -383,7 +385,11 @@ def _split_bf16(theta, RHO_LOG2: tl.constexpr):
     Magnitudes from ``_SPLIT_LIMIT`` on (the parameter would round to infinity; infinite and NaN ``theta``)
     take the general path, per block: from the midpoint between the largest bf16 value and infinity on, the
     reference rounds to infinity (ties to even), for negative values too; infinite and NaN parameters get rho
-    0 and NaN becomes 0x7FC0."""
+    0 and NaN becomes 0x7FC0.
+
+    Returns ``(w, y, x)``: with ``FLAG``, ``x`` (any fp32 block) is NaN where the parameter is not finite
+    (SGD's skip flag, ``_new_param``). Only the general path makes such a parameter, so the flag costs the
+    common path nothing."""
     RHO_SHIFT: tl.constexpr = 15 - RHO_LOG2
     tb = theta.to(tl.int32, bitcast=True)
     s = tb >> 31
@@ -398,9 +404,11 @@ def _split_bf16(theta, RHO_LOG2: tl.constexpr):
         r = v - (p << (RHO_LOG2 + 1))
         mag = tl.where(a >= 0x7F7F8000, 0x7F80, (p ^ s) - s)
         r = tl.where(mag >= 0x7F80, 0, r)
+        if FLAG:
+            x = tl.where(mag >= 0x7F80, float("nan"), x)
         w = tl.where(a > 0x7F800000, _BF16_NAN, mag | (s & 0x8000)) << 16
         y = r << RHO_SHIFT
-    return w, y
+    return w, y, x
 
 
 @triton.jit
@@ -458,26 +466,32 @@ def _signs_differ(a, b):
 
 
 @triton.jit
-def _new_param(theta, P_KIND: tl.constexpr, RHO_KIND: tl.constexpr, RHO_LOG2: tl.constexpr):
+def _new_param(theta, x, P_KIND: tl.constexpr, RHO_KIND: tl.constexpr, RHO_LOG2: tl.constexpr,
+               FLAG: tl.constexpr):
     """``rho.split`` of ``theta`` (without rho: ``theta`` rounded to the param dtype) as (the parameter: its
     bf16 bits in the low 16 of an int32, sign extended, or its fp32 value for fp16 and fp32; rho as an int32,
-    0 without rho)."""
+    0 without rho; ``x``, with ``FLAG`` NaN where the parameter is not finite)."""
     r = 0
     if P_KIND == 0:
         if RHO_KIND != 0:
-            w, y = _split_bf16(theta, RHO_LOG2)
+            w, y, x = _split_bf16(theta, x, RHO_LOG2, FLAG)
             p_out = w >> 16
             r = y >> (15 - RHO_LOG2)
         else:
             p_out = _f32_to_bf16_bits(theta)
-    elif P_KIND == 1:
-        if RHO_KIND != 0:
-            p_out, r = _split_fp16(theta, RHO_LOG2)
-        else:
-            p_out = theta.to(tl.float16).to(tl.float32)  # round to nearest even, as torch
+            if FLAG:
+                x = tl.where((p_out & 0x7F80) == 0x7F80, float("nan"), x)
     else:
-        p_out = theta
-    return p_out, r
+        if P_KIND == 1:
+            if RHO_KIND != 0:
+                p_out, r = _split_fp16(theta, RHO_LOG2)
+            else:
+                p_out = theta.to(tl.float16).to(tl.float32)  # round to nearest even, as torch
+        else:
+            p_out = theta
+        if FLAG:
+            x = tl.where((p_out.to(tl.int32, bitcast=True) & _FP32_EXP_MASK) == _FP32_EXP_MASK, float("nan"), x)
+    return p_out, r, x
 
 
 # ----- one block of one tensor -----------------------------------------------------------------------------
@@ -667,15 +681,12 @@ def _step_block(
     # scale (codes.scale_fits of the group absmax; the first moment's propagates a NaN, and is not finite
     # where the gradient is not); with fp32 moments, the elements whose new last moment is not finite
     # (without moments: whose gradient is not). SGD's step has no bound: its groups are skipped too where
-    # the new parameter is not finite (for 8-bit moments a NaN first moment there flags the group).
+    # the new parameter is not finite, flagged by a NaN in the momentum (or the gradient) there.
     if ALGO == _SGD:
-        p_out, r = _new_param(theta, P_KIND, RHO_KIND, RHO_LOG2)
-        if P_KIND == 0:
-            p_bad = (p_out & 0x7F80) == 0x7F80
+        if HAS_M:
+            p_out, r, m = _new_param(theta, m, P_KIND, RHO_KIND, RHO_LOG2, True)
         else:
-            p_bad = (p_out.to(tl.int32, bitcast=True) & _FP32_EXP_MASK) == _FP32_EXP_MASK
-        if QUANTIZED:
-            m = tl.where(p_bad, float("nan"), m)
+            p_out, r, g = _new_param(theta, g, P_KIND, RHO_KIND, RHO_LOG2, True)
     if not QUANTIZED:
         if not HAS_M:
             bad = (g.to(tl.int32, bitcast=True) & _FP32_EXP_MASK) == _FP32_EXP_MASK
@@ -683,8 +694,6 @@ def _step_block(
             bad = ~(v <= _FP32_MAX)
         else:
             bad = ~(tl.abs(m) <= _FP32_MAX)
-        if ALGO == _SGD:
-            bad = bad | p_bad
         keep = mask & ~bad
         n_bad = tl.sum(bad.to(tl.int32), axis=1)
     # New moments (codes.quantize_exp_avg / quantize_exp_avg_sq): codes against the exact group absmax
@@ -738,7 +747,7 @@ def _step_block(
 
     # New parameter and rho.
     if ALGO != _SGD:
-        p_out, r = _new_param(theta, P_KIND, RHO_KIND, RHO_LOG2)
+        p_out, r, theta = _new_param(theta, theta, P_KIND, RHO_KIND, RHO_LOG2, False)
     if P_KIND == 0:
         tl.store(p_ptr + offs, p_out.to(tl.int16), mask=keep)
     elif P_KIND == 1:
