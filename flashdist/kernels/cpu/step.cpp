@@ -3,20 +3,22 @@
 // and quant/rho.py say why each operation is what it is). Built with -ffp-contract=off and without
 // -ffast-math, so every + - * / sqrt below is one IEEE round-to-nearest operation, as in torch's eager ops.
 //
-// Work is cut into groups of 32 values (a quantization group: 32 values of one row; with fp32 moments simply
-// 32 consecutive values), each computed in small fp32 arrays that the compiler vectorises; at::parallel_for
-// spreads chunks of groups, from all tensors of one call, over torch's intra-op threads.
-
-#include <torch/extension.h>
+// Work is cut into blocks of up to 256 values of one row (8 quantization groups of 32; with fp32 moments simply
+// 256 consecutive values), each computed in small fp32 arrays that the compiler vectorises; at::parallel_for
+// spreads chunks of blocks, from all tensors of one call, over torch's intra-op threads.
 
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 #include <c10/util/Half.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #ifdef __F16C__
@@ -25,9 +27,10 @@
 
 namespace {
 
-constexpr int G = 32;                  // values per group (codes.GROUP)
-constexpr int64_t CHUNK_GROUPS = 64;   // groups per unit of parallel work
-constexpr int64_t SERIAL_CHUNKS = 16;  // calls with fewer chunks than this run on the calling thread
+constexpr int G = 32;                    // values per quantization group (codes.GROUP)
+constexpr int B = 256;                   // values per block: up to 8 groups of one row, computed together
+constexpr int64_t CHUNK_BLOCKS = 8;      // blocks per unit of parallel work
+constexpr int64_t SERIAL_VALUES = 1 << 16;  // calls on fewer values run on the calling thread
 
 enum Dt : int { F32 = 0, BF16 = 1, F16 = 2, I8 = 3, I16 = 4, U8 = 5 };
 
@@ -41,89 +44,93 @@ inline uint16_t f2bf(float x) {
   uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
   return x != x ? uint16_t(0xFFFF) : uint16_t(r);
 }
+inline float bf16_value(uint16_t b) { return u2f(uint32_t(b) << 16); }
 
-// fp16 <-> fp32 on 32 values (round to nearest even; F16C where the build machine has it)
-inline void h2f32(const uint16_t* in, float* out) {
+// fp16 <-> fp32 on L values, L a multiple of 8 (round to nearest even; F16C where the build machine has it)
+inline void h2f(const uint16_t* in, float* out, int L) {
 #ifdef __F16C__
-  for (int i = 0; i < G; i += 8)
+  for (int i = 0; i < L; i += 8)
     _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i))));
 #else
-  for (int k = 0; k < G; ++k) out[k] = c10::detail::fp16_ieee_to_fp32_value(in[k]);
+  for (int k = 0; k < L; ++k) out[k] = c10::detail::fp16_ieee_to_fp32_value(in[k]);
 #endif
 }
-inline void f2h32(const float* in, uint16_t* out) {
+inline void f2h(const float* in, uint16_t* out, int L) {
 #ifdef __F16C__
-  for (int i = 0; i < G; i += 8)
+  for (int i = 0; i < L; i += 8)
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
                      _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 #else
-  for (int k = 0; k < G; ++k) out[k] = c10::detail::fp16_ieee_from_fp32_value(in[k]);
+  for (int k = 0; k < L; ++k) out[k] = c10::detail::fp16_ieee_from_fp32_value(in[k]);
 #endif
 }
 
-// Values [base, base + n) of a tensor as fp32, zero past n.
-void load(const void* p, int dt, int64_t base, int n, float* out) {
+template <typename T, typename Conv>
+inline void get(const T* s, int n, int L, float* out, Conv conv) {
+  if (n == L) { for (int k = 0; k < L; ++k) out[k] = conv(s[k]); }
+  else { for (int k = 0; k < L; ++k) out[k] = k < n ? conv(s[k]) : 0.f; }
+}
+
+// Values [base, base + n) of a tensor as fp32, zero from n to L.
+void load(const void* p, int dt, int64_t base, int n, int L, float* out) {
   switch (dt) {
-    case F32: {
-      const float* s = static_cast<const float*>(p) + base;
-      if (n == G) { for (int k = 0; k < G; ++k) out[k] = s[k]; }
-      else { for (int k = 0; k < G; ++k) out[k] = k < n ? s[k] : 0.f; }
-      break;
-    }
-    case BF16: {
-      const uint16_t* s = static_cast<const uint16_t*>(p) + base;
-      if (n == G) { for (int k = 0; k < G; ++k) out[k] = u2f(uint32_t(s[k]) << 16); }
-      else { for (int k = 0; k < G; ++k) out[k] = k < n ? u2f(uint32_t(s[k]) << 16) : 0.f; }
-      break;
-    }
+    case F32: get(static_cast<const float*>(p) + base, n, L, out, [](float v) { return v; }); break;
+    case BF16: get(static_cast<const uint16_t*>(p) + base, n, L, out, [](uint16_t v) { return bf16_value(v); }); break;
     case F16: {
+      uint16_t t[B];
       const uint16_t* s = static_cast<const uint16_t*>(p) + base;
-      uint16_t t[G] = {};
-      std::memcpy(t, s, sizeof(uint16_t) * n);
-      h2f32(t, out);
+      if (n == L) { h2f(s, out, L); break; }
+      for (int k = 0; k < L; ++k) t[k] = k < n ? s[k] : uint16_t(0);
+      h2f(t, out, L);
       break;
     }
-    case I8: {
-      const int8_t* s = static_cast<const int8_t*>(p) + base;
-      if (n == G) { for (int k = 0; k < G; ++k) out[k] = float(s[k]); }
-      else { for (int k = 0; k < G; ++k) out[k] = k < n ? float(s[k]) : 0.f; }
-      break;
-    }
-    case I16: {
-      const int16_t* s = static_cast<const int16_t*>(p) + base;
-      if (n == G) { for (int k = 0; k < G; ++k) out[k] = float(s[k]); }
-      else { for (int k = 0; k < G; ++k) out[k] = k < n ? float(s[k]) : 0.f; }
-      break;
-    }
-    case U8: {
-      const uint8_t* s = static_cast<const uint8_t*>(p) + base;
-      if (n == G) { for (int k = 0; k < G; ++k) out[k] = float(s[k]); }
-      else { for (int k = 0; k < G; ++k) out[k] = k < n ? float(s[k]) : 0.f; }
-      break;
-    }
+    case I8: get(static_cast<const int8_t*>(p) + base, n, L, out, [](int8_t v) { return float(v); }); break;
+    case I16: get(static_cast<const int16_t*>(p) + base, n, L, out, [](int16_t v) { return float(v); }); break;
+    case U8: get(static_cast<const uint8_t*>(p) + base, n, L, out, [](uint8_t v) { return float(v); }); break;
   }
+}
+
+template <typename T>
+inline void put(T* d, int n, const bool* keep, const T* t) {
+  if (keep) { for (int k = 0; k < n; ++k) d[k] = keep[k] ? t[k] : d[k]; }
+  else { for (int k = 0; k < n; ++k) d[k] = t[k]; }
 }
 
 // Write x[k] for k < n where keep is null or keep[k], converting fp32 to the tensor's dtype (integer dtypes:
 // truncation through int32, then the low bits, as torch converts; the values written are integers in range).
-void store(void* p, int dt, int64_t base, int n, const float* x, const bool* keep) {
-  auto put = [&](auto* d, auto conv) {
-    d += base;
-    if (!keep && n == G) { for (int k = 0; k < G; ++k) d[k] = conv(k); }
-    else { for (int k = 0; k < n; ++k) if (!keep || keep[k]) d[k] = conv(k); }
-  };
+void store(void* p, int dt, int64_t base, int n, int L, const float* x, const bool* keep) {
   switch (dt) {
-    case F32: put(static_cast<float*>(p), [&](int k) { return x[k]; }); break;
-    case BF16: put(static_cast<uint16_t*>(p), [&](int k) { return f2bf(x[k]); }); break;
-    case F16: {
-      uint16_t t[G];
-      f2h32(x, t);
-      put(static_cast<uint16_t*>(p), [&](int k) { return t[k]; });
+    case F32: put(static_cast<float*>(p) + base, n, keep, x); break;
+    case BF16: {
+      uint16_t t[B];
+      for (int k = 0; k < L; ++k) t[k] = f2bf(x[k]);
+      put(static_cast<uint16_t*>(p) + base, n, keep, t);
       break;
     }
-    case I8: put(static_cast<int8_t*>(p), [&](int k) { return int8_t(int32_t(x[k])); }); break;
-    case I16: put(static_cast<int16_t*>(p), [&](int k) { return int16_t(int32_t(x[k])); }); break;
-    case U8: put(static_cast<uint8_t*>(p), [&](int k) { return uint8_t(int32_t(x[k])); }); break;
+    case F16: {
+      uint16_t t[B];
+      f2h(x, t, L);
+      put(static_cast<uint16_t*>(p) + base, n, keep, t);
+      break;
+    }
+    case I8: {
+      int8_t t[B];
+      for (int k = 0; k < L; ++k) t[k] = int8_t(int32_t(x[k]));
+      put(static_cast<int8_t*>(p) + base, n, keep, t);
+      break;
+    }
+    case I16: {
+      int16_t t[B];
+      for (int k = 0; k < L; ++k) t[k] = int16_t(int32_t(x[k]));
+      put(static_cast<int16_t*>(p) + base, n, keep, t);
+      break;
+    }
+    case U8: {
+      uint8_t t[B];
+      for (int k = 0; k < L; ++k) t[k] = uint8_t(int32_t(x[k]));
+      put(static_cast<uint8_t*>(p) + base, n, keep, t);
+      break;
+    }
   }
 }
 
@@ -148,9 +155,9 @@ inline float rho_unit(float tp, bool toward_zero, const Format& f) {
   return (pow2 & toward_zero) ? h * 0.5f : h;
 }
 
-void merge(const float* tp, const float* r, float* theta, const Format& f) {
+void merge(const float* tp, const float* r, float* theta, const Format& f, int L) {
   const float unit = 1.0f / f.steps;
-  for (int k = 0; k < G; ++k) {
+  for (int k = 0; k < L; ++k) {
     bool tz = ((r[k] < 0.f) & (tp[k] > 0.f)) | ((r[k] > 0.f) & (tp[k] < 0.f));
     float merged = tp[k] + r[k] * (rho_unit(tp[k], tz, f) * unit);
     theta[k] = r[k] == 0.f ? tp[k] : merged;
@@ -165,30 +172,40 @@ inline float div_pow2(float err, float h) {
   return (err * lift) * u2f((254u << 23) - f2u(hl));
 }
 
-inline float rho_code(float theta, float tp, const Format& f, float& h) {
-  float err = theta - tp;
-  h = rho_unit(tp, ((err < 0.f) & (tp > 0.f)) | ((err > 0.f) & (tp < 0.f)), f);
-  float q = div_pow2(err, h) * f.steps;
-  float sign = std::signbit(theta) ? -1.0f : 1.0f;
-  return std::floor(q * sign + 0.5f) * sign;
+// rho.py's _code on L values: r, and the unit h it counts in
+inline void rho_code(const float* theta, const float* tp, const Format& f, int L, float* r, float* h) {
+  for (int k = 0; k < L; ++k) {
+    float err = theta[k] - tp[k];
+    h[k] = rho_unit(tp[k], ((err < 0.f) & (tp[k] > 0.f)) | ((err > 0.f) & (tp[k] < 0.f)), f);
+    float q = div_pow2(err, h[k]) * f.steps;
+    float sign = std::signbit(theta[k]) ? -1.0f : 1.0f;
+    r[k] = std::floor(q * sign + 0.5f) * sign;
+  }
 }
 
 // theta -> (tp: the parameter value, r: rho), both fp32; tp holds theta rounded to the format on entry.
-void split(const float* theta, float* tp, float* r, const Format& f) {
-  for (int k = 0; k < G; ++k) {
-    float h, h2;
-    float rr = rho_code(theta[k], tp[k], f, h);
-    bool up = rr >= f.steps;
-    float t2 = std::copysign(tp[k] + 2.0f * h, theta[k]);
-    float r2 = rho_code(theta[k], t2, f, h2);
-    rr = up ? r2 : rr;
-    tp[k] = up ? t2 : tp[k];
-    rr = finite(rr) ? rr : 0.f;
+void split(const float* theta, float* tp, float* r, const Format& f, int L) {
+  float h[B];
+  rho_code(theta, tp, f, L, r, h);
+  uint32_t any_up = 0;
+  for (int k = 0; k < L; ++k) any_up |= uint32_t(r[k] >= f.steps);
+  if (any_up) {  // an error that rounds to +2^(k-1): the next value up, and a negative rho
+    float t2[B], r2[B];
+    for (int k = 0; k < L; ++k) t2[k] = std::copysign(tp[k] + 2.0f * h[k], theta[k]);
+    rho_code(theta, t2, f, L, r2, h);
+    for (int k = 0; k < L; ++k) {
+      bool up = r[k] >= f.steps;
+      tp[k] = up ? t2[k] : tp[k];
+      r[k] = up ? r2[k] : r[k];
+    }
+  }
+  for (int k = 0; k < L; ++k) {
+    float rr = finite(r[k]) ? r[k] : 0.f;
     r[k] = rr < -f.steps ? -f.steps : (rr > f.steps - 1.0f ? f.steps - 1.0f : rr);
   }
 }
 
-// ---- 8-bit codes (quant/codes.py) ----
+// ---- 8-bit codes (quant/codes.py), per group of G values ----
 
 constexpr float INV127 = 1.0f / 127.0f;
 constexpr float INV255 = 1.0f / 255.0f;
@@ -196,18 +213,21 @@ constexpr float TINY = 0x1p-64f;
 constexpr float LIFT = 0x1p64f;
 constexpr float UPDATE_FLUSH = 0x1p-48f;
 
-inline float bf16_value(uint16_t b) { return u2f(uint32_t(b) << 16); }
-
-// largest magnitude; a NaN anywhere makes it NaN (torch.amax)
+// largest magnitude; a NaN anywhere makes it NaN (torch.amax). On the bits: for magnitudes (sign cleared)
+// the integer order is the float order, and every NaN is above the infinity's bits.
 inline float absmax(const float* x) {
-  float a = 0.f;
-  bool nan = false;
+  uint32_t a = 0;
   for (int k = 0; k < G; ++k) {
-    float v = std::fabs(x[k]);
-    nan |= v != v;
-    a = v > a ? v : a;
+    uint32_t b = f2u(x[k]) & 0x7FFFFFFFu;
+    a = b > a ? b : a;
   }
-  return nan ? std::numeric_limits<float>::quiet_NaN() : a;
+  return a > 0x7F800000u ? std::numeric_limits<float>::quiet_NaN() : u2f(a);
+}
+
+inline bool all_finite(const float* x) {
+  uint32_t bad = 0;
+  for (int k = 0; k < G; ++k) bad |= uint32_t((f2u(x[k]) & 0x7F800000u) == 0x7F800000u);
+  return !bad;
 }
 
 inline float nonzero_or_one(float a) { return a > 0.f ? a : 1.0f; }
@@ -218,8 +238,8 @@ inline float pow2_normalizer(float a) {
   return u2f(uint32_t(254 - e) << 23);
 }
 
-// fp32 codes, already rounded to integers (torch.round: to nearest, ties to even)
-void quantize_signed(const float* m, float a_raw, bool companded, float* code) {
+// fp32 codes of one group, rounded to integers (torch.round: to nearest, ties to even)
+inline void quantize_signed(const float* m, float a_raw, bool companded, float* code) {
   float a = nonzero_or_one(a_raw);
   if (companded) {
     float s = pow2_normalizer(a);
@@ -232,7 +252,7 @@ void quantize_signed(const float* m, float a_raw, bool companded, float* code) {
   }
 }
 
-void quantize_unsigned(const float* u, float a_raw, float* code) {
+inline void quantize_unsigned(const float* u, float a_raw, float* code) {
   float a = nonzero_or_one(a_raw);
   float lift = a < TINY ? LIFT : 1.0f;
   float rcp = 255.0f / (a * lift);
@@ -241,7 +261,7 @@ void quantize_unsigned(const float* u, float a_raw, float* code) {
 
 // factor * first moment from int8 codes: the companded value y / (2 - |y|) of y = code / 127 is computed,
 // not looked up: codes.EXP_AVG_TABLE is built with exactly these fp32 operations.
-void dequantize_signed(const float* c, float scale, bool companded, float factor, float* out) {
+inline void dequantize_signed(const float* c, float scale, bool companded, float factor, float* out) {
   if (companded) {
     float mult = scale * factor;
     for (int k = 0; k < G; ++k) {
@@ -254,7 +274,7 @@ void dequantize_signed(const float* c, float scale, bool companded, float factor
   }
 }
 
-void dequantize_unsigned(const float* c, float scale, bool companded, float factor, float* out) {
+inline void dequantize_unsigned(const float* c, float scale, bool companded, float factor, float* out) {
   float s = scale * INV255;
   if (companded) {
     float mult = (s * s) * factor;
@@ -274,80 +294,121 @@ struct Desc {
   int gdt = F32;
   void* rho = nullptr;  // int8 / int16, or null
   int rdt = I8;
-  void* mom[2] = {nullptr, nullptr};            // codes (int8 / uint8) or fp32 moments
-  uint16_t* scales[2] = {nullptr, nullptr};     // bf16 scales of quantized moments
-  int64_t numel = 0, cols = 0, gpr = 0, ngroups = 0;
+  void* mom[2] = {nullptr, nullptr};         // codes (int8 / uint8) or fp32 moments
+  uint16_t* scales[2] = {nullptr, nullptr};  // bf16 scales of quantized moments
+  int64_t numel = 0, cols = 0, gpr = 0, bpr = 0, nblocks = 0;
   Format fmt{};
 };
 
-struct Span {  // values [base, base + n) of one group; scale index sidx
+// A block: values [base, base + n) of one row (quantized) or of the flat tensor, computed over L values
+// (n rounded up to whole groups; the padding is zeros, like the reference's padding of a row's last group).
+struct Block {
   int64_t base;
-  int n;
-  int64_t sidx;
+  int n, L;
+  int64_t sidx;  // scale index of the block's first group
 };
 
-inline Span span_of(const Desc& d, bool quantized, int64_t g) {
+inline Block block_of(const Desc& d, bool quantized, int64_t b) {
+  int64_t base, sidx = 0;
+  int64_t left;
   if (quantized) {
-    int64_t row = g / d.gpr, j = g % d.gpr;
-    int64_t col = j * G;
-    return {row * d.cols + col, int(std::min<int64_t>(G, d.cols - col)), g};
-  }
-  int64_t base = g * G;
-  return {base, int(std::min<int64_t>(G, d.numel - base)), g};
-}
-
-// theta (the fp32 master weight) of a group
-inline void load_theta(const Desc& d, const Span& s, float* theta) {
-  if (d.rho) {
-    float tp[G], r[G];
-    load(d.param, d.pdt, s.base, s.n, tp);
-    load(d.rho, d.rdt, s.base, s.n, r);
-    merge(tp, r, theta, d.fmt);
+    int64_t row = b / d.bpr, col = (b % d.bpr) * B;
+    base = row * d.cols + col;
+    sidx = row * d.gpr + col / G;
+    left = d.cols - col;
   } else {
-    load(d.param, d.pdt, s.base, s.n, theta);
+    base = b * B;
+    left = d.numel - base;
+  }
+  int n = int(std::min<int64_t>(B, left));
+  return {base, n, (n + G - 1) / G * G, sidx};
+}
+
+// theta (the fp32 master weight) of a block
+inline void load_theta(const Desc& d, const Block& s, float* theta) {
+  if (d.rho) {
+    float tp[B], r[B];
+    load(d.param, d.pdt, s.base, s.n, s.L, tp);
+    load(d.rho, d.rdt, s.base, s.n, s.L, r);
+    merge(tp, r, theta, d.fmt, s.L);
+  } else {
+    load(d.param, d.pdt, s.base, s.n, s.L, theta);
   }
 }
 
-// the new parameter (and rho) of a group from theta; keep: per-value write mask, or null for all
-inline void store_theta(const Desc& d, const Span& s, const float* theta, const bool* keep) {
+// the new parameter (and rho) of a block from theta; keep: per-value write mask, or null for all
+inline void store_theta(const Desc& d, const Block& s, const float* theta, const bool* keep) {
   if (d.rho) {
-    float tp[G], r[G];
+    float tp[B], r[B];
     if (d.pdt == BF16) {
-      for (int k = 0; k < G; ++k) tp[k] = bf16_value(f2bf(theta[k]));
+      for (int k = 0; k < s.L; ++k) tp[k] = bf16_value(f2bf(theta[k]));
     } else {
-      uint16_t t[G];
-      f2h32(theta, t);
-      h2f32(t, tp);
+      uint16_t t[B];
+      f2h(theta, t, s.L);
+      h2f(t, tp, s.L);
     }
-    split(theta, tp, r, d.fmt);
-    store(d.rho, d.rdt, s.base, s.n, r, keep);
-    store(d.param, d.pdt, s.base, s.n, tp, keep);
+    split(theta, tp, r, d.fmt, s.L);
+    store(d.rho, d.rdt, s.base, s.n, s.L, r, keep);
+    store(d.param, d.pdt, s.base, s.n, s.L, tp, keep);
   } else {
-    store(d.param, d.pdt, s.base, s.n, theta, keep);
+    store(d.param, d.pdt, s.base, s.n, s.L, theta, keep);
   }
 }
 
 // The reference computes on ungrouped tensors and pads each row's last group with zeros only where it
-// groups them again (absmax, finiteness); padding lanes here are zeroed to match.
-inline void zero_tail(float* x, int n) {
-  for (int k = n; k < G; ++k) x[k] = 0.f;
+// groups them again (absmax, finiteness); padding values here are zeroed to match.
+inline void zero_tail(float* x, const Block& s) {
+  for (int k = s.n; k < s.L; ++k) x[k] = 0.f;
 }
 
-inline bool all_finite(const float* x) {
-  bool ok = true;
-  for (int k = 0; k < G; ++k) ok &= finite(x[k]);
-  return ok;
+// Quantized blocks: which groups are skipped (their new first moment is not finite), as a per-value keep
+// mask (null when none is); the number skipped.
+inline int64_t bad_groups(const float* m, const Block& s, bool* gbad, bool* keep, const bool*& mask) {
+  int64_t bad = 0;
+  for (int q = 0; q * G < s.L; ++q) {
+    gbad[q] = !all_finite(m + q * G);
+    bad += gbad[q];
+  }
+  mask = nullptr;
+  if (bad) {
+    for (int q = 0; q * G < s.L; ++q)
+      for (int k = 0; k < G; ++k) keep[q * G + k] = !gbad[q];
+    mask = keep;
+  }
+  return bad;
 }
 
-// Store a quantized group: codes of the first moment m (int8) and, when u is given, of the second (uint8;
-// u is the value to encode: sqrt(v) when companded, v otherwise), with their scales.
-inline void store_codes(const Desc& d, const Span& s, int which, const float* x, float amax, bool is_signed,
-                        bool companded) {
-  float code[G];
-  if (is_signed) quantize_signed(x, amax, companded, code);
-  else quantize_unsigned(x, amax, code);
-  store(d.mom[which], is_signed ? I8 : U8, s.base, s.n, code, nullptr);
-  d.scales[which][s.sidx] = f2bf(amax);
+// codes (int8 signed / uint8) and scales of one moment of a block; amax: each group's absmax
+inline void store_codes(const Desc& d, const Block& s, int which, const float* x, const float* amax, bool is_signed,
+                        bool companded, const bool* gbad, const bool* keep) {
+  float code[B];
+  for (int q = 0; q * G < s.L; ++q) {
+    if (is_signed) quantize_signed(x + q * G, amax[q], companded, code + q * G);
+    else quantize_unsigned(x + q * G, amax[q], code + q * G);
+  }
+  store(d.mom[which], is_signed ? I8 : U8, s.base, s.n, s.L, code, keep);
+  for (int q = 0; q * G < s.L; ++q)
+    if (!gbad[q]) d.scales[which][s.sidx + q] = f2bf(amax[q]);
+}
+
+// fp32-moment blocks: keep the values whose gradient is finite; the number of the others
+inline int64_t finite_grads(const Desc& d, const Block& s, bool* keep) {
+  float graw[B];
+  load(d.grad, d.gdt, s.base, s.n, s.L, graw);
+  int64_t bad = 0;
+  for (int k = 0; k < s.L; ++k) {
+    keep[k] = finite(graw[k]);
+    bad += !keep[k];
+  }
+  return bad;  // padding values are 0: finite
+}
+
+// Load a quantized first moment times factor (int8 codes, per-group scales)
+inline void load_signed(const Desc& d, const Block& s, int which, bool companded, float factor, float* out) {
+  float c[B];
+  load(d.mom[which], I8, s.base, s.n, s.L, c);
+  for (int q = 0; q * G < s.L; ++q)
+    dequantize_signed(c + q * G, bf16_value(d.scales[which][s.sidx + q]), companded, factor, out + q * G);
 }
 
 // ---- the steps ----
@@ -356,61 +417,64 @@ struct Adam {
   float beta1, beta2, omb1, omb2, eps, wd, decay, step_size, ibc2;
   bool decoupled, companded;
 
-  int64_t group(const Desc& d, bool quantized, int64_t gi) const {
-    Span s = span_of(d, quantized, gi);
-    float g[G], theta[G], m[G], v[G], u[G], denom[G];
-    load(d.grad, d.gdt, s.base, s.n, g);
+  int64_t block(const Desc& d, bool quantized, int64_t bi) const {
+    Block s = block_of(d, quantized, bi);
+    const int L = s.L;
+    float g[B], theta[B], m[B], v[B], u[B], denom[B];
+    load(d.grad, d.gdt, s.base, s.n, L, g);
     if (quantized) {
-      float c[G];
-      load(d.mom[0], I8, s.base, s.n, c);
-      dequantize_signed(c, bf16_value(d.scales[0][s.sidx]), companded, beta1, m);
-      load(d.mom[1], U8, s.base, s.n, c);
-      dequantize_unsigned(c, bf16_value(d.scales[1][s.sidx]), companded, beta2, v);
+      load_signed(d, s, 0, companded, beta1, m);
+      float c[B];
+      load(d.mom[1], U8, s.base, s.n, L, c);
+      for (int q = 0; q * G < L; ++q)
+        dequantize_unsigned(c + q * G, bf16_value(d.scales[1][s.sidx + q]), companded, beta2, v + q * G);
     } else {
-      load(d.mom[0], F32, s.base, s.n, m);
-      load(d.mom[1], F32, s.base, s.n, v);
-      for (int k = 0; k < G; ++k) { m[k] = m[k] * beta1; v[k] = v[k] * beta2; }
+      load(d.mom[0], F32, s.base, s.n, L, m);
+      load(d.mom[1], F32, s.base, s.n, L, v);
+      for (int k = 0; k < L; ++k) { m[k] = m[k] * beta1; v[k] = v[k] * beta2; }
     }
     load_theta(d, s, theta);
-    if (decoupled) { for (int k = 0; k < G; ++k) theta[k] = theta[k] * decay; }
-    else { for (int k = 0; k < G; ++k) g[k] = g[k] + theta[k] * wd; }
-    for (int k = 0; k < G; ++k) {
+    if (decoupled) { for (int k = 0; k < L; ++k) theta[k] = theta[k] * decay; }
+    else { for (int k = 0; k < L; ++k) g[k] = g[k] + theta[k] * wd; }
+    for (int k = 0; k < L; ++k) {
       m[k] = m[k] + g[k] * omb1;
       v[k] = v[k] + (g[k] * g[k]) * omb2;
       u[k] = std::sqrt(v[k]);
       denom[k] = u[k] * ibc2 + eps;
     }
+    bool keep[B];
     if (!quantized) {
-      float graw[G];
-      bool keep[G];
-      load(d.grad, d.gdt, s.base, s.n, graw);
-      int64_t bad = 0;
-      for (int k = 0; k < G; ++k) {
-        keep[k] = finite(graw[k]);
-        bad += (k < s.n) & !keep[k];
-        theta[k] = theta[k] - (m[k] / denom[k]) * step_size;
-      }
-      store(d.mom[0], F32, s.base, s.n, m, keep);
-      store(d.mom[1], F32, s.base, s.n, v, keep);
-      store_theta(d, s, theta, keep);
+      int64_t bad = finite_grads(d, s, keep);
+      for (int k = 0; k < L; ++k) theta[k] = theta[k] - (m[k] / denom[k]) * step_size;
+      const bool* mask = bad ? keep : nullptr;
+      store(d.mom[0], F32, s.base, s.n, L, m, mask);
+      store(d.mom[1], F32, s.base, s.n, L, v, mask);
+      store_theta(d, s, theta, mask);
       return bad;
     }
-    if (s.n < G) { zero_tail(m, s.n); zero_tail(v, s.n); zero_tail(u, s.n); }
-    if (!all_finite(m)) return 1;
-    float am = absmax(m);
+    if (s.n < L) { zero_tail(m, s); zero_tail(v, s); zero_tail(u, s); }
+    bool gbad[B / G];
+    const bool* mask;
+    int64_t bad = bad_groups(m, s, gbad, keep, mask);
     // reference._adam_update: (m / denom) * step_size per group, m scaled by a power of two
-    float sn = pow2_normalizer(nonzero_or_one(am));
-    float step = step_size * (1.0f / sn);
-    for (int k = 0; k < G; ++k) {
-      float x = m[k] * sn;
-      x = std::fabs(x) < UPDATE_FLUSH ? 0.f : x;
-      theta[k] = theta[k] - (x / denom[k]) * step;
-    }
-    store_codes(d, s, 0, m, am, true, companded);
+    float am[B / G], au[B / G];
     const float* second = companded ? u : v;
-    store_codes(d, s, 1, second, absmax(second), false, companded);
-    store_theta(d, s, theta, nullptr);
-    return 0;
+    for (int q = 0; q * G < L; ++q) {
+      const float* mq = m + q * G;
+      am[q] = absmax(mq);
+      au[q] = absmax(second + q * G);
+      float sn = pow2_normalizer(nonzero_or_one(am[q]));
+      float step = step_size * (1.0f / sn);
+      for (int k = 0; k < G; ++k) {
+        float x = mq[k] * sn;
+        x = std::fabs(x) < UPDATE_FLUSH ? 0.f : x;
+        theta[q * G + k] = theta[q * G + k] - (x / denom[q * G + k]) * step;
+      }
+    }
+    store_codes(d, s, 0, m, am, true, companded, gbad, mask);
+    store_codes(d, s, 1, second, au, false, companded, gbad, mask);
+    store_theta(d, s, theta, mask);
+    return bad;
   }
 };
 
@@ -418,44 +482,44 @@ struct SGD {
   float momentum_decay, momentum_gain, momentum, wd, decay, lr;
   bool decoupled, nesterov, has_momentum, companded;
 
-  int64_t group(const Desc& d, bool quantized, int64_t gi) const {
-    Span s = span_of(d, quantized, gi);
-    float g[G], theta[G], m[G], dir[G];
-    load(d.grad, d.gdt, s.base, s.n, g);
+  int64_t block(const Desc& d, bool quantized, int64_t bi) const {
+    Block s = block_of(d, quantized, bi);
+    const int L = s.L;
+    float g[B], theta[B], m[B], dir[B];
+    load(d.grad, d.gdt, s.base, s.n, L, g);
     load_theta(d, s, theta);
-    if (decoupled) { for (int k = 0; k < G; ++k) theta[k] = theta[k] * decay; }
-    else { for (int k = 0; k < G; ++k) g[k] = g[k] + theta[k] * wd; }
+    if (decoupled) { for (int k = 0; k < L; ++k) theta[k] = theta[k] * decay; }
+    else { for (int k = 0; k < L; ++k) g[k] = g[k] + theta[k] * wd; }
+    const float* step_dir = g;
     if (has_momentum) {
       if (quantized) {
-        float c[G];
-        load(d.mom[0], I8, s.base, s.n, c);
-        dequantize_signed(c, bf16_value(d.scales[0][s.sidx]), companded, momentum_decay, m);
+        load_signed(d, s, 0, companded, momentum_decay, m);
       } else {
-        load(d.mom[0], F32, s.base, s.n, m);
-        for (int k = 0; k < G; ++k) m[k] = m[k] * momentum_decay;
+        load(d.mom[0], F32, s.base, s.n, L, m);
+        for (int k = 0; k < L; ++k) m[k] = m[k] * momentum_decay;
       }
-      for (int k = 0; k < G; ++k) m[k] = m[k] + g[k] * momentum_gain;
-      if (nesterov) { for (int k = 0; k < G; ++k) dir[k] = g[k] + m[k] * momentum; }
-      else { for (int k = 0; k < G; ++k) dir[k] = m[k]; }
-    } else {
-      for (int k = 0; k < G; ++k) dir[k] = g[k];
+      for (int k = 0; k < L; ++k) m[k] = m[k] + g[k] * momentum_gain;
+      if (nesterov) { for (int k = 0; k < L; ++k) dir[k] = g[k] + m[k] * momentum; step_dir = dir; }
+      else step_dir = m;
     }
-    for (int k = 0; k < G; ++k) theta[k] = theta[k] - dir[k] * lr;
+    for (int k = 0; k < L; ++k) theta[k] = theta[k] - step_dir[k] * lr;
+    bool keep[B];
     if (!(has_momentum && quantized)) {
-      float graw[G];
-      bool keep[G];
-      load(d.grad, d.gdt, s.base, s.n, graw);
-      int64_t bad = 0;
-      for (int k = 0; k < G; ++k) { keep[k] = finite(graw[k]); bad += (k < s.n) & !keep[k]; }
-      if (has_momentum) store(d.mom[0], F32, s.base, s.n, m, keep);
-      store_theta(d, s, theta, keep);
+      int64_t bad = finite_grads(d, s, keep);
+      const bool* mask = bad ? keep : nullptr;
+      if (has_momentum) store(d.mom[0], F32, s.base, s.n, L, m, mask);
+      store_theta(d, s, theta, mask);
       return bad;
     }
-    zero_tail(m, s.n);
-    if (!all_finite(m)) return 1;
-    store_codes(d, s, 0, m, absmax(m), true, companded);
-    store_theta(d, s, theta, nullptr);
-    return 0;
+    zero_tail(m, s);
+    bool gbad[B / G];
+    const bool* mask;
+    int64_t bad = bad_groups(m, s, gbad, keep, mask);
+    float am[B / G];
+    for (int q = 0; q * G < L; ++q) am[q] = absmax(m + q * G);
+    store_codes(d, s, 0, m, am, true, companded, gbad, mask);
+    store_theta(d, s, theta, mask);
+    return bad;
   }
 };
 
@@ -463,41 +527,42 @@ struct Lion {
   float beta1, beta2, omb1, omb2, decay, lr;
   bool companded;
 
-  int64_t group(const Desc& d, bool quantized, int64_t gi) const {
-    Span s = span_of(d, quantized, gi);
-    float g[G], theta[G], m[G];
-    load(d.grad, d.gdt, s.base, s.n, g);
+  int64_t block(const Desc& d, bool quantized, int64_t bi) const {
+    Block s = block_of(d, quantized, bi);
+    const int L = s.L;
+    float g[B], theta[B], m[B];
+    load(d.grad, d.gdt, s.base, s.n, L, g);
     load_theta(d, s, theta);
     if (quantized) {
-      float c[G];
-      load(d.mom[0], I8, s.base, s.n, c);
-      dequantize_signed(c, bf16_value(d.scales[0][s.sidx]), companded, 1.0f, m);
+      load_signed(d, s, 0, companded, 1.0f, m);
     } else {
-      load(d.mom[0], F32, s.base, s.n, m);
-      for (int k = 0; k < G; ++k) m[k] = m[k] * 1.0f;
+      load(d.mom[0], F32, s.base, s.n, L, m);
+      for (int k = 0; k < L; ++k) m[k] = m[k] * 1.0f;
     }
-    for (int k = 0; k < G; ++k) {
+    for (int k = 0; k < L; ++k) {
       theta[k] = theta[k] * decay;
       float c = m[k] * beta1 + g[k] * omb1;
       float dir = float(c > 0.f) - float(c < 0.f);
       theta[k] = theta[k] - dir * lr;
       m[k] = m[k] * beta2 + g[k] * omb2;
     }
+    bool keep[B];
     if (!quantized) {
-      float graw[G];
-      bool keep[G];
-      load(d.grad, d.gdt, s.base, s.n, graw);
-      int64_t bad = 0;
-      for (int k = 0; k < G; ++k) { keep[k] = finite(graw[k]); bad += (k < s.n) & !keep[k]; }
-      store(d.mom[0], F32, s.base, s.n, m, keep);
-      store_theta(d, s, theta, keep);
+      int64_t bad = finite_grads(d, s, keep);
+      const bool* mask = bad ? keep : nullptr;
+      store(d.mom[0], F32, s.base, s.n, L, m, mask);
+      store_theta(d, s, theta, mask);
       return bad;
     }
-    zero_tail(m, s.n);
-    if (!all_finite(m)) return 1;
-    store_codes(d, s, 0, m, absmax(m), true, companded);
-    store_theta(d, s, theta, nullptr);
-    return 0;
+    zero_tail(m, s);
+    bool gbad[B / G];
+    const bool* mask;
+    int64_t bad = bad_groups(m, s, gbad, keep, mask);
+    float am[B / G];
+    for (int q = 0; q * G < L; ++q) am[q] = absmax(m + q * G);
+    store_codes(d, s, 0, m, am, true, companded, gbad, mask);
+    store_theta(d, s, theta, mask);
+    return bad;
   }
 };
 
@@ -562,38 +627,42 @@ bool describe(const std::vector<at::Tensor>& params, const std::vector<at::Tenso
       d.cols = cols[i];
       if (d.cols <= 0 || d.numel % d.cols) return false;
       d.gpr = (d.cols + G - 1) / G;
-      d.ngroups = (d.numel / d.cols) * d.gpr;
+      d.bpr = (d.cols + B - 1) / B;
+      d.nblocks = (d.numel / d.cols) * d.bpr;
       for (size_t k = 0; k < moments.size(); ++k) {
         const at::Tensor& sc = scales[k][i];
-        if (!usable(sc, d.ngroups) || sc.scalar_type() != at::kBFloat16) return false;
+        if (!usable(sc, (d.numel / d.cols) * d.gpr) || sc.scalar_type() != at::kBFloat16) return false;
         d.scales[k] = static_cast<uint16_t*>(sc.data_ptr());
       }
     } else {
-      d.ngroups = (d.numel + G - 1) / G;
+      d.nblocks = (d.numel + B - 1) / B;
     }
     out.push_back(d);
   }
   return true;
 }
 
-// Run op.group over every group of every tensor; the number of skipped groups (values, with fp32 moments).
+// Run op.block over every block of every tensor; the number of skipped groups (values, with fp32 moments).
 template <typename Op>
 int64_t run(const std::vector<Desc>& descs, bool quantized, const Op& op) {
-  std::vector<std::pair<int32_t, int64_t>> chunks;  // (tensor, first group)
-  for (size_t i = 0; i < descs.size(); ++i)
-    for (int64_t g = 0; g < descs[i].ngroups; g += CHUNK_GROUPS) chunks.emplace_back(int32_t(i), g);
+  std::vector<std::pair<int32_t, int64_t>> chunks;  // (tensor, first block)
+  int64_t values = 0;
+  for (size_t i = 0; i < descs.size(); ++i) {
+    values += descs[i].numel;
+    for (int64_t b = 0; b < descs[i].nblocks; b += CHUNK_BLOCKS) chunks.emplace_back(int32_t(i), b);
+  }
   std::atomic<int64_t> skipped{0};
   auto body = [&](int64_t begin, int64_t end) {
     int64_t local = 0;
     for (int64_t c = begin; c < end; ++c) {
       const Desc& d = descs[chunks[c].first];
-      int64_t g1 = std::min(d.ngroups, chunks[c].second + CHUNK_GROUPS);
-      for (int64_t g = chunks[c].second; g < g1; ++g) local += op.group(d, quantized, g);
+      int64_t b1 = std::min(d.nblocks, chunks[c].second + CHUNK_BLOCKS);
+      for (int64_t b = chunks[c].second; b < b1; ++b) local += op.block(d, quantized, b);
     }
     skipped += local;
   };
   int64_t n = int64_t(chunks.size());
-  if (n < SERIAL_CHUNKS) body(0, n);
+  if (values < SERIAL_VALUES) body(0, n);
   else at::parallel_for(0, n, 1, body);
   return skipped.load();
 }
