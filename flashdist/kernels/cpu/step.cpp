@@ -34,8 +34,8 @@ constexpr int64_t SERIAL_VALUES = 1 << 16;  // calls on fewer values run on the 
 
 enum Dt : int { F32 = 0, BF16 = 1, F16 = 2, I8 = 3, I16 = 4, U8 = 5 };
 
-inline uint32_t f2u(float x) { uint32_t u; std::memcpy(&u, &x, 4); return u; }
-inline float u2f(uint32_t u) { float x; std::memcpy(&x, &u, 4); return x; }
+inline uint32_t f2u(float x) { return __builtin_bit_cast(uint32_t, x); }
+inline float u2f(uint32_t u) { return __builtin_bit_cast(float, u); }
 inline bool finite(float x) { return (f2u(x) & 0x7F800000u) != 0x7F800000u; }
 
 // fp32 -> bf16 bits, round to nearest even; NaN -> 0xFFFF, what torch's vectorised conversion writes
@@ -205,6 +205,56 @@ void split(const float* theta, float* tp, float* r, const Format& f, int L) {
   }
 }
 
+// bf16 parameters, on the bits. The reference's fp32 operations above are exact for bf16 (the rebuilt weight
+// and the error are representable, h is a power of two), and in the bits of an fp32 magnitude one rho step
+// is always 2^shift units (shift 8 for int8, 0 for int16): across a power of two, rho_unit's halving toward
+// zero matches the halved spacing below it, and bf16's smallest-exponent clamp matches fp32's subnormal
+// spacing. So merging adds rho << shift to the magnitude's bits, and splitting rounds the bits to bf16, takes
+// the remainder rounded half away from zero in steps, and moves to the next bf16 value toward theta's side
+// when that remainder is +2^(k-1), exactly as rho.py's float code does.
+template <typename R>
+inline void merge_bf16(const uint16_t* __restrict__ p, const R* __restrict__ rho, float* __restrict__ theta, int shift,
+                       int L) {
+  for (int k = 0; k < L; ++k) {
+    uint32_t t = uint32_t(p[k]) << 16;
+    uint32_t sign = t & 0x80000000u, mag = t & 0x7FFFFFFFu;
+    int32_t d = int32_t(rho[k]) * (1 << shift);
+    int32_t moved = int32_t(mag) + (sign ? -d : d);                      // a non-zero parameter: same sign
+    uint32_t from_zero = (d < 0 ? 0x80000000u : 0u) | uint32_t(d < 0 ? -d : d);  // +-0 + rho * unit
+    uint32_t out = mag == 0 ? from_zero : (sign | uint32_t(moved));
+    out = (rho[k] == 0 || mag >= 0x7F800000u) ? t : out;                // rho 0, inf and NaN: the parameter
+    theta[k] = u2f(out);
+  }
+}
+
+template <typename R, int shift>
+inline void split_bf16(const float* __restrict__ theta, uint16_t* __restrict__ p, R* __restrict__ rho, int L) {
+  constexpr int32_t steps = shift ? 128 : 32768, half = shift ? 128 : 0;
+  int32_t pbits[B], rr[B];
+  for (int k = 0; k < L; ++k) {
+    int32_t xi = int32_t(f2u(theta[k]));
+    uint32_t x = uint32_t(xi);
+    uint32_t sign = x & 0x80000000u, mag = x & 0x7FFFFFFFu;
+    // f2bf on the bits: round to nearest even, NaN -> 0xFFFF
+    uint32_t pb = mag > 0x7F800000u ? 0xFFFFu : (x + 0x7FFFu + ((x >> 16) & 1u)) >> 16;
+    int32_t t = int32_t((pb << 16) & 0x7FFFFFFFu);
+    int32_t r = (int32_t(mag) - t + half) >> shift;  // toward |theta|
+    bool up = (sign ? -r : r) >= steps;  // rho (in the value's direction) past its last positive code
+    int32_t t2 = sign ? t - 0x10000 : t + 0x10000;
+    int32_t r2 = (int32_t(mag) - t2 + half) >> shift;
+    t = up ? t2 : t;
+    r = up ? r2 : r;
+    bool special = t >= 0x7F800000;  // inf (overflow) or NaN: rho 0
+    r = special ? 0 : (sign ? -r : r);
+    rr[k] = r < -steps ? -steps : (r > steps - 1 ? steps - 1 : r);
+    pbits[k] = int32_t(mag > 0x7F800000u ? pb : (sign | uint32_t(t)) >> 16);  // NaN: as converted
+  }
+  for (int k = 0; k < L; ++k) {
+    p[k] = uint16_t(pbits[k]);
+    rho[k] = R(rr[k]);
+  }
+}
+
 // ---- 8-bit codes (quant/codes.py), per group of G values ----
 
 constexpr float INV127 = 1.0f / 127.0f;
@@ -326,7 +376,11 @@ inline Block block_of(const Desc& d, bool quantized, int64_t b) {
 
 // theta (the fp32 master weight) of a block
 inline void load_theta(const Desc& d, const Block& s, float* theta) {
-  if (d.rho) {
+  if (d.rho && d.pdt == BF16 && s.n == s.L) {
+    const uint16_t* p = static_cast<const uint16_t*>(d.param) + s.base;
+    if (d.rdt == I8) merge_bf16(p, static_cast<const int8_t*>(d.rho) + s.base, theta, 8, s.L);
+    else merge_bf16(p, static_cast<const int16_t*>(d.rho) + s.base, theta, 0, s.L);
+  } else if (d.rho) {
     float tp[B], r[B];
     load(d.param, d.pdt, s.base, s.n, s.L, tp);
     load(d.rho, d.rdt, s.base, s.n, s.L, r);
@@ -338,7 +392,20 @@ inline void load_theta(const Desc& d, const Block& s, float* theta) {
 
 // the new parameter (and rho) of a block from theta; keep: per-value write mask, or null for all
 inline void store_theta(const Desc& d, const Block& s, const float* theta, const bool* keep) {
-  if (d.rho) {
+  if (d.rho && d.pdt == BF16) {
+    uint16_t p[B];
+    uint16_t* dst = static_cast<uint16_t*>(d.param) + s.base;
+    if (d.rdt == I8) {
+      int8_t r[B];
+      split_bf16<int8_t, 8>(theta, p, r, s.L);
+      put(static_cast<int8_t*>(d.rho) + s.base, s.n, keep, r);
+    } else {
+      int16_t r[B];
+      split_bf16<int16_t, 0>(theta, p, r, s.L);
+      put(static_cast<int16_t*>(d.rho) + s.base, s.n, keep, r);
+    }
+    put(dst, s.n, keep, p);
+  } else if (d.rho) {
     float tp[B], r[B];
     if (d.pdt == BF16) {
       for (int k = 0; k < s.L; ++k) tp[k] = bf16_value(f2bf(theta[k]));
