@@ -524,3 +524,89 @@ def _release_hook_outside_backward(device: str) -> None:
 
 def test_release_hook_outside_backward_on_gpu():
     _release_hook_outside_backward("cuda:0")
+
+
+# ----- finite gradients whose step overflows fp32 (docs/method.md, "Non-finite gradients") -----------------
+
+HUGE = {torch.bfloat16: (1e30, torch.finfo(torch.bfloat16).max), torch.float16: (torch.finfo(torch.float16).max,) * 2,
+        torch.float32: (1e30, torch.finfo(torch.float32).max)}
+OVERFLOW_SHAPES = [(4, 96), (3, 33), (70,), (300, 257)]
+
+
+def _huge_grad(shape, dtype, gen, step, sign):
+    """Step 1: one huge element; step 2: a whole tensor of it; later steps: normal gradients."""
+    g = torch.randn(shape, generator=gen, device="cuda")
+    if step in (1, 2) and g.numel():
+        value = HUGE[dtype][step - 1] * sign
+        if step == 1:
+            g.view(-1)[g.numel() // 2] = value
+        else:
+            g.fill_(value)
+    return g.to(dtype)
+
+
+def _all_finite(state) -> bool:
+    return all(bool(torch.isfinite(t.float()).all()) for t in state.values() if t.is_floating_point())
+
+
+@pytest.mark.parametrize("algo", ["adam", "adamw", "sgd", "sgd-nesterov", "sgdw", "sgd-no-momentum", "lion"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("rho_dtype", [None, torch.int8], ids=["no-rho", "int8"])
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "approx"])
+def test_overflowing_gradients_stay_finite_on_gpu(monkeypatch, algo, layout, rho_dtype, exact):
+    """Gradients up to the largest finite bf16 / fp16 / fp32 values, in one element and in whole tensors,
+    then normal steps: every parameter, rho and moment finite after each step, the same groups skipped as
+    the CUDA reference, and (exact variant) every value bitwise the reference's."""
+    if algo == "sgd-no-momentum" and layout != "fp32-moments":
+        pytest.skip("SGD without momentum keeps no moments to lay out")
+    K = _kernels()
+    monkeypatch.setattr(K, "EXACT", exact)
+    quantized, companded = LAYOUTS[layout]
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    tensors = []
+    for dt in PARAM_DTYPES[rho_dtype]:
+        for shape in OVERFLOW_SHAPES:
+            state, cols = _state(shape, dt, rho_dtype, quantized, gen)
+            if algo not in ("adam", "adamw"):
+                del state["v"]
+                state.pop("vs", None)
+            if algo == "sgd-no-momentum":
+                del state["m"]
+            tensors.append((dt, state, cols))
+    for step in range(1, 5):
+        grads = [_huge_grad(s["p"].shape, dt, gen, step, (-1) ** k) for k, (dt, s, _) in enumerate(tensors)]
+        refs = [{k: v.clone() for k, v in s.items()} for _, s, _ in tensors]
+        skipped_k = torch.zeros((), dtype=torch.int32, device="cuda")
+        skipped_r = torch.zeros((), dtype=torch.int32, device="cuda")
+        states = [s for _, s, _ in tensors]
+        cols = [c for _, _, c in tensors]
+        if algo in ("adam", "adamw"):
+            scalars = AdamScalars.make(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=step,
+                                       decoupled=algo == "adamw")
+            _call(K, states, grads, cols, scalars, companded, skipped_k)
+            for (_, _, c), ref, g in zip(tensors, refs, grads):
+                reference.adam_step_(ref["p"], g, ref["m"], ref["v"], ref.get("ms"), ref.get("vs"), ref.get("rho"),
+                                     cols=c if quantized else None, scalars=scalars, companded=companded,
+                                     skipped=skipped_r)
+        else:
+            scalars = FAMILY[algo](step)
+            has_m = algo != "sgd-no-momentum"
+            lists = [[s["p"] for s in states], grads, [s["m"] for s in states] if has_m else None,
+                     [s["ms"] for s in states] if quantized and has_m else None,
+                     [s["rho"] for s in states] if rho_dtype is not None else None]
+            step_multi = K.lion_step_multi if algo == "lion" else K.sgd_step_multi
+            step_multi(*lists, cols=cols if quantized and has_m else None, scalars=scalars, companded=companded,
+                       skipped=skipped_k)
+            step_ref = reference.lion_step_ if algo == "lion" else reference.sgd_step_
+            for (_, _, c), ref, g in zip(tensors, refs, grads):
+                step_ref(ref["p"], g, ref.get("m"), ref.get("ms"), ref.get("rho"),
+                         cols=c if quantized and has_m else None, scalars=scalars, companded=companded,
+                         skipped=skipped_r)
+        assert skipped_k.item() == skipped_r.item()
+        for (dt, state, _), ref in zip(tensors, refs):
+            where = f"{algo} step {step}, {tuple(state['p'].shape)} {dt}"
+            assert _all_finite(state) and _all_finite(ref), f"{where}: a value is not finite"
+            if exact:
+                _compare_exact(state, ref, where)
+            for k in state:  # the next step starts from one state on both sides
+                state[k].copy_(ref[k])

@@ -442,3 +442,86 @@ def test_step_counts_follow_each_parameter_when_the_set_with_grads_changes():
         ref.step()
     assert int(opt.state[a]["step"]) == 4 and int(opt.state[b]["step"]) == 4
     assert torch.allclose(a.double(), ra, atol=1e-6) and torch.allclose(b.double(), rb, atol=1e-6)
+
+
+# ----- finite gradients whose step overflows fp32 -----------------------------------------------------------
+
+OVERFLOW_OPTIMIZERS = {
+    "adamw": lambda ps, **kw: flashdist.FlashAdamW(ps, lr=1e-2, **kw),
+    "adam-l2": lambda ps, **kw: flashdist.FlashAdam(ps, lr=1e-2, weight_decay=0.1, **kw),
+    "sgd-momentum-dampening": lambda ps, **kw: flashdist.FlashSGD(ps, lr=1e-2, momentum=0.9, dampening=0.1,
+                                                                   weight_decay=0.1, **kw),
+    "sgd-nesterov": lambda ps, **kw: flashdist.FlashSGD(ps, lr=1e-2, momentum=0.9, nesterov=True, **kw),
+    "sgd-plain": lambda ps, **kw: flashdist.FlashSGD(ps, lr=1e-2, **kw),
+    "sgdw": lambda ps, **kw: flashdist.FlashSGDW(ps, lr=1e-2, momentum=0.9, weight_decay=0.1, **kw),
+    "lion": lambda ps, **kw: flashdist.FlashLion(ps, lr=1e-2, weight_decay=0.1, **kw),
+}
+# the largest finite gradient of each dtype; 1e30 for those that hold it
+HUGE = {torch.bfloat16: (1e30, torch.finfo(torch.bfloat16).max), torch.float16: (torch.finfo(torch.float16).max,),
+        torch.float32: (1e30, torch.finfo(torch.float32).max)}
+OVERFLOW_OPTIONS = {  # (param dtype, optimizer options)
+    "bf16-q-comp": (torch.bfloat16, {}),
+    "bf16-q-linear": (torch.bfloat16, dict(companded=False)),
+    "bf16-fp32m": (torch.bfloat16, dict(quantize_states=False)),
+    "bf16-32bit": (torch.bfloat16, dict(master_weight_bits=32)),
+    "bf16-nosplit-flat": (torch.bfloat16, dict(master_weight_bits=None, flat_layout=True)),
+    "fp16-q-comp": (torch.float16, {}),
+    "fp16-fp32m-32bit": (torch.float16, dict(quantize_states=False, master_weight_bits=32)),
+    "fp32-q-comp": (torch.float32, {}),
+    "fp32-fp32m-flat": (torch.float32, dict(quantize_states=False, flat_layout=True)),
+}
+
+
+def _all_finite(opt, params) -> bool:
+    tensors = [p.detach() for p in params] + [opt.master_weight(p) for p in params]
+    tensors += [v for p in params for v in opt.state[p].values() if torch.is_tensor(v) and v.is_floating_point()]
+    return all(bool(torch.isfinite(t.float()).all()) for t in tensors)
+
+
+@pytest.mark.parametrize("options", OVERFLOW_OPTIONS)
+@pytest.mark.parametrize("name", OVERFLOW_OPTIMIZERS)
+def test_finite_gradients_never_make_a_weight_or_state_non_finite(name, options):
+    """Gradients up to the largest finite value of their dtype, in one element and in a whole tensor: the
+    parameters, master weights and state stay finite at every step, a group whose step would overflow is
+    skipped and counted like a NaN gradient's, the values of other groups step, and the normal steps that
+    follow train every value again (also those of the skipped groups)."""
+    dtype, kwargs = OVERFLOW_OPTIONS[options]
+    for value in HUGE[dtype]:
+        gen = torch.Generator().manual_seed(3)
+        # small weights: fine spacing, so that single steps move them also without rho
+        w = torch.nn.Parameter((torch.randn(4, 64, generator=gen) * 0.05).to(dtype))
+        b = torch.nn.Parameter((torch.randn(8, generator=gen) * 0.05).to(dtype))
+        params = [w, b]
+        opt = OVERFLOW_OPTIMIZERS[name](params, **kwargs)
+
+        def step(huge_w=None, huge_b=None):
+            for p, huge in ((w, huge_w), (b, huge_b)):
+                g = torch.randn(p.shape, generator=gen)
+                if huge is not None:
+                    g = huge(g)
+                p.grad = g.to(dtype)
+            before = [opt.master_weight(p).clone() for p in params]
+            opt.step()
+            assert _all_finite(opt, params), f"non-finite value after a step with {value:g}"
+            return [opt.master_weight(p) != x for p, x in zip(params, before)]
+
+        def one(g):
+            g = g.clone()
+            g.view(-1)[5] = value
+            return g
+
+        step()
+        step()
+        moved_w, _ = step(huge_w=one)
+        assert moved_w[2:].float().mean() > 0.9, "values of other rows must still step"
+        step(huge_w=lambda g: torch.full_like(g, value), huge_b=lambda g: -torch.full_like(g, value))
+        start = [opt.master_weight(p).clone() for p in params]
+        for _ in range(3):
+            step()
+        for p, x in zip(params, start):
+            # SGD applies a huge gradient that fits (as torch.optim.SGD does): weights it sent far away no
+            # longer move visibly; every other value trains again
+            normal = x.abs() < 1e3
+            moved = (opt.master_weight(p) != x)[normal]
+            assert not normal.any() or moved.float().mean() > 0.95, "after the huge gradients, normal steps " \
+                                                                       "train every value"

@@ -219,3 +219,30 @@ def test_step_scalars_are_memoised_by_their_bits():
     assert SGDScalars.make(**sgd) is SGDScalars.make(**sgd)
     assert LionScalars.make(lr=1e-4, beta1=0.9, beta2=0.99, weight_decay=0.1) == LionScalars.make(
         lr=1e-4, beta1=0.9, beta2=0.99, weight_decay=0.1)
+
+
+def _next_up(x: float) -> float:
+    t = torch.tensor([x], dtype=torch.float32)
+    return torch.nextafter(t, torch.tensor([float("inf")])).item()
+
+
+def test_scale_limits_are_the_largest_that_dequantize_finite():
+    """codes.scale_fits' limits: the largest group absmaxes whose bf16 scale the next step dequantizes to
+    finite values with any factor up to 1 (the betas; the end codes 127 / 255 included); one fp32 step
+    above either, the scale (or its square) is infinite."""
+    for limit, is_sqrt in ((Q.SCALE_MAX, False), (Q.SQRT_SCALE_MAX, True)):
+        a = torch.tensor([[limit, _next_up(limit)]])
+        assert Q.scale_fits(a, is_sqrt).tolist() == [[True, False]]
+        assert not Q.scale_fits(torch.tensor([[float("nan")]]), is_sqrt).any()
+        scales = a.to(torch.bfloat16)
+        if is_sqrt:
+            assert torch.isfinite(scales[0, 0].float() ** 2) and torch.isinf(scales[0, 1].float() ** 2)
+            v = Q.dequantize_exp_avg_sq(torch.full((1, 32), 255, dtype=torch.uint8), scales[:, :1], 32, True, 1.0)
+            assert torch.isfinite(v).all()
+        else:
+            assert torch.isfinite(scales[0, 0].float()) and torch.isinf(scales[0, 1].float())
+            for companded in (True, False):
+                m = Q.dequantize_exp_avg(torch.full((1, 32), 127, dtype=torch.int8), scales[:, :1], 32, companded, 1.0)
+                assert torch.isfinite(m).all()
+            v = Q.dequantize_exp_avg_sq(torch.full((1, 32), 255, dtype=torch.uint8), scales[:, :1], 32, False, 1.0)
+            assert torch.isfinite(v).all()

@@ -398,7 +398,7 @@ def _rho_probe(p_ptr, rho_ptr, theta_ptr, merged_ptr, low_ptr, split_rho_ptr, FP
         tl.store(low_ptr + offs, low.to(tl.float16).to(tl.int16, bitcast=True))
     else:
         tl.store(merged_ptr + offs, K._merge_bf16(tl.load(p_ptr + offs).to(tl.int32), rho, 15 - RHO_LOG2))
-        w, y = K._split_bf16(theta, RHO_LOG2)
+        w, y, _ = K._split_bf16(theta, theta, RHO_LOG2, False)
         tl.store(low_ptr + offs, (w >> 16).to(tl.int16))
         if RHO_LOG2 == 7:
             r = (y >> 8).to(tl.int8).to(tl.int32)
@@ -593,3 +593,79 @@ def test_stateless_plan_is_not_reused_for_another_tensor_at_the_same_address(ker
     kernels.sgd_step_multi([small], [torch.ones(8, 8)], None, None, None, cols=None, scalars=scalars,
                            companded=True, skipped=None)
     assert torch.equal(storage[64:], torch.full((4096,), 5.0))  # nothing written past the 64 elements
+
+
+# ----- finite gradients whose step overflows fp32 ----------------------------------------------------------
+
+# per gradient dtype: the value put in one element, then in a whole tensor (the largest finite ones, 1e30)
+HUGE = {torch.bfloat16: (1e30, torch.finfo(torch.bfloat16).max), torch.float16: (torch.finfo(torch.float16).max,) * 2,
+        torch.float32: (1e30, torch.finfo(torch.float32).max)}
+
+
+def _huge_grads(cases, gen, step):
+    """Normal gradients, with step 1 putting a huge value (of either sign) in one element of each tensor and
+    step 2 filling every tensor with one; later steps normal."""
+    grads = []
+    for c in cases:
+        g = c.new_grad(gen, finite=True)
+        if step in (1, 2) and g.numel():
+            value = HUGE[g.dtype][step - 1] * (-1) ** len(grads)
+            g = g.clone()
+            if step == 1:
+                g.view(-1)[g.numel() // 2] = value
+            else:
+                g.fill_(value)
+        grads.append(g)
+    return grads
+
+
+def _assert_finite(cases):
+    for c in cases:
+        for side in (c.kernel, c.ref):
+            for name, t in side.items():
+                if t.is_floating_point():
+                    assert torch.isfinite(t.float()).all(), f"{name} of {tuple(c.shape)} is not finite"
+
+
+OVERFLOW_SHAPES = [(4, 96), (3, 33), (70,)]
+
+
+@interpreted
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("rho_dtype", [None, torch.int8], ids=["no-rho", "int8"])
+def test_overflowing_gradients_match_reference(kernels, layout, rho_dtype):
+    """Adam: gradients up to the largest finite bf16, fp16 and fp32 values, in one element and in whole
+    tensors, then normal steps: bitwise the reference's, the overflowing groups skipped and counted alike,
+    and every state, parameter and rho finite."""
+    quantized, companded = LAYOUTS[layout]
+    gen = torch.Generator().manual_seed(zlib.crc32(f"overflow-{layout}-{rho_dtype}".encode()))
+    cases = [Case(s, dt, dt, rho_dtype, quantized, gen, companded) for dt in PARAM_DTYPES[rho_dtype]
+             for s in OVERFLOW_SHAPES]
+    for step in (1, 2, 3, 4):
+        scalars = AdamScalars.make(lr=3e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=step + 2,
+                                   decoupled=step % 2 == 0)
+        skipped_k, skipped_r = _step_both(kernels, cases, _huge_grads(cases, gen, step), scalars, companded, True)
+        _assert_equal(cases, f"overflow step {step}")
+        _assert_finite(cases)
+        assert skipped_k.item() == skipped_r.item()
+        assert (skipped_k.item() > 0) == (step in (1, 2))
+
+
+@interpreted
+@pytest.mark.parametrize("rho_dtype", [None, torch.int8], ids=["no-rho", "int8"])
+@pytest.mark.parametrize("algo,layout", [(a, lay) for a in ("sgd", "sgd-nesterov", "sgdw", "lion")
+                                          for lay in ("q-companded", "q-linear", "fp32")]
+                         + [("sgd-no-momentum", "none")])
+def test_family_overflowing_gradients_match_reference(kernels, algo, layout, rho_dtype):
+    """SGD (momentum with dampening, Nesterov, decoupled decay, none) and Lion under the same gradients: the
+    momentum buffer, Nesterov's look-ahead and an unbounded SGD step can overflow; bitwise the reference's,
+    counted alike, everything finite."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"overflow-{algo}-{layout}-{rho_dtype}".encode()))
+    cases = [FamilyCase(algo, s, dt, rho_dtype, layout, gen) for dt in PARAM_DTYPES[rho_dtype]
+             for s in OVERFLOW_SHAPES]
+    for step in (1, 2, 3, 4):
+        skipped = {side: torch.zeros((), dtype=torch.int32) for side in ("kernel", "ref")}
+        _family_step(kernels, cases, _huge_grads(cases, gen, step), step + 3, skipped)
+        _assert_equal(cases, f"{algo} overflow step {step}")
+        _assert_finite(cases)
+        assert skipped["kernel"].item() == skipped["ref"].item()

@@ -39,7 +39,7 @@ def flash_adam(
     ``exp_avg_scales`` is given, fp32 moments otherwise; a rho correction for every parameter when ``rhos``
     is given. ``step`` is the 1-based step count of every tensor in the call. ``skipped`` (a one-element
     int32 tensor on the parameters' device) counts the groups left unchanged because their gradient held a
-    NaN or an Inf.
+    NaN or an Inf, or their step overflowed (``reference.adam_step_``).
     """
     if not params:
         return

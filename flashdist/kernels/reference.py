@@ -39,8 +39,13 @@ def adam_step_(
 ) -> None:
     """One step on one local tensor, in place. ``exp_avg_scales is None`` means fp32 moments.
 
-    A group (32 values of one row; one value for fp32 moments) whose gradient holds a NaN or an Inf is
-    left exactly as it was (parameter, rho, codes, scale) and counted in ``skipped``.
+    A group (32 values of one row; one value for fp32 moments) is left exactly as it was (parameter, rho,
+    codes, scale) and counted in ``skipped`` where its gradient holds a NaN or an Inf, and where a finite
+    gradient's step overflows: with 8-bit moments where a new moment's group absmax does not fit a bf16
+    scale that the next step can read (``codes.scale_fits``; |g| above about 1.8e19, whose square is
+    infinite, always does), with fp32 moments where the new second moment is not finite (``_store_``).
+    torch.optim.AdamW stores an infinite ``v`` there and moves that value by 0 from then on; here the group
+    skips this one step and trains normally afterwards.
     """
     if param.numel() == 0:
         return
@@ -93,23 +98,42 @@ def _adam_update(m: torch.Tensor, denom: torch.Tensor, cols: int, step_size: flo
     return Q.ungrouped((scaled / Q.grouped(denom, cols)) * (step_size * (1.0 / s)), cols, m.shape)
 
 
-def _store_(param, grad, rho, theta, moments, *, cols, companded, skipped) -> None:
-    """Write the new parameter, rho and moments, except where a group's gradient holds a NaN or an Inf (with
-    8-bit moments: where the group's new first moment is not finite, which is the same groups).
+def _store_(param, grad, rho, theta, moments, *, cols, companded, skipped, check_param=False) -> None:
+    """Write the new parameter, rho and moments, except in the groups that are skipped.
 
     ``moments``: ``(state, scales, new value, is_sqrt)`` of each moment: ``state`` is the int8 (first) or
     uint8 (second: its name ends in _sq, ``is_sqrt`` when the value is already the square root) codes with
-    their bf16 ``scales``, or an fp32 tensor when ``scales`` is None (then every element is its own group)."""
+    their bf16 ``scales``, or an fp32 tensor when ``scales`` is None (then every element is its own group).
+
+    Which groups are skipped (left exactly as they were and counted in ``skipped``):
+    - 8-bit moments: a group where the new value of some moment does not fit its scale
+      (``codes.scale_fits`` of its group absmax: NaN, or a bf16 scale that would overflow; for Adam's
+      companded second moment the absmax of sqrt(v), whose scale is squared when read). A NaN or Inf
+      gradient makes the new first moment non-finite, and so does a finite gradient whose step overflows
+      fp32 (|g| above about 1.8e19 squares to inf in Adam's second moment);
+    - fp32 moments: an element whose new LAST moment (Adam's v, SGD's or Lion's momentum) is not finite,
+      which includes every non-finite gradient; without moments (SGD without momentum), an element whose
+      gradient is not finite;
+    - with ``check_param`` (SGD, whose update ``lr * d`` has no bound): also a group (element) where the
+      new parameter, rounded or split to its dtype, is not finite.
+    So the stored state is always finite and dequantizes to finite values at the next step."""
+    if rho is not None:
+        low, new_rho = R.split(theta, param.dtype, rho.dtype)
+    else:
+        low = theta.to(param.dtype)
     quantized = bool(moments) and moments[0][1] is not None
     if quantized:
-        # The new first moment of a group is finite exactly where its gradient is (the update only scales and
-        # adds finite numbers to it, within fp32's range; with coupled weight decay a non-finite parameter
-        # also makes it so), and the kernel reads the flag from the group absmax it computes anyway.
-        bad_groups = ~torch.isfinite(Q.grouped(moments[0][2], cols)).all(dim=-1)
+        bad_groups = torch.zeros(Q.grouped(param, cols).shape[:2], dtype=torch.bool, device=param.device)
+        for _, _, value, is_sqrt in moments:
+            bad_groups |= ~Q.scale_fits(Q.group_absmax(Q.grouped(value, cols)).squeeze(-1), is_sqrt)
+        if check_param:
+            bad_groups |= ~torch.isfinite(Q.grouped(low.float(), cols)).all(dim=-1)
         bad = _group_mask_to_elements(bad_groups, cols, param.shape)
         n_bad = bad_groups.sum()
     else:
-        bad = ~torch.isfinite(grad)
+        bad = ~torch.isfinite(moments[-1][2] if moments else grad)
+        if check_param:
+            bad |= ~torch.isfinite(low)
         n_bad = bad.sum()
     for k, (state, scales, value, is_sqrt) in enumerate(moments):
         if scales is None:
@@ -123,10 +147,7 @@ def _store_(param, grad, rho, theta, moments, *, cols, companded, skipped) -> No
         scales.copy_(torch.where(bad_groups, scales, new_scales))
 
     if rho is not None:
-        low, new_rho = R.split(theta, param.dtype, rho.dtype)
         rho.copy_(torch.where(bad, rho, new_rho))
-    else:
-        low = theta.to(param.dtype)
     param.copy_(torch.where(bad, param, low))
     if skipped is not None:
         skipped.add_(n_bad.to(skipped.device, skipped.dtype))
@@ -153,8 +174,9 @@ def sgd_step_(
     skipped: torch.Tensor | None,
 ) -> None:
     """One SGD step on one local tensor, in place (``torch.optim.SGD``'s update on the fp32 master weight).
-    ``momentum_buffer`` None: no momentum; ``momentum_scales`` None: an fp32 buffer. Non-finite gradient
-    groups are skipped and counted as in ``adam_step_``."""
+    ``momentum_buffer`` None: no momentum; ``momentum_scales`` None: an fp32 buffer. Groups are skipped and
+    counted as in ``adam_step_``, and also where the new parameter would not be finite (``_store_``): SGD's
+    step has no bound, and a huge gradient (or Nesterov's ``g + momentum * buf`` of two) can overflow it."""
     if param.numel() == 0:
         return
     sc = scalars
@@ -173,7 +195,7 @@ def sgd_step_(
     else:
         d = g
     theta = theta - d * sc.lr
-    _store_(param, grad, rho, theta, moments, cols=cols, companded=companded, skipped=skipped)
+    _store_(param, grad, rho, theta, moments, cols=cols, companded=companded, skipped=skipped, check_param=True)
 
 
 @torch.no_grad()

@@ -38,8 +38,8 @@ class FlashAdamW(FlashOptimizer):
 
     Caveats. Moments of 0-d and 1-d parameters stay fp32 outside flat_layout groups (they are a tiny
     share of any model; their FSDP2 shards cut anywhere, so no row-aligned group exists). A group of 32
-    values of one row whose gradient holds a NaN or an Inf is skipped: its parameter, rho and moments stay
-    as they were, and ``optimizer.skipped`` (an int32 tensor on the parameters' device, no sync needed to
+    values of one row whose gradient holds a NaN or an Inf, or whose step would overflow (a finite gradient
+    above about 1.8e19: docs/method.md), is skipped: its parameter, rho and moments stay as they were, and ``optimizer.skipped`` (an int32 tensor on the parameters' device, no sync needed to
     keep counting) counts the skipped groups. Layout options (master_weight_bits, quantize_states,
     companded, flat_layout) are fixed for a parameter once the optimizer is built.
     """

@@ -29,8 +29,8 @@ class FlashSGD(FlashOptimizer):
             name, so it loads into torch.optim.SGD and back) plus ``rho`` and ``step``.
 
     Caveats: those of :class:`flashdist.FlashAdamW` (fp32 buffers for 0-d and 1-d parameters outside
-    flat_layout groups; a group of 32 values whose gradient holds a NaN or an Inf is skipped and counted in
-    ``optimizer.skipped``). The 8-bit buffer quantizes ``momentum * buf + (1 - dampening) * g`` after every
+    flat_layout groups; a group of 32 values whose gradient holds a NaN or an Inf, or whose momentum or new
+    weight would overflow, is skipped and counted in ``optimizer.skipped``). The 8-bit buffer quantizes ``momentum * buf + (1 - dampening) * g`` after every
     step, like FlashAdamW's first moment.
     """
 

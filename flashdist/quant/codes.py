@@ -52,6 +52,9 @@ INV127 = f32(1.0 / 127.0)  # fp32 constants: the kernel multiplies by exactly th
 INV255 = f32(1.0 / 255.0)
 TINY = 2.0**-64  # groups with an absmax below this are lifted by LIFT before the reciprocal (see above)
 LIFT = 2.0**64
+# The largest group absmaxes whose scales the next step can dequantize without overflow (``scale_fits``):
+SCALE_MAX = 3.396177326406364e38  # fp32 0x7F7F7FFF: the largest value that rounds to a finite bf16
+SQRT_SCALE_MAX = 1.841071417717896e19  # fp32 0x5F7F7FFF: rounds to bf16 0x5F7F (1.8375e19), whose square is finite
 
 
 def quantized_layout(shape: torch.Size | tuple[int, ...]) -> tuple[int, int, int] | None:
@@ -130,6 +133,18 @@ def group_absmax(groups: torch.Tensor) -> torch.Tensor:
     if not groups.numel():
         return groups.new_zeros(groups.shape[:-1] + (1,))
     return groups.abs().amax(dim=-1, keepdim=True)
+
+
+def scale_fits(absmax: torch.Tensor, is_sqrt: bool) -> torch.Tensor:
+    """Per group: True where a moment with this absmax can be stored, False where its bf16 scale would
+    overflow (also for a NaN absmax).
+
+    ``absmax <= SCALE_MAX`` (the scale rounds to a finite bf16 value), or ``<= SQRT_SCALE_MAX`` for codes of
+    sqrt(v) (``is_sqrt``): there the next step squares the scale, and bf16 values from 2^64 on have an
+    infinite square. A scale that fits dequantizes to finite values times any factor up to 1 (the betas), and
+    a moment that only decays stays within it, so a group whose moment once fit is never refused for values
+    that decay from it."""
+    return absmax <= (SQRT_SCALE_MAX if is_sqrt else SCALE_MAX)
 
 
 def nonzero_or_one(absmax: torch.Tensor) -> torch.Tensor:

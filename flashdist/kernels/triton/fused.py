@@ -98,13 +98,15 @@ The approximate variant with 8-bit moments is compiled with at most ``APPROX_MAX
 (more warps per SM: 83 registers under triton 3.6 against the compiler's 111, no spills; measured 2-3% faster
 with the kernel before ``_gather``, and the same with the current one).
 
-Non-finite gradients. A group whose gradient holds a NaN or an Inf is not stored (param, rho, codes,
-scale keep their values); each program adds its count of such groups to ``skipped`` with one atomic. With
-8-bit moments the flag is the absmax of the group's new first moment, taken with a NaN-propagating max:
-the update scales the gradient and adds finite numbers within fp32's range, so that absmax is finite
-exactly where the gradient is (with coupled weight decay, a non-finite parameter makes it non-finite too,
-and its group is skipped). This costs nothing beyond the absmax the scale needs; fp32 moments check each
-gradient value.
+Non-finite gradients, and finite ones whose step overflows. A group is not stored (param, rho, codes,
+scale keep their values) where ``reference._store_`` skips it, and each program adds its count of such
+groups to ``skipped`` with one atomic. With 8-bit moments the flag is one comparison per group of the
+absmaxes the scales need anyway (``codes.scale_fits``): the new first moment's, taken with a NaN-propagating
+max, is not finite exactly where the gradient is not (with coupled weight decay, also where the parameter
+is not), and Adam's second moment adds its own limit to the same predicate; fp32 moments check each value
+of the new last moment. SGD's new parameter is checked too (its step has no bound): with bf16 parameters
+and rho inside ``_split_bf16``'s general path, the only one that can make an infinite parameter, so the
+common path pays nothing; with other parameters one comparison and select per value.
 """
 
 from __future__ import annotations
@@ -178,6 +180,8 @@ _TINY = tl.constexpr(Q.TINY)
 _LIFT = tl.constexpr(Q.LIFT)
 _FP32_EXP_MASK = tl.constexpr(0x7F800000)
 _FP32_MAX = tl.constexpr(3.4028234663852886e38)
+_SCALE_MAX = tl.constexpr(Q.SCALE_MAX)  # codes.scale_fits' limits
+_SQRT_SCALE_MAX = tl.constexpr(Q.SQRT_SCALE_MAX)
 # fp32 magnitude bits from which _split_bf16's parameter may round to infinity (int8 rho: half a rho step
 # below the midpoint between bf16's largest value and infinity); _merge_bf16's states past it are not split's
 _SPLIT_LIMIT = tl.constexpr(0x7F7F7F80)
@@ -363,7 +367,7 @@ def _merge_bf16(p16, rho, RHO_SHIFT: tl.constexpr):
 
 
 @triton.jit
-def _split_bf16(theta, RHO_LOG2: tl.constexpr):
+def _split_bf16(theta, x, RHO_LOG2: tl.constexpr, FLAG: tl.constexpr):
     """``rho.split`` of fp32 ``theta`` into a bf16 parameter and rho, as two int32 words: the parameter's
     bits are the high 16 of the first, rho is bits ``RHO_SHIFT`` up of the second (int8: byte 1; int16: the
     low half), so that the stores take them without a shift.
@@ -381,7 +385,11 @@ def _split_bf16(theta, RHO_LOG2: tl.constexpr):
     Magnitudes from ``_SPLIT_LIMIT`` on (the parameter would round to infinity; infinite and NaN ``theta``)
     take the general path, per block: from the midpoint between the largest bf16 value and infinity on, the
     reference rounds to infinity (ties to even), for negative values too; infinite and NaN parameters get rho
-    0 and NaN becomes 0x7FC0."""
+    0 and NaN becomes 0x7FC0.
+
+    Returns ``(w, y, x)``: with ``FLAG``, ``x`` (any fp32 block) is NaN where the parameter is not finite
+    (SGD's skip flag, ``_new_param``). Only the general path makes such a parameter, so the flag costs the
+    common path nothing."""
     RHO_SHIFT: tl.constexpr = 15 - RHO_LOG2
     tb = theta.to(tl.int32, bitcast=True)
     s = tb >> 31
@@ -396,9 +404,11 @@ def _split_bf16(theta, RHO_LOG2: tl.constexpr):
         r = v - (p << (RHO_LOG2 + 1))
         mag = tl.where(a >= 0x7F7F8000, 0x7F80, (p ^ s) - s)
         r = tl.where(mag >= 0x7F80, 0, r)
+        if FLAG:
+            x = tl.where(mag >= 0x7F80, float("nan"), x)
         w = tl.where(a > 0x7F800000, _BF16_NAN, mag | (s & 0x8000)) << 16
         y = r << RHO_SHIFT
-    return w, y
+    return w, y, x
 
 
 @triton.jit
@@ -453,6 +463,35 @@ def _signs_differ(a, b):
     unit does not matter (a zero or NaN param is no power of two; a zero error or rho contributes zero
     whatever the unit, a NaN error gives a NaN code either way)."""
     return (a.to(tl.int32, bitcast=True) ^ b.to(tl.int32, bitcast=True)) < 0
+
+
+@triton.jit
+def _new_param(theta, x, P_KIND: tl.constexpr, RHO_KIND: tl.constexpr, RHO_LOG2: tl.constexpr,
+               FLAG: tl.constexpr):
+    """``rho.split`` of ``theta`` (without rho: ``theta`` rounded to the param dtype) as (the parameter: its
+    bf16 bits in the low 16 of an int32, sign extended, or its fp32 value for fp16 and fp32; rho as an int32,
+    0 without rho; ``x``, with ``FLAG`` NaN where the parameter is not finite)."""
+    r = 0
+    if P_KIND == 0:
+        if RHO_KIND != 0:
+            w, y, x = _split_bf16(theta, x, RHO_LOG2, FLAG)
+            p_out = w >> 16
+            r = y >> (15 - RHO_LOG2)
+        else:
+            p_out = _f32_to_bf16_bits(theta)
+            if FLAG:
+                x = tl.where((p_out & 0x7F80) == 0x7F80, float("nan"), x)
+    else:
+        if P_KIND == 1:
+            if RHO_KIND != 0:
+                p_out, r = _split_fp16(theta, RHO_LOG2)
+            else:
+                p_out = theta.to(tl.float16).to(tl.float32)  # round to nearest even, as torch
+        else:
+            p_out = theta
+        if FLAG:
+            x = tl.where((p_out.to(tl.int32, bitcast=True) & _FP32_EXP_MASK) == _FP32_EXP_MASK, float("nan"), x)
+    return p_out, r, x
 
 
 # ----- one block of one tensor -----------------------------------------------------------------------------
@@ -546,15 +585,11 @@ def _step_block(
         offs = gid[:, None] * _GROUP + lane[None, :]
         mask = offs < numel
 
-    # Gradient, and which elements are skipped with fp32 moments (quantized: which groups, below).
+    # Gradient (which elements or groups are skipped is decided below, from the new moments).
     if G_KIND == 0:
         g = (tl.load(g_ptr + offs, mask=mask, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
     else:
         g = tl.load(g_ptr + offs, mask=mask, other=0).to(tl.float32)
-    if not QUANTIZED:
-        bad = (g.to(tl.int32, bitcast=True) & _FP32_EXP_MASK) == _FP32_EXP_MASK  # NaN or Inf
-        keep = mask & ~bad
-        n_bad = tl.sum(bad.to(tl.int32), axis=1)
 
     # Moments: Adam's and SGD's decayed beta1 * m (SGD: momentum * buffer) and Adam's beta2 * v
     # (codes.dequantize_exp_avg / dequantize_exp_avg_sq with the betas as factors), Lion's m itself: each
@@ -642,15 +677,39 @@ def _step_block(
         theta = theta - tl.where(c > 0, 1.0, tl.where(c < 0, -1.0, 0.0)) * step_size
         m = m * beta2 + g * one_minus_beta2
 
+    # Skipped groups (reference._store_): with 8-bit moments, those where a new moment does not fit its
+    # scale (codes.scale_fits of the group absmax; the first moment's propagates a NaN, and is not finite
+    # where the gradient is not); with fp32 moments, the elements whose new last moment is not finite
+    # (without moments: whose gradient is not). SGD's step has no bound: its groups are skipped too where
+    # the new parameter is not finite, flagged by a NaN in the momentum (or the gradient) there.
+    if ALGO == _SGD:
+        if HAS_M:
+            p_out, r, m = _new_param(theta, m, P_KIND, RHO_KIND, RHO_LOG2, True)
+        else:
+            p_out, r, g = _new_param(theta, g, P_KIND, RHO_KIND, RHO_LOG2, True)
+    if not QUANTIZED:
+        if not HAS_M:
+            bad = (g.to(tl.int32, bitcast=True) & _FP32_EXP_MASK) == _FP32_EXP_MASK
+        elif ALGO == _ADAM:
+            bad = ~(v <= _FP32_MAX)
+        else:
+            bad = ~(tl.abs(m) <= _FP32_MAX)
+        keep = mask & ~bad
+        n_bad = tl.sum(bad.to(tl.int32), axis=1)
     # New moments (codes.quantize_exp_avg / quantize_exp_avg_sq): codes against the exact group absmax
     # A, stored rounded to bf16 as the scale. Masked slots hold exact zeros (zero code, gradient and
     # param), like the reference's padding, so they need no masking in the max.
     if QUANTIZED:
-        # The absmax propagates a NaN: finite exactly where the group's gradient is (reference._store_).
-        # (Adam's update computed it, with a and the normalizer s below.)
+        # (Adam's update computed the first moment's absmax, with a and the normalizer s below.)
         if ALGO != _ADAM:
             absmax, a, e, s = _group_normalizer(m)
-        bad_group = ~(absmax <= _FP32_MAX)
+            bad_group = ~(absmax <= _SCALE_MAX)
+        elif COMPANDED:  # the second moment is stored as codes of u = sqrt(v)
+            v_absmax = tl.max(u, axis=1)
+            bad_group = ~(absmax <= _SCALE_MAX) | ~(v_absmax <= _SQRT_SCALE_MAX)
+        else:
+            v_absmax = tl.max(v, axis=1)
+            bad_group = ~(absmax <= _SCALE_MAX) | ~(v_absmax <= _SCALE_MAX)
         keep = mask & ~bad_group[:, None]
         keep_group = gvalid & ~bad_group
         n_bad = bad_group.to(tl.int32)
@@ -671,11 +730,11 @@ def _step_block(
         if COMPANDED:
             # x = sqrt(v) is 0 or at least 2^-74.5 (the root of the smallest subnormal), so 255 / A cannot
             # overflow and the reference's lift by 2^64 (A < 2^-64) changes no bit: it is left out here
-            absmax = tl.max(u, axis=1)
+            absmax = v_absmax
             a = tl.where(absmax > 0, absmax, 1.0)
             q = u * tl.div_rn(tl.full(a.shape, 255.0, tl.float32), a)[:, None]
         else:
-            absmax = tl.max(v, axis=1)
+            absmax = v_absmax
             a = tl.where(absmax > 0, absmax, 1.0)
             lift = tl.where(a < _TINY, _LIFT, 1.0)
             q = (v * lift[:, None]) * tl.div_rn(tl.full(a.shape, 255.0, tl.float32), a * lift)[:, None]
@@ -686,22 +745,15 @@ def _step_block(
     if HAS_M and not QUANTIZED:
         tl.store(m_ptr + offs, m, mask=keep)
 
-    # New parameter and rho (rho.split; without rho, theta rounded to the param dtype).
+    # New parameter and rho.
+    if ALGO != _SGD:
+        p_out, r, theta = _new_param(theta, theta, P_KIND, RHO_KIND, RHO_LOG2, False)
     if P_KIND == 0:
-        if RHO_KIND != 0:
-            w, y = _split_bf16(theta, RHO_LOG2)
-            tl.store(p_ptr + offs, (w >> 16).to(tl.int16), mask=keep)
-            r = y >> RHO_SHIFT
-        else:
-            tl.store(p_ptr + offs, _f32_to_bf16_bits(theta).to(tl.int16), mask=keep)
+        tl.store(p_ptr + offs, p_out.to(tl.int16), mask=keep)
     elif P_KIND == 1:
-        if RHO_KIND != 0:
-            low, r = _split_fp16(theta, RHO_LOG2)
-        else:
-            low = theta.to(tl.float16).to(tl.float32)  # round to nearest even, as torch
-        tl.store(p_ptr + offs, low.to(tl.float16), mask=keep)
+        tl.store(p_ptr + offs, p_out.to(tl.float16), mask=keep)
     else:
-        tl.store(p_ptr + offs, theta, mask=keep)
+        tl.store(p_ptr + offs, p_out, mask=keep)
     if RHO_KIND == 1:
         tl.store(rho_ptr + offs, r.to(tl.int8), mask=keep)
     elif RHO_KIND == 2:
