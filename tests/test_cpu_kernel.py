@@ -2,7 +2,7 @@
 
 Every optimizer x parameter dtype x master weight bits x moment layout (8-bit companded, 8-bit linear, fp32)
 x group layout (row-aligned, flat), on tensors with odd row lengths, over several steps whose gradients
-hold NaN and Inf groups, parameters that are zero, negative zero, powers of two, subnormal or near the
+hold NaN and Inf groups and the largest finite values (steps that overflow), parameters that are zero, negative zero, powers of two, subnormal or near the
 format's largest value. Equal means the same bits (a NaN matches any NaN: the kernel and torch may write
 different NaN payloads).
 """
@@ -92,6 +92,9 @@ def _grads(shape, dtype, gen, step):
     if step == 1 and flat.numel() > 40:  # one NaN and one Inf (in other groups) at the second step
         flat[3] = float("nan")
         flat[flat.numel() - 2] = float("-inf")
+    if step == 2 and flat.numel() > 40:  # the largest finite gradients: their step overflows
+        flat[5] = torch.finfo(dtype).max
+        flat[flat.numel() - 3] = -torch.finfo(dtype).max / 3
     return g.to(dtype)
 
 

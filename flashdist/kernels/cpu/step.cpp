@@ -428,12 +428,18 @@ inline void zero_tail(float* x, const Block& s) {
   for (int k = s.n; k < s.L; ++k) x[k] = 0.f;
 }
 
-// Quantized blocks: which groups are skipped (their new first moment is not finite), as a per-value keep
-// mask (null when none is); the number skipped.
-inline int64_t bad_groups(const float* m, const Block& s, bool* gbad, bool* keep, const bool*& mask) {
+// The largest group absmaxes whose bf16 scales the next step can dequantize (codes.SCALE_MAX, SQRT_SCALE_MAX:
+// fp32 0x7F7F7FFF and 0x5F7F7FFF); a NaN absmax fits neither.
+constexpr float SCALE_MAX = 0x1.fefffep+127f;
+constexpr float SQRT_SCALE_MAX = 0x1.fefffep+63f;
+
+// Quantized blocks: a group is skipped where a new moment does not fit its scale (gbad[q] set by the caller),
+// or, for SGD, where the new parameter is not finite (low: the parameter values, or null). Returns the number
+// skipped and sets mask to a per-value keep mask (null when none is).
+inline int64_t skip_groups(const Block& s, bool* gbad, const float* low, bool* keep, const bool*& mask) {
   int64_t bad = 0;
   for (int q = 0; q * G < s.L; ++q) {
-    gbad[q] = !all_finite(m + q * G);
+    if (low) gbad[q] = gbad[q] || !all_finite(low + q * G);
     bad += gbad[q];
   }
   mask = nullptr;
@@ -458,16 +464,40 @@ inline void store_codes(const Desc& d, const Block& s, int which, const float* x
     if (!gbad[q]) d.scales[which][s.sidx + q] = f2bf(amax[q]);
 }
 
-// fp32-moment blocks: keep the values whose gradient is finite; the number of the others
-inline int64_t finite_grads(const Desc& d, const Block& s, bool* keep) {
-  float graw[B];
-  load(d.grad, d.gdt, s.base, s.n, s.L, graw);
+// fp32-moment blocks: keep the values where x (the new last moment, or the gradient without moments) and,
+// for SGD, the new parameter (low) are finite; the number of the others (padding values are 0: finite)
+inline int64_t finite_values(const Block& s, const float* x, const float* low, bool* keep) {
   int64_t bad = 0;
   for (int k = 0; k < s.L; ++k) {
-    keep[k] = finite(graw[k]);
+    keep[k] = finite(x[k]) && (!low || finite(low[k]));
     bad += !keep[k];
   }
-  return bad;  // padding values are 0: finite
+  return bad;
+}
+
+// The new parameter as fp32 values (tp) and rho (r) of a block, before they are written (SGD checks them).
+inline void make_low(const Desc& d, const Block& s, const float* theta, float* tp, float* r) {
+  if (d.rho && d.pdt == BF16) {
+    uint16_t p[B];
+    int32_t ri[B];
+    if (d.rdt == I8) split_bf16<int32_t, 8>(theta, p, ri, s.L);
+    else split_bf16<int32_t, 0>(theta, p, ri, s.L);
+    for (int k = 0; k < s.L; ++k) { tp[k] = bf16_value(p[k]); r[k] = float(ri[k]); }
+  } else if (d.pdt == BF16) {
+    for (int k = 0; k < s.L; ++k) tp[k] = bf16_value(f2bf(theta[k]));
+  } else if (d.pdt == F16) {
+    uint16_t t[B];
+    f2h(theta, t, s.L);
+    h2f(t, tp, s.L);
+    if (d.rho) split(theta, tp, r, d.fmt, s.L);
+  } else {
+    for (int k = 0; k < s.L; ++k) tp[k] = theta[k];
+  }
+}
+
+inline void write_low(const Desc& d, const Block& s, const float* tp, const float* r, const bool* keep) {
+  if (d.rho) store(d.rho, d.rdt, s.base, s.n, s.L, r, keep);
+  store(d.param, d.pdt, s.base, s.n, s.L, tp, keep);
 }
 
 // Load a quantized first moment times factor (int8 codes, per-group scales)
@@ -511,7 +541,7 @@ struct Adam {
     }
     bool keep[B];
     if (!quantized) {
-      int64_t bad = finite_grads(d, s, keep);
+      int64_t bad = finite_values(s, v, nullptr, keep);
       for (int k = 0; k < L; ++k) theta[k] = theta[k] - (m[k] / denom[k]) * step_size;
       const bool* mask = bad ? keep : nullptr;
       store(d.mom[0], F32, s.base, s.n, L, m, mask);
@@ -520,16 +550,16 @@ struct Adam {
       return bad;
     }
     if (s.n < L) { zero_tail(m, s); zero_tail(v, s); zero_tail(u, s); }
-    bool gbad[B / G];
-    const bool* mask;
-    int64_t bad = bad_groups(m, s, gbad, keep, mask);
     // reference._adam_update: (m / denom) * step_size per group, m scaled by a power of two
     float am[B / G], au[B / G];
+    bool gbad[B / G];
     const float* second = companded ? u : v;
+    const float second_max = companded ? SQRT_SCALE_MAX : SCALE_MAX;
     for (int q = 0; q * G < L; ++q) {
       const float* mq = m + q * G;
       am[q] = absmax(mq);
       au[q] = absmax(second + q * G);
+      gbad[q] = !(am[q] <= SCALE_MAX) || !(au[q] <= second_max);
       float sn = pow2_normalizer(nonzero_or_one(am[q]));
       float step = step_size * (1.0f / sn);
       for (int k = 0; k < G; ++k) {
@@ -538,6 +568,8 @@ struct Adam {
         theta[q * G + k] = theta[q * G + k] - (x / denom[q * G + k]) * step;
       }
     }
+    const bool* mask;
+    int64_t bad = skip_groups(s, gbad, nullptr, keep, mask);
     store_codes(d, s, 0, m, am, true, companded, gbad, mask);
     store_codes(d, s, 1, second, au, false, companded, gbad, mask);
     store_theta(d, s, theta, mask);
@@ -552,8 +584,9 @@ struct SGD {
   int64_t block(const Desc& d, bool quantized, int64_t bi) const {
     Block s = block_of(d, quantized, bi);
     const int L = s.L;
-    float g[B], theta[B], m[B], dir[B];
+    float g[B], g_in[B], theta[B], m[B], dir[B];
     load(d.grad, d.gdt, s.base, s.n, L, g);
+    for (int k = 0; k < L; ++k) g_in[k] = g[k];
     load_theta(d, s, theta);
     if (decoupled) { for (int k = 0; k < L; ++k) theta[k] = theta[k] * decay; }
     else { for (int k = 0; k < L; ++k) g[k] = g[k] + theta[k] * wd; }
@@ -571,21 +604,27 @@ struct SGD {
     }
     for (int k = 0; k < L; ++k) theta[k] = theta[k] - step_dir[k] * lr;
     bool keep[B];
+    float tp[B], r[B];
+    make_low(d, s, theta, tp, r);  // SGD's step has no bound: a non-finite new parameter skips too
+    if (s.n < L) zero_tail(tp, s);
     if (!(has_momentum && quantized)) {
-      int64_t bad = finite_grads(d, s, keep);
+      int64_t bad = finite_values(s, has_momentum ? m : g_in, tp, keep);
       const bool* mask = bad ? keep : nullptr;
       if (has_momentum) store(d.mom[0], F32, s.base, s.n, L, m, mask);
-      store_theta(d, s, theta, mask);
+      write_low(d, s, tp, r, mask);
       return bad;
     }
     zero_tail(m, s);
-    bool gbad[B / G];
-    const bool* mask;
-    int64_t bad = bad_groups(m, s, gbad, keep, mask);
     float am[B / G];
-    for (int q = 0; q * G < L; ++q) am[q] = absmax(m + q * G);
+    bool gbad[B / G];
+    for (int q = 0; q * G < L; ++q) {
+      am[q] = absmax(m + q * G);
+      gbad[q] = !(am[q] <= SCALE_MAX);
+    }
+    const bool* mask;
+    int64_t bad = skip_groups(s, gbad, tp, keep, mask);
     store_codes(d, s, 0, m, am, true, companded, gbad, mask);
-    store_theta(d, s, theta, mask);
+    write_low(d, s, tp, r, mask);
     return bad;
   }
 };
@@ -615,18 +654,21 @@ struct Lion {
     }
     bool keep[B];
     if (!quantized) {
-      int64_t bad = finite_grads(d, s, keep);
+      int64_t bad = finite_values(s, m, nullptr, keep);
       const bool* mask = bad ? keep : nullptr;
       store(d.mom[0], F32, s.base, s.n, L, m, mask);
       store_theta(d, s, theta, mask);
       return bad;
     }
     zero_tail(m, s);
-    bool gbad[B / G];
-    const bool* mask;
-    int64_t bad = bad_groups(m, s, gbad, keep, mask);
     float am[B / G];
-    for (int q = 0; q * G < L; ++q) am[q] = absmax(m + q * G);
+    bool gbad[B / G];
+    for (int q = 0; q * G < L; ++q) {
+      am[q] = absmax(m + q * G);
+      gbad[q] = !(am[q] <= SCALE_MAX);
+    }
+    const bool* mask;
+    int64_t bad = skip_groups(s, gbad, nullptr, keep, mask);
     store_codes(d, s, 0, m, am, true, companded, gbad, mask);
     store_theta(d, s, theta, mask);
     return bad;
