@@ -525,3 +525,28 @@ def test_finite_gradients_never_make_a_weight_or_state_non_finite(name, options)
             moved = (opt.master_weight(p) != x)[normal]
             assert not normal.any() or moved.float().mean() > 0.95, "after the huge gradients, normal steps " \
                                                                        "train every value"
+
+
+def test_overflowing_gradient_against_torch_adamw():
+    """A gradient of 1e30 in one element: torch.optim.AdamW stays finite with an infinite second moment and
+    an update of 0 there (for the rest of training); flashdist skips that group's step once, counts it, and
+    steps every other group like torch."""
+    torch.manual_seed(0)
+    w0 = torch.randn(4, 64)
+    p = torch.nn.Parameter(w0.clone())
+    ref = torch.nn.Parameter(w0.clone())
+    opt = FlashAdamW([p], lr=1e-2, quantize_states=False)  # fp32 moments: the element is its own group
+    ropt = torch.optim.AdamW([ref], lr=1e-2)
+    for k in range(3):
+        g = torch.randn(4, 64)
+        if k == 1:
+            g[0, 5] = 1e30
+        p.grad, ref.grad = g.clone(), g.clone()
+        opt.step()
+        ropt.step()
+    assert torch.isinf(ropt.state[ref]["exp_avg_sq"][0, 5]) and torch.isfinite(ref).all()
+    st = opt.state[p]
+    assert int(opt.skipped) == 1 and torch.isfinite(st["exp_avg_sq"]).all() and torch.isfinite(p).all()
+    others = torch.ones(4, 64, dtype=torch.bool)
+    others[0, 5] = False
+    assert torch.allclose(p.detach()[others], ref.detach()[others], atol=1e-5)
