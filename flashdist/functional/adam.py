@@ -6,9 +6,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ..kernels import reference
+from ..kernels import cpu, reference
 from ..kernels.scalars import AdamScalars
-from .backend import resolve_backend
+from .backend import cpu_fallback, resolve_backend
 
 
 def flash_adam(
@@ -45,12 +45,18 @@ def flash_adam(
         return
     scalars = AdamScalars.make(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step,
                                decoupled=decoupled)
-    if resolve_backend(backend, params[0].device) == "triton":
+    chosen = resolve_backend(backend, params[0].device)
+    if chosen == "triton":
         from ..kernels.triton.fused import adam_step_multi
 
         adam_step_multi(params, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales, rhos,
                         cols=cols, scalars=scalars, companded=companded, skipped=skipped)
         return
+    if chosen == "cpu":
+        done = cpu.adam_step(params, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales, rhos,
+                            cols=cols, scalars=scalars, companded=companded, skipped=skipped)
+        if not cpu_fallback(backend, done):
+            return
     for i, p in enumerate(params):
         reference.adam_step_(
             p, grads[i], exp_avgs[i], exp_avg_sqs[i],

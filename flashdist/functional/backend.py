@@ -1,20 +1,41 @@
-"""Which implementation a functional step runs: the Triton kernel or the eager torch reference."""
+"""Which implementation a functional step runs: the Triton kernel, the fused CPU step or the eager reference."""
 
 from __future__ import annotations
 
 import torch
 
 from .._compat import HAS_TRITON
+from ..kernels import cpu
 
-BACKENDS = ("auto", "triton", "reference")
+BACKENDS = ("auto", "triton", "cpu", "reference")
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
-    """``auto``: the Triton kernel for CUDA tensors when triton is importable, else the eager reference."""
+    """``auto``: the Triton kernel for CUDA tensors when triton is importable, the fused CPU step
+    (``flashdist.kernels.cpu``) for CPU tensors unless ``FLASHDIST_CPU_KERNEL=0``, else the eager reference.
+    The CPU step is built at its first use; where it cannot be, or the tensors are not ones it handles, the
+    call runs the reference (``backend="cpu"`` makes that an error instead). While torch.compile traces a
+    step, ``auto`` gives the reference, which it can trace."""
     if backend not in BACKENDS:
         raise ValueError(f"flashdist: backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "triton" if (device.type == "cuda" and HAS_TRITON) else "reference"
+        if device.type == "cuda" and HAS_TRITON:
+            return "triton"
+        if device.type == "cpu" and cpu.enabled() and not torch.compiler.is_compiling():
+            return "cpu"
+        return "reference"
     if backend == "triton" and not HAS_TRITON:
         raise RuntimeError("flashdist: backend='triton' needs the triton package (pip install triton)")
     return backend
+
+
+def cpu_fallback(backend: str, done: bool) -> bool:
+    """After a fused CPU step returned ``done``: True when the reference must run instead (``auto``), an error
+    when the caller asked for ``backend="cpu"``."""
+    if done:
+        return False
+    if backend == "cpu":
+        why = cpu.build_error() or "the tensors are not contiguous CPU tensors of the supported dtypes"
+        raise RuntimeError(f"flashdist: backend='cpu' could not run the fused CPU step ({why}); use "
+                           "backend='auto' to fall back to the eager reference")
+    return True

@@ -6,9 +6,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ..kernels import reference
+from ..kernels import cpu, reference
 from ..kernels.scalars import LionScalars
-from .backend import resolve_backend
+from .backend import cpu_fallback, resolve_backend
 
 
 def flash_lion(
@@ -33,12 +33,18 @@ def flash_lion(
     if not params:
         return
     scalars = LionScalars.make(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay)
-    if resolve_backend(backend, params[0].device) == "triton":
+    chosen = resolve_backend(backend, params[0].device)
+    if chosen == "triton":
         from ..kernels.triton.fused import lion_step_multi
 
         lion_step_multi(params, grads, exp_avgs, exp_avg_scales, rhos, cols=cols, scalars=scalars,
                         companded=companded, skipped=skipped)
         return
+    if chosen == "cpu":
+        done = cpu.lion_step(params, grads, exp_avgs, exp_avg_scales, rhos, cols=cols, scalars=scalars,
+                            companded=companded, skipped=skipped)
+        if not cpu_fallback(backend, done):
+            return
     for i, p in enumerate(params):
         reference.lion_step_(
             p, grads[i], exp_avgs[i], exp_avg_scales[i] if exp_avg_scales is not None else None,

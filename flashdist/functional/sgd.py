@@ -6,9 +6,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ..kernels import reference
+from ..kernels import cpu, reference
 from ..kernels.scalars import SGDScalars
-from .backend import resolve_backend
+from .backend import cpu_fallback, resolve_backend
 
 
 def flash_sgd(
@@ -42,12 +42,18 @@ def flash_sgd(
         return
     scalars = SGDScalars.make(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                               nesterov=nesterov, step=step, decoupled=decoupled)
-    if resolve_backend(backend, params[0].device) == "triton":
+    chosen = resolve_backend(backend, params[0].device)
+    if chosen == "triton":
         from ..kernels.triton.fused import sgd_step_multi
 
         sgd_step_multi(params, grads, momentum_buffers, momentum_scales, rhos, cols=cols, scalars=scalars,
                        companded=companded, skipped=skipped)
         return
+    if chosen == "cpu":
+        done = cpu.sgd_step(params, grads, momentum_buffers, momentum_scales, rhos, cols=cols,
+                            scalars=scalars, companded=companded, skipped=skipped)
+        if not cpu_fallback(backend, done):
+            return
     for i, p in enumerate(params):
         reference.sgd_step_(
             p, grads[i], momentum_buffers[i] if momentum_buffers is not None else None,

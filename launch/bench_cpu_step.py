@@ -1,0 +1,163 @@
+"""Time one optimizer step on the CPU: flashdist's fused CPU step next to torch's fused CPU AdamW.
+
+    python launch/bench_cpu_step.py --out runs/cpu_step.json                # all cores torch uses
+    python launch/bench_cpu_step.py --threads 2 --out runs/cpu_step_2.json  # the same on 2 threads
+    python launch/bench_cpu_step.py --scale 0.25                            # a quarter of the rows
+
+Workload: 157 M parameters in Llama-7B-like matrices, four of 4096 x 4096 and two of 4096 x 11008 (``--scale``
+scales the row counts), random non-zero gradients. Each row is the median of ``--steps`` timed steps after
+one warm-up step, timed around ``optimizer.step()``; "M params/s" is parameters over that median, "M params/cpu-s"
+parameters over the median CPU time of the process (all threads): on a machine shared with other work the
+wall time varies with their load, the CPU time much less.
+
+Rows:
+- torch.optim.AdamW(fused=True) on fp32 parameters (fp32 moments): the target.
+- flashdist FlashAdamW, 24-bit (bf16 parameters, int8 rho, 8-bit companded moments: the default), and with
+  fp32 parameters (8-bit moments, no split), with the fused CPU step (``backend="cpu"``).
+- FlashSGD (momentum 0.9) and FlashLion, 24-bit, fused CPU step.
+- FlashAdamW 24-bit with the eager reference (``backend="reference"``), the CPU path before the fused step;
+  it is slow, so it runs on the first matrix only (``--reference-params`` rows limit it further).
+- ``--compile``: the eager reference under torch.compile (inductor's C++ backend) on the first matrix, the
+  alternative the fused step was measured against; its first (compiling) step is reported separately.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import flashdist  # noqa: E402
+from flashdist import FlashAdamW, FlashLion, FlashSGD  # noqa: E402
+
+SHAPES = [(4096, 4096)] * 4 + [(11008, 4096)] * 2
+
+
+def _shapes(scale: float):
+    return [(max(1, int(r * scale)), c) for r, c in SHAPES]
+
+
+def _params(shapes, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    params = []
+    for s in shapes:
+        p = torch.nn.Parameter(torch.randn(s, generator=gen).mul_(0.02).to(dtype))
+        p.grad = torch.randn(s, generator=gen).mul_(1e-3).to(dtype)
+        params.append(p)
+    return params
+
+
+def _time(opt, steps: int) -> tuple[float, float, float, float]:
+    """(first step, then over ``steps`` more: median wall time, best wall time, median CPU time of the process,
+    all threads) in seconds. On a shared machine the CPU time is the steadier measure of the work."""
+    t0 = time.perf_counter()
+    opt.step()
+    first = time.perf_counter() - t0
+    wall, cpu = [], []
+    for _ in range(steps):
+        t0, c0 = time.perf_counter(), time.process_time()
+        opt.step()
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    return first, statistics.median(wall), min(wall), statistics.median(cpu)
+
+
+def _row(name, params, make, steps):
+    n = sum(p.numel() for p in params)
+    try:
+        opt = make(params)
+        first, med, best, cpu = _time(opt, steps)
+    except Exception as e:  # a case this machine cannot run is a finding, not a crash
+        return {"case": name, "error": f"{type(e).__name__}: {e}"[:300]}
+    return {"case": name, "params": n, "first_step_ms": first * 1e3, "step_ms": med * 1e3, "best_ms": best * 1e3,
+            "cpu_ms": cpu * 1e3, "mparams_per_s": n / med / 1e6, "mparams_per_cpu_s": n / cpu / 1e6}
+
+
+def _reference_compiled(params):
+    """The reference step under torch.compile: FlashAdamW's backend forced to the reference, its step
+    compiled (graph breaks where dynamo cannot trace fall back to eager)."""
+    opt = FlashAdamW(params, lr=1e-3, weight_decay=0.1, backend="reference")
+    opt.step = torch.compile(opt.step)
+    return opt
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    ap.add_argument("--scale", type=float, default=1.0, help="multiply every matrix's row count by this")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per row (after one warm-up step)")
+    ap.add_argument("--reference-rows", type=int, default=1024,
+                    help="rows of the first matrix the slow eager reference (and --compile) runs on")
+    ap.add_argument("--compile", action="store_true", help="also time torch.compile of the eager reference")
+    ap.add_argument("--out", type=Path, default=None, help="write the rows and the machine as JSON here")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    shapes = _shapes(args.scale)
+    small = [(min(args.reference_rows, shapes[0][0]), shapes[0][1])]
+    rows = []
+
+    def add(row):
+        rows.append(row)
+        if "error" in row:
+            print(f"{row['case']:<48} error: {row['error']}", flush=True)
+        else:
+            print(f"{row['case']:<56} {row['params'] / 1e6:7.1f} M {row['step_ms']:9.1f} ms (best {row['best_ms']:.1f}) "
+                  f"{row['mparams_per_s']:8.1f} M params/s  cpu {row['cpu_ms']:9.1f} ms "
+                  f"{row['mparams_per_cpu_s']:8.1f} M params/cpu-s  (first step {row['first_step_ms']:.0f} ms)",
+                  flush=True)
+
+    flash = dict(lr=1e-3, weight_decay=0.1)
+    add(_row("torch AdamW fused, fp32 params", _params(shapes, torch.float32),
+             lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1, fused=True), args.steps))
+    add(_row("flashdist FlashAdamW 24-bit, fused CPU step", _params(shapes, torch.bfloat16),
+             lambda ps: FlashAdamW(ps, **flash, backend="cpu"), args.steps))
+    add(_row("flashdist FlashAdamW fp32 params, fused CPU step", _params(shapes, torch.float32),
+             lambda ps: FlashAdamW(ps, **flash, backend="cpu"), args.steps))
+    add(_row("flashdist FlashSGD m=0.9 24-bit, fused CPU step", _params(shapes, torch.bfloat16),
+             lambda ps: FlashSGD(ps, lr=1e-3, momentum=0.9, backend="cpu"), args.steps))
+    add(_row("flashdist FlashLion 24-bit, fused CPU step", _params(shapes, torch.bfloat16),
+             lambda ps: FlashLion(ps, lr=1e-4, weight_decay=0.1, backend="cpu"), args.steps))
+    add(_row("torch AdamW fused, fp32 params (first matrix rows)", _params(small, torch.float32),
+             lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1, fused=True), args.steps))
+    add(_row("flashdist FlashAdamW 24-bit, fused (first matrix rows)", _params(small, torch.bfloat16),
+             lambda ps: FlashAdamW(ps, **flash, backend="cpu"), args.steps))
+    add(_row("flashdist FlashAdamW 24-bit, eager reference", _params(small, torch.bfloat16),
+             lambda ps: FlashAdamW(ps, **flash, backend="reference"), min(args.steps, 3)))
+    if args.compile:
+        add(_row("flashdist FlashAdamW 24-bit, torch.compile(reference)", _params(small, torch.bfloat16),
+                 _reference_compiled, min(args.steps, 3)))
+
+    target = next((r for r in rows if r["case"].startswith("torch AdamW") and "error" not in r), None)
+    fused = next((r for r in rows if r["case"] == "flashdist FlashAdamW 24-bit, fused CPU step"), None)
+    if target and fused and "error" not in fused:
+        print(f"\nflashdist 24-bit / torch fused AdamW fp32: params/s {fused['mparams_per_s'] / target['mparams_per_s']:.2f}"
+              f", params/cpu-s {fused['mparams_per_cpu_s'] / target['mparams_per_cpu_s']:.2f}")
+    if args.out:
+        try:
+            cpu_name = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+            cpu_name = next((ln.split(":", 1)[1].strip() for ln in cpu_name.splitlines()
+                             if ln.startswith("Model name")), platform.processor())
+        except OSError:
+            cpu_name = platform.processor()
+        machine = {"cpu": cpu_name, "threads": torch.get_num_threads(), "cores": os.cpu_count(),
+                   "capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
+                   "flashdist": getattr(flashdist, "__version__", "?"), "python": platform.python_version(),
+                   "date": datetime.date.today().isoformat()}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"machine": machine, "scale": args.scale, "rows": rows}, indent=1))
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

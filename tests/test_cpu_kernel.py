@@ -1,0 +1,285 @@
+"""The fused CPU step (flashdist.kernels.cpu) against the eager reference: bitwise, over a registry of cases.
+
+Every optimizer x parameter dtype x master weight bits x moment layout (8-bit companded, 8-bit linear, fp32)
+x group layout (row-aligned, flat), on tensors with odd row lengths, over several steps whose gradients
+hold NaN and Inf groups and the largest finite values (steps that overflow), parameters that are zero, negative zero, powers of two, subnormal or near the
+format's largest value. Equal means the same bits (a NaN matches any NaN: the kernel and torch may write
+different NaN payloads).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from flashdist.functional import flash_adam, flash_lion, flash_sgd
+from flashdist.kernels import cpu
+from flashdist.quant import codes as Q
+from flashdist.quant import rho as R
+
+# Where a compiler and ninja are present the kernel must build; without them the reference is the CPU path.
+TOOLCHAIN = bool(shutil.which(os.environ.get("CXX", "c++"))) and bool(
+    shutil.which("ninja") or shutil.which("ninja", path=os.path.dirname(sys.executable)))
+pytestmark = pytest.mark.skipif(not TOOLCHAIN, reason="no C++ compiler or ninja: CPU steps use the reference")
+
+
+def test_kernel_builds():
+    assert cpu.available(), cpu.build_error()
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# (optimizer, its functional keyword arguments): SGD variants cover momentum off, plain, Nesterov, dampening
+OPTIMIZERS = {
+    "adamw": dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, decoupled=True),
+    "adam": dict(lr=1e-2, beta1=0.8, beta2=0.999, eps=1e-6, weight_decay=0.05, decoupled=False),
+    "sgd": dict(lr=1e-2, momentum=0.0, dampening=0.0, weight_decay=0.01, nesterov=False, decoupled=False),
+    "sgd-momentum": dict(lr=1e-2, momentum=0.9, dampening=0.0, weight_decay=0.01, nesterov=False, decoupled=False),
+    "sgd-nesterov": dict(lr=1e-2, momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=True, decoupled=False),
+    "sgdw-dampening": dict(lr=1e-2, momentum=0.5, dampening=0.3, weight_decay=0.1, nesterov=False, decoupled=True),
+    "lion": dict(lr=1e-3, beta1=0.9, beta2=0.99, weight_decay=0.1),
+}
+MOMENTS = ("q-comp", "q-linear", "fp32")
+SHAPES = [(5, 70), (2, 3, 11), (1, 32), (7,)]  # odd rows, a 3-d tensor, one exact group, a short 1-d tensor
+STEPS = 3
+
+
+@dataclass(frozen=True)
+class Case:
+    opt: str
+    dtype: str
+    bits: int | None
+    moments: str
+    flat: bool
+    shapes: tuple = tuple(SHAPES)
+
+    @property
+    def id(self) -> str:
+        return f"{self.opt}-{self.dtype}-{self.bits or 'nosplit'}-{self.moments}-{'flat' if self.flat else 'rows'}"
+
+
+def _cases():
+    for opt, dtype, bits, moments, flat in itertools.product(OPTIMIZERS, DTYPES, (24, 32, None), MOMENTS,
+                                                             (False, True)):
+        if dtype == "fp32" and bits is not None:
+            continue  # fp32 parameters are not split
+        if moments == "fp32" and flat:
+            continue  # the group layout only matters to 8-bit moments
+        if opt == "sgd" and moments != "fp32":
+            continue  # no momentum: no moments
+        yield Case(opt, dtype, bits, moments, flat)
+
+
+CASES = list(_cases())
+
+
+def _params(shape, dtype, gen):
+    """Random values of many magnitudes plus the special ones."""
+    n = 1
+    for d in shape:
+        n *= d
+    x = torch.randn(n, generator=gen) * torch.exp2(torch.randint(-12, 6, (n,), generator=gen).float())
+    biggest = torch.finfo(dtype).max if dtype != torch.float32 else 1e38
+    tiny = torch.finfo(dtype).tiny
+    special = torch.tensor([0.0, -0.0, 1.0, -0.5, 2.0**-3, tiny, -tiny / 4, biggest * 0.999, -biggest, 3e-3])
+    k = min(n, len(special))
+    x[:k] = special[:k]
+    return x.reshape(shape).to(dtype)
+
+
+def _grads(shape, dtype, gen, step):
+    g = torch.randn(shape, generator=gen) * torch.exp2(torch.randint(-20, 4, shape, generator=gen).float())
+    flat = g.view(-1)
+    flat[flat.numel() // 2] = 0.0
+    if step == 1 and flat.numel() > 40:  # one NaN and one Inf (in other groups) at the second step
+        flat[3] = float("nan")
+        flat[flat.numel() - 2] = float("-inf")
+    if step == 2 and flat.numel() > 40:  # the largest finite gradients: their step overflows
+        flat[5] = torch.finfo(dtype).max
+        flat[flat.numel() - 3] = -torch.finfo(dtype).max / 3
+    return g.to(dtype)
+
+
+def _state(case: Case, gen):
+    """Parameters, their state and grads of every step, for one call of the functional step."""
+    dtype = DTYPES[case.dtype]
+    shapes = [s for s in case.shapes if case.moments == "fp32" or case.flat or len(s) >= 2]
+    params = [_params(s, dtype, gen) for s in shapes]
+    quantized = case.moments != "fp32"
+    companded = case.moments == "q-comp"
+    cols = [p.numel() if case.flat else p.numel() // p.shape[0] for p in params] if quantized else None
+    rhos = None
+    if case.bits is not None and dtype != torch.float32:
+        thetas = [p.float() + torch.randn(p.shape, generator=gen) * p.float().abs() * 2.0**-9 for p in params]
+        splits = [R.split(t, dtype, R.rho_dtype(case.bits)) for t in thetas]
+        params = [s[0] for s in splits]
+        rhos = [s[1] for s in splits]
+    n_moments = {"sgd": 0, "lion": 1}.get(case.opt, 1 if case.opt.startswith("sgd") else 2)
+    moments, scales = [], []
+    for k in range(n_moments):
+        vals = [torch.randn(p.shape, generator=gen) * 1e-2 for p in params]
+        if k == 1:
+            vals = [v * v for v in vals]
+        if quantized:
+            q = [(Q.quantize_exp_avg(v, c, companded) if k == 0 else Q.quantize_exp_avg_sq(v, c, companded))
+                 for v, c in zip(vals, cols)]
+            moments.append([c for c, _ in q])
+            scales.append([s for _, s in q])
+        else:
+            moments.append(vals)
+            scales.append(None)
+    grads = [[_grads(p.shape, dtype, gen, step) for p in params] for step in range(STEPS)]
+    return dict(params=params, rhos=rhos, moments=moments, scales=scales, cols=cols, grads=grads,
+                companded=companded)
+
+
+def _clone(state):
+    c = lambda ts: [t.clone() for t in ts] if ts is not None else None  # noqa: E731
+    return dict(state, params=c(state["params"]), rhos=c(state["rhos"]), moments=[c(m) for m in state["moments"]],
+                scales=[c(s) for s in state["scales"]])
+
+
+def _step(case: Case, s, step: int, backend: str, skipped: torch.Tensor):
+    kw = OPTIMIZERS[case.opt]
+    grads = s["grads"][step]
+    common = dict(cols=s["cols"], companded=s["companded"], skipped=skipped, backend=backend)
+    if case.opt.startswith("adam"):
+        (m, v), (ms, vs) = s["moments"], s["scales"]
+        flash_adam(s["params"], grads, m, v, ms, vs, s["rhos"], step=step + 1, **kw, **common)
+    elif case.opt == "lion":
+        flash_lion(s["params"], grads, s["moments"][0], s["scales"][0], s["rhos"], **kw, **common)
+    else:
+        momentum = bool(s["moments"])
+        flash_sgd(s["params"], grads, s["moments"][0] if momentum else None, s["scales"][0] if momentum else None,
+                  s["rhos"], step=step + 1, **kw, **common)
+
+
+def _tensors(s):
+    out = list(s["params"]) + list(s["rhos"] or [])
+    for m, sc in zip(s["moments"], s["scales"]):
+        out += list(m) + list(sc or [])
+    return out
+
+
+def assert_same_bits(a: torch.Tensor, b: torch.Tensor, what: str):
+    assert a.dtype == b.dtype and a.shape == b.shape, what
+    if a.is_floating_point():
+        both_nan = a.isnan() & b.isnan()
+        width = {1: torch.int8, 2: torch.int16, 4: torch.int32}[a.element_size()]
+        differ = (a.view(width) != b.view(width)) & ~both_nan
+    else:
+        differ = a != b
+    if differ.any():
+        i = differ.nonzero()[0].tolist()
+        raise AssertionError(f"{what}: {int(differ.sum())} values differ, first at {i}: {a[tuple(i)]} vs "
+                             f"{b[tuple(i)]}")
+
+
+def _run(case: Case, seed: int = 0):
+    state = _state(case, torch.Generator().manual_seed(seed))
+    fused, ref = _clone(state), _clone(state)
+    skipped_fused = torch.zeros((), dtype=torch.int32)
+    skipped_ref = torch.zeros((), dtype=torch.int32)
+    for step in range(STEPS):
+        _step(case, fused, step, "cpu", skipped_fused)
+        _step(case, ref, step, "reference", skipped_ref)
+        for k, (a, b) in enumerate(zip(_tensors(fused), _tensors(ref))):
+            assert_same_bits(a, b, f"step {step + 1}, tensor {k}")
+        assert int(skipped_fused) == int(skipped_ref), f"step {step + 1}: skipped"
+    return int(skipped_ref)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_bitwise_against_reference(case):
+    skipped = _run(case)
+    assert skipped > 0  # the NaN / Inf groups were there and were skipped the same way
+
+
+@pytest.mark.parametrize("case", [Case("adamw", "bf16", 24, "q-comp", False, ((300, 130),)),
+                                  Case("lion", "fp16", 32, "fp32", False, ((41, 1000),)),
+                                  Case("sgdw-dampening", "fp32", None, "q-linear", True, ((40, 1001),))],
+                         ids=lambda c: c.id)
+def test_bitwise_multithreaded(case):
+    """Tensors large enough to be spread over the intra-op threads."""
+    torch.set_num_threads(max(2, torch.get_num_threads()))
+    _run(case, seed=1)
+
+
+def test_auto_backend_uses_fused_step_on_cpu():
+    from flashdist.functional import resolve_backend
+
+    assert resolve_backend("auto", torch.device("cpu")) == "cpu"
+    assert resolve_backend("reference", torch.device("cpu")) == "reference"
+
+
+def test_unsupported_tensors_fall_back_to_reference():
+    """A non-contiguous parameter: ``auto`` runs the reference (same result), ``cpu`` refuses and changes
+    nothing."""
+    gen = torch.Generator().manual_seed(3)
+    base = torch.randn(8, 64, generator=gen)
+    grad = torch.randn(32, 8, generator=gen)
+    kw = dict(cols=None, lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, step=1, decoupled=True)
+    outs = []
+    for backend in ("auto", "reference"):
+        p = base.clone().t()[:32]
+        m, v = torch.zeros(32, 8), torch.zeros(32, 8)
+        flash_adam([p], [grad], [m], [v], None, None, None, backend=backend, **kw)
+        outs.append((p, m, v))
+    for a, b in zip(*outs):
+        assert_same_bits(a, b, "auto vs reference")
+    p = base.clone().t()[:32]
+    before = p.clone()
+    with pytest.raises(RuntimeError, match="backend='cpu'"):
+        flash_adam([p], [grad], [torch.zeros(32, 8)], [torch.zeros(32, 8)], None, None, None, backend="cpu", **kw)
+    assert torch.equal(p, before)
+
+
+def test_step_bumps_version_counter():
+    p, g = torch.zeros(4, 32), torch.ones(4, 32)
+    before = p._version
+    flash_sgd([p], [g], None, None, None, cols=None, lr=0.1, momentum=0.0, dampening=0.0, weight_decay=0.0,
+              nesterov=False, step=1, decoupled=False, backend="cpu")
+    assert p._version > before and torch.all(p == -0.1)
+
+
+def _subprocess(code: str, env: dict) -> subprocess.CompletedProcess:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    full = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), **env)
+    return subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=300)
+
+
+def test_no_compiler_falls_back_with_one_warning(tmp_path):
+    code = (
+        "import warnings, torch\n"
+        "from flashdist.functional import flash_adam\n"
+        "p = torch.ones(2, 40); m = torch.zeros(2, 40); v = torch.zeros(2, 40)\n"
+        "kw = dict(cols=None, lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, decoupled=True)\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    for step in (1, 2):\n"
+        "        flash_adam([p], [torch.ones(2, 40)], [m], [v], None, None, None, step=step, **kw)\n"
+        "assert len([x for x in w if 'fused CPU step' in str(x.message)]) == 1, [str(x.message) for x in w]\n"
+        "print(p[0, 0].item())\n"
+    )
+    out = _subprocess(code, {"FLASHDIST_CPU_BUILD_DIR": str(tmp_path), "CXX": str(tmp_path / "no-compiler")})
+    assert out.returncode == 0, out.stderr
+    assert abs(float(out.stdout.split()[-1]) - 0.8) < 1e-5  # two Adam steps of lr 0.1 from 1.0
+
+
+def test_stale_build_lock_does_not_hang(tmp_path):
+    """A build killed midway leaves torch's lock file; the next process (no live builder) removes it and
+    finishes the build instead of waiting forever."""
+    src = cpu.build_dir()
+    dst = tmp_path / src.name
+    shutil.copytree(src, dst)
+    (dst / "built").unlink()
+    (dst / "lock").write_text("")
+    code = "from flashdist.kernels import cpu\nassert cpu.available(), cpu.build_error()\n"
+    out = _subprocess(code, {"FLASHDIST_CPU_BUILD_DIR": str(tmp_path)})
+    assert out.returncode == 0, out.stderr
+    assert not (dst / "lock").exists() and (dst / "built").exists()
