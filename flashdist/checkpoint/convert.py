@@ -457,17 +457,38 @@ def _reformat_entry(entry: dict, group: dict, fmt: str) -> dict:
         if fmt == "portable" and f"{m}_codes" in entry:
             codes, scales = entry.pop(f"{m}_codes"), entry.pop(f"{m}_scales")
             layout = state_layout(tuple(codes.shape), group.get("flat_layout", False))
-            entry[m] = dequantize_moment(m, codes, scales, layout[1], companded)
+            pieces = _pieces(codes, layout)
+            if len(pieces) == 1:
+                entry[m] = dequantize_moment(m, codes, scales, layout[1], companded)
+                continue
+            values = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
+            for part in pieces:
+                values[part] = dequantize_moment(m, codes[part], scales[part], layout[1], companded)
+            entry[m] = values
         elif fmt == "compressed" and isinstance(entry.get(m), torch.Tensor) and entry[m].is_floating_point():
             values = entry[m]
             layout = state_layout(tuple(values.shape), group.get("flat_layout", False)) \
                 if group.get("quantize_states", True) else None
             if layout is None:
                 continue
-            codes, scales = quantize_moment(m, values.float(), layout[1], companded)
+            quantized = [quantize_moment(m, values[part].float(), layout[1], companded)
+                         for part in _pieces(values, layout)]
             del entry[m]
-            entry[f"{m}_codes"], entry[f"{m}_scales"] = codes, scales
+            entry[f"{m}_codes"] = torch.cat([c for c, _ in quantized]) if len(quantized) > 1 else quantized[0][0]
+            entry[f"{m}_scales"] = torch.cat([s for _, s in quantized]) if len(quantized) > 1 else quantized[0][1]
     return entry
+
+
+_VALUES_PER_PIECE = 2**23  # a large moment is (de)quantized in pieces of whole rows: the float temporaries stay small
+
+
+def _pieces(t: torch.Tensor, layout: tuple) -> list[slice]:
+    """Slices of whole rows of a row-aligned moment (groups never cross rows, so each piece quantizes as it
+    does in the whole tensor); one slice, the whole, for a single row (the flat layout) or a small tensor."""
+    if layout[0] <= 1 or t.dim() == 0 or t.numel() <= _VALUES_PER_PIECE:
+        return [slice(None)]
+    step = max(1, _VALUES_PER_PIECE // max(layout[1], 1))
+    return [slice(i, i + step) for i in range(0, len(t), step)]
 
 
 def _reformat_plan(source: Source, fmt: str):
@@ -486,26 +507,22 @@ def _reformat_plan(source: Source, fmt: str):
     out_specs: dict[tuple, Spec] = {}
     derived: dict[tuple, Any] = {}
     new_state = {}
-    done = set()
     for route, spec in specs.items():
         name = route[2] if len(route) == 4 and route[:2] == ("optim", "state") else None
         if name is None:
             out_specs[route] = spec
             continue
-        if name in done:
+        if name in new_state:
             continue
-        done.add(name)
         meta = {k: torch.empty(specs[r][0], dtype=specs[r][1], device="meta") for k, r in inputs[name].items()}
-        out = _reformat_entry(meta, groups.get(name, {}), fmt)
-        new_state[name] = dict(optim["state"][name])
-        for k in inputs[name]:
-            del new_state[name][k]
-        for k, t in out.items():
+        new_state[name] = {k: v for k, v in optim["state"][name].items() if k not in inputs[name]}
+        for k, t in _reformat_entry(meta, groups.get(name, {}), fmt).items():
             new_state[name][k] = None
             out_specs[("optim", "state", name, k)] = (tuple(t.shape), t.dtype)
             derived[("optim", "state", name, k)] = name
     new_state.update({n: e for n, e in optim["state"].items() if n not in new_state})
-    rest = dict(rest, optim=dict(optim, state=new_state, param_groups=_reformat_groups(optim.get("param_groups", []), fmt)))
+    rest = dict(rest, optim=dict(optim, state=new_state,
+                                 param_groups=_reformat_groups(optim.get("param_groups", []), fmt)))
 
     def compute(name) -> dict[tuple, torch.Tensor]:
         got = source.get(list(inputs[name].values()))

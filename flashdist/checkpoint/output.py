@@ -83,6 +83,8 @@ def check_destination(sources: list[Path], dst: Path, kind: str, force: bool) ->
     if not force:
         raise CheckpointError(f"flashdist: {dst} exists; pass --force (force=True) to replace it")
     found = output_kind(dst)
+    if kind in ("dcp", "hf") and dst.is_dir() and not dst.is_symlink() and not any(dst.iterdir()):
+        return  # an empty folder holds nothing to lose
     if found != kind:
         what = {"dcp": "a DCP checkpoint folder", "hf": "a Hugging Face model folder", "torch": "a torch file",
                 "safetensors": "a safetensors file"}[kind]
