@@ -102,9 +102,9 @@ def _set(root: dict, route: tuple, value) -> None:
         node[last] = value
 
 
-def dcp_entries(path: str | os.PathLike) -> dict[str, tuple]:
+def dcp_entries(path: str | os.PathLike, metadata=None) -> dict[str, tuple]:
     """Flat key -> (route in the nested dict, size or None for plain data, dtype or None), metadata only."""
-    md = SafeFileSystemReader(str(resolve(path))).read_metadata()
+    md = metadata if metadata is not None else SafeFileSystemReader(str(resolve(path))).read_metadata()
     routes = md.planner_data or {}
     out = {}
     for key, meta in md.state_dict_metadata.items():
@@ -116,17 +116,33 @@ def dcp_entries(path: str | os.PathLike) -> dict[str, tuple]:
     return out
 
 
-def read_dcp(path: str | os.PathLike, keys: list[str] | None = None) -> dict:
-    """Load (some flat keys of) a DCP checkpoint into a nested dict of full CPU tensors, in this process."""
+class _KnownMetadataReader(SafeFileSystemReader):
+    """A reader for one more dcp.load of a checkpoint whose metadata was read already (once per conversion,
+    not once per tensor: the metadata of a large checkpoint takes a while to unpickle)."""
+
+    def __init__(self, path: str, metadata):
+        super().__init__(path)
+        self.known = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        return self.known
+
+
+def read_dcp(path: str | os.PathLike, keys: list[str] | None = None, *, metadata=None) -> dict:
+    """Load (some flat keys of) a DCP checkpoint into a nested dict of full CPU tensors, in this process.
+    ``metadata``: the checkpoint's, when the caller has read it already."""
     where = resolve(path)
-    entries = dcp_entries(where)
+    if metadata is None:
+        metadata = SafeFileSystemReader(str(where)).read_metadata()
+    entries = dcp_entries(where, metadata)
     wanted = entries if keys is None else {k: entries[k] for k in keys}
     nested: dict = {}
     for route, size, dtype in wanted.values():
         _set(nested, route, torch.empty(size, dtype=dtype) if size is not None else None)
     try:
         # the top level must be dicts: dcp.load copies it, and plain-data entries land in nested dicts
-        dcp.load(nested, storage_reader=SafeFileSystemReader(str(where)), planner=SafeLoadPlanner(), no_dist=True)
+        dcp.load(nested, storage_reader=_KnownMetadataReader(str(where), metadata), planner=SafeLoadPlanner(),
+                 no_dist=True)
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as e:  # DCP wraps read failures (missing/truncated shard files)
@@ -224,17 +240,18 @@ class _MemorySource(Source):
 class _DcpSource(Source):
     def __init__(self, path):
         self.path = resolve(path)
-        entries = dcp_entries(self.path)
+        self.metadata = SafeFileSystemReader(str(self.path)).read_metadata()
+        entries = dcp_entries(self.path, self.metadata)
         self.keys = {route: key for key, (route, size, _) in entries.items() if size is not None}
         plain = [k for k, (_, size, _) in entries.items() if size is None]
-        rest = read_dcp(self.path, plain) if plain else {}
+        rest = read_dcp(self.path, plain, metadata=self.metadata) if plain else {}
         for key, (route, size, dtype) in entries.items():
             if size is not None:
                 _set(rest, route, None)
         super().__init__(rest, {route: (size, dtype) for route, size, dtype in entries.values() if size is not None})
 
     def get(self, routes):
-        nested = read_dcp(self.path, [self.keys[r] for r in routes])
+        nested = read_dcp(self.path, [self.keys[r] for r in routes], metadata=self.metadata)
         return {r: _at(nested, r) for r in routes}
 
 
@@ -322,21 +339,43 @@ class _Fetcher:
     kept, within ``budget`` bytes (oldest dropped first, recomputed if asked again)."""
 
     def __init__(self, source: Source, derived: dict[tuple, tuple] | None = None,
-                 compute: Callable[[tuple], dict[tuple, torch.Tensor]] | None = None, budget: int = 256 * 2**20):
+                 compute: Callable[[tuple], dict[tuple, torch.Tensor]] | None = None, budget: int = 16 * 2**20,
+                 order: list[tuple] | None = None):
         self.source, self.derived, self.compute, self.budget = source, derived or {}, compute, budget
         self.kept: dict[tuple, torch.Tensor] = {}
+        # each read also takes the next routes of ``order`` (default: the source's, which most writers follow),
+        # within the budget: one read per batch of small tensors rather than one per tensor
+        self.order = order if order is not None else [r for r in source.specs if r not in self.derived]
+        self.position = {r: i for i, r in enumerate(self.order)}
+
+    def _batch(self, route: tuple) -> list[tuple]:
+        batch, size = [route], _spec_bytes(self.source.specs[route])
+        if route not in self.position:
+            return batch
+        for nxt in self.order[self.position[route] + 1:]:
+            size += _spec_bytes(self.source.specs[nxt])
+            if size > self.budget:
+                break
+            if nxt not in self.kept and nxt not in batch:
+                batch.append(nxt)
+        return batch
 
     def __call__(self, route: tuple) -> torch.Tensor:
         if route in self.kept:
             return self.kept.pop(route)
         if route not in self.derived:
-            return self.source.get([route])[route]
-        out = self.compute(self.derived[route])
+            out = self.source.get(self._batch(route))
+        else:
+            out = self.compute(self.derived[route])
         t = out.pop(route)
         self.kept.update(out)
         while self.kept and sum(v.numel() * v.element_size() for v in self.kept.values()) > self.budget:
             self.kept.pop(next(iter(self.kept)))
         return t
+
+
+def _spec_bytes(spec: Spec) -> int:
+    return int(torch.Size(spec[0]).numel()) * spec[1].itemsize
 
 
 def _check_options(path, kind: str, tag, master_weight_bits) -> None:
@@ -660,18 +699,31 @@ def _master_plan(source: Source, dtype: torch.dtype = torch.float32) -> tuple[di
         shape, have = source.specs[route]
         specs[name] = (shape, dtype if have.is_floating_point else have)
 
+    order = []
+    for name in specs:
+        order += [model[alias.get(name, name)]] + ([rho[alias.get(name, name)]] if alias.get(name, name) in rho else [])
+    get = _Fetcher(source, order=order)
+
     def fetch(name: str) -> torch.Tensor:
         owner = alias.get(name, name)
+        value = get(model[owner])
         if owner in rho:
-            got = source.get([model[owner], rho[owner]])
-            value = got[model[owner]]
+            r = get(rho[owner])
             if value.dtype in (torch.bfloat16, torch.float16):
-                return R.merge(value, got[rho[owner]]).to(dtype)
-        else:
-            value = source.get([model[owner]])[model[owner]]
+                return _merge(value, r, dtype)
         return value.to(dtype) if value.is_floating_point() else value
 
     return specs, fetch
+
+
+def _merge(value: torch.Tensor, rho: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """R.merge in pieces (it is elementwise): its fp32 temporaries stay small whatever the tensor's size."""
+    out = torch.empty(value.shape, dtype=dtype)
+    flat_out, flat_value, flat_rho = out.view(-1), value.reshape(-1), rho.reshape(-1)
+    step = 2**18
+    for i in range(0, flat_out.numel(), step):
+        flat_out[i:i + step] = R.merge(flat_value[i:i + step], flat_rho[i:i + step])
+    return out
 
 
 def master_weights(state: dict, progress: Progress = _quiet) -> dict[str, torch.Tensor]:
