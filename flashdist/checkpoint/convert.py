@@ -326,7 +326,10 @@ def open_source(path: str | os.PathLike, *, tag: str | None = None, master_weigh
         return _DcpSource(path)
     if kind == "torch":
         _check_options(path, kind, tag, master_weight_bits)
-        return _TorchSource(Path(path))
+        try:
+            return _TorchSource(Path(path))
+        except CheckpointError:  # e.g. a file of torch's legacy format, which cannot be mapped: read it whole
+            return _MemorySource(read(path))
     if kind == "safetensors":
         _check_options(path, kind, tag, master_weight_bits)
         return _SafetensorsSource(Path(path))
