@@ -247,3 +247,27 @@ def test_convert_and_export_memory_is_bounded_by_the_largest_tensor(tmp_path):
     assert result["checkpoint_bytes"] > 40 * result["largest_tensor_bytes"]
     for row in result["rows"]:
         assert row["growth_bytes"] < 0.25 * result["checkpoint_bytes"], row
+
+
+def test_torch_round_trip_keeps_plain_data_as_it_was(tied, tmp_path):
+    path, _, _ = tied
+    assert _cli("convert", path, tmp_path / "a.pt", "--to", "torch")[0] == 0
+    assert _cli("convert", tmp_path / "a.pt", tmp_path / "b.pt", "--to", "torch")[0] == 0
+    a, b = (torch.load(tmp_path / n, weights_only=True) for n in ("a.pt", "b.pt"))
+    assert a["optim"]["param_groups"] == b["optim"]["param_groups"]
+    assert isinstance(b["optim"]["param_groups"][0]["betas"], tuple) and b["extra"] == {"dtype": torch.bfloat16}
+    flat_a, _ = C._flat_tensors(a)
+    flat_b, _ = C._flat_tensors(b)
+    assert flat_a.keys() == flat_b.keys() and all(torch.equal(flat_a[k], flat_b[k]) for k in flat_a)
+
+
+def test_inspect_of_files_reads_the_structure_only(tied, tmp_path):
+    path, model, _ = tied
+    want = C.inspect(path)
+    for to in ("torch", "safetensors"):
+        assert _cli("convert", path, tmp_path / f"ck.{to}", "--to", to)[0] == 0
+        info = C.inspect(tmp_path / f"ck.{to}")
+        assert info["kind"] == to and info["step"] == want["step"] == 4
+        for key in ("parameters", "parameter_tensors", "model_dtypes", "optimizer_format", "master_weight_bits",
+                    "optimizer_state_keys"):
+            assert info[key] == want[key], (to, key)

@@ -211,7 +211,8 @@ def _flat_tensors(nested, prefix: tuple = ()) -> tuple[dict[tuple, torch.Tensor]
             t, r = _flat_tensors(v, prefix + (i,))
             tensors.update(t)
             rest.append(r)
-        return tensors, rest
+        # a tuple of plain data stays a tuple (param groups' betas); one holding tensors becomes a list
+        return tensors, (tuple(rest) if isinstance(nested, tuple) and not tensors else rest)
     return tensors, nested
 
 
@@ -610,16 +611,16 @@ def inspect(path: str | os.PathLike) -> dict[str, Any]:
         info["saved_world_size"] = saved_world_size(where)
         info["path"] = str(where)
     else:
-        state = read(path)
+        source = open_source(path)  # a torch or safetensors file: the structure, no tensor read
         if kind == "deepspeed":
             from .deepspeed_import import describe
 
             ds = describe(path)
             info.update(path=ds["folder"], zero_stage=ds["zero_stage"], deepspeed_masters=ds["masters"],
                         deepspeed_version=ds["ds_version"])
-        groups = state.get("optim", {}).get("param_groups", [])
-        flat, _ = _flat_tensors(state)
-        tensors = {".".join(map(str, r)): (r, tuple(t.shape), t.dtype) for r, t in flat.items()}
+        optim_rest = source.rest.get("optim", {}) if isinstance(source.rest, dict) else {}
+        groups = optim_rest.get("param_groups", []) if isinstance(optim_rest, dict) else []
+        tensors = {".".join(map(str, r)): (r, shape, dtype) for r, (shape, dtype) in source.specs.items()}
         model = {k: v for k, v in tensors.items() if v[0][0] == "model"}
         optim = {k: v for k, v in tensors.items() if v[0][0] == "optim"}
         info["saved_world_size"] = ds["world_size"] if kind == "deepspeed" else None  # a file: full tensors
@@ -645,9 +646,10 @@ def inspect(path: str | os.PathLike) -> dict[str, Any]:
     steps = [k for k, (route, size, _) in optim.items() if route[-1] == "step" and size == ()]
     if steps:
         first = steps[0]
-        node = read_dcp(path, [first]) if kind == "dcp" else state  # a file was read whole above
-        for part in optim[first][0]:
-            node = node[part]
+        if kind == "dcp":
+            node = _at(read_dcp(path, [first]), optim[first][0])
+        else:
+            node = source.get([optim[first][0]])[optim[first][0]]
         info["step"] = int(float(node))
     info["bytes_per_param"] = info["bytes_on_disk"] / n_params if n_params else None
     return info
