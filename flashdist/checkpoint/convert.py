@@ -522,7 +522,7 @@ def _reformat_entry(entry: dict, group: dict, fmt: str) -> dict:
     return entry
 
 
-_VALUES_PER_PIECE = 2**23  # a large moment is (de)quantized in pieces of whole rows: the float temporaries stay small
+_VALUES_PER_PIECE = 2**20  # a large moment is (de)quantized in pieces of whole rows: the float temporaries stay small
 
 
 def _pieces(t: torch.Tensor, layout: tuple) -> list[slice]:
@@ -562,15 +562,19 @@ def _reformat_plan(source: Source, fmt: str):
         for k, t in _reformat_entry(meta, groups.get(name, {}), fmt).items():
             new_state[name][k] = None
             out_specs[("optim", "state", name, k)] = (tuple(t.shape), t.dtype)
-            derived[("optim", "state", name, k)] = name
+            if k not in inputs[name] or specs[inputs[name][k]] != out_specs[("optim", "state", name, k)]:
+                # made from one moment (its values, or its codes and scales); the rest is read as it is
+                derived[("optim", "state", name, k)] = (name, k.removesuffix("_codes").removesuffix("_scales"))
     new_state.update({n: e for n, e in optim["state"].items() if n not in new_state})
     rest = dict(rest, optim=dict(optim, state=new_state,
                                  param_groups=_reformat_groups(optim.get("param_groups", []), fmt)))
 
-    def compute(name) -> dict[tuple, torch.Tensor]:
-        got = source.get(list(inputs[name].values()))
-        entry = {k: got[r] for k, r in inputs[name].items()}
-        return {("optim", "state", name, k): v for k, v in _reformat_entry(entry, groups.get(name, {}), fmt).items()}
+    def compute(what) -> dict[tuple, torch.Tensor]:
+        name, moment = what
+        routes = {k: r for k, r in inputs[name].items() if k in (moment, f"{moment}_codes", f"{moment}_scales")}
+        got = source.get(list(routes.values()))
+        entry = _reformat_entry({k: got[r] for k, r in routes.items()}, groups.get(name, {}), fmt)
+        return {("optim", "state", name, k): v for k, v in entry.items()}
 
     return rest, out_specs, derived, compute
 
@@ -674,7 +678,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, fmt: str
     source = open_source(src, tag=tag, master_weight_bits=master_weight_bits, progress=progress)
     rest, specs, derived, compute = (source.rest, source.specs, {}, None) if fmt is None else \
         _reformat_plan(source, fmt)
-    _write(to, dst, rest, specs, _Fetcher(source, derived, compute), progress)
+    order = [r for r in specs if r not in derived]  # what the writers ask for, in their usual order
+    _write(to, dst, rest, specs, _Fetcher(source, derived, compute, order=order), progress)
     return dst
 
 
