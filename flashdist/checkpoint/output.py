@@ -149,7 +149,11 @@ def atomic_output(dst: Path, *, directory: bool) -> Iterator[Path]:
         if dst.is_dir() and not dst.is_symlink():  # a previous folder output: move it aside, then drop it
             old = parent / f".{dst.name}.{uuid.uuid4().hex[:8]}.old"
             os.replace(dst, old)
-            os.replace(tmp, dst)
+            try:
+                os.replace(tmp, dst)
+            except BaseException:
+                os.replace(old, dst)  # the previous output back in place
+                raise
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, dst)
