@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from ..quant import rho as R
@@ -118,19 +119,31 @@ def dcp_entries(path: str | os.PathLike, metadata=None) -> dict[str, tuple]:
 
 class _KnownMetadataReader(SafeFileSystemReader):
     """A reader for one more dcp.load of a checkpoint whose metadata was read already (once per conversion,
-    not once per tensor: the metadata of a large checkpoint takes a while to unpickle)."""
+    not once per tensor: the metadata of a large checkpoint takes a while to unpickle). Each shard file goes
+    through the safe reader's checks on its first read; the files in ``checked`` (shared by the reads of one
+    conversion) are read without checking them again."""
 
-    def __init__(self, path: str, metadata):
+    def __init__(self, path: str, metadata, checked: set | None = None):
         super().__init__(path)
-        self.known = metadata
+        self.known, self.checked = metadata, checked if checked is not None else set()
 
     def read_metadata(self, *args: Any, **kwargs: Any):
         return self.known
 
+    def read_data(self, plan, planner):
+        files = {self.storage_data[item.storage_index].relative_path for item in plan.items}
+        if files <= self.checked:
+            return FileSystemReader.read_data(self, plan, planner)
+        result = super().read_data(plan, planner)
+        self.checked |= files
+        return result
 
-def read_dcp(path: str | os.PathLike, keys: list[str] | None = None, *, metadata=None) -> dict:
+
+def read_dcp(path: str | os.PathLike, keys: list[str] | None = None, *, metadata=None, checked: set | None = None
+             ) -> dict:
     """Load (some flat keys of) a DCP checkpoint into a nested dict of full CPU tensors, in this process.
-    ``metadata``: the checkpoint's, when the caller has read it already."""
+    ``metadata``: the checkpoint's, when the caller has read it already; ``checked``: its shard files already
+    checked by an earlier read (see :class:`_KnownMetadataReader`)."""
     where = resolve(path)
     if metadata is None:
         metadata = SafeFileSystemReader(str(where)).read_metadata()
@@ -141,7 +154,7 @@ def read_dcp(path: str | os.PathLike, keys: list[str] | None = None, *, metadata
         _set(nested, route, torch.empty(size, dtype=dtype) if size is not None else None)
     try:
         # the top level must be dicts: dcp.load copies it, and plain-data entries land in nested dicts
-        dcp.load(nested, storage_reader=_KnownMetadataReader(str(where), metadata), planner=SafeLoadPlanner(),
+        dcp.load(nested, storage_reader=_KnownMetadataReader(str(where), metadata, checked), planner=SafeLoadPlanner(),
                  no_dist=True)
     except CheckpointError:
         raise
@@ -242,17 +255,18 @@ class _DcpSource(Source):
     def __init__(self, path):
         self.path = resolve(path)
         self.metadata = SafeFileSystemReader(str(self.path)).read_metadata()
+        self.checked: set = set()
         entries = dcp_entries(self.path, self.metadata)
         self.keys = {route: key for key, (route, size, _) in entries.items() if size is not None}
         plain = [k for k, (_, size, _) in entries.items() if size is None]
-        rest = read_dcp(self.path, plain, metadata=self.metadata) if plain else {}
+        rest = read_dcp(self.path, plain, metadata=self.metadata, checked=self.checked) if plain else {}
         for key, (route, size, dtype) in entries.items():
             if size is not None:
                 _set(rest, route, None)
         super().__init__(rest, {route: (size, dtype) for route, size, dtype in entries.values() if size is not None})
 
     def get(self, routes):
-        nested = read_dcp(self.path, [self.keys[r] for r in routes], metadata=self.metadata)
+        nested = read_dcp(self.path, [self.keys[r] for r in routes], metadata=self.metadata, checked=self.checked)
         return {r: _at(nested, r) for r in routes}
 
 
