@@ -1,13 +1,15 @@
 """``flashdist``: inspect, convert and export sharded checkpoints. A thin layer over flashdist.checkpoint.convert.
 
-Exit status 0 on success; 1 with a one-line reason on stderr otherwise. Outputs are written to a
-temporary path and renamed into place; an existing output is replaced only with --force.
+Exit status 0 on success; 1 with a one-line reason on stderr otherwise. Outputs are written one tensor at a
+time to a temporary name and renamed into place; an existing output is replaced only with --force, and only
+when it is a previous output of the same kind.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import warnings
@@ -25,7 +27,10 @@ EXAMPLES = {
                 "--master-weight-bits 32\n"
                 "  flashdist convert flashoptim.pt ckpt_dcp --from flashoptim --to dcp  # torch.save({'model': ..., "
                 "'optimizer': ...}) of flashoptim's FlashAdamW"),
-    "export": "example:\n  flashdist export runs/main/ckpt/latest model.safetensors",
+    "export": ("examples:\n  flashdist export runs/main/ckpt/latest model.safetensors\n"
+               "  flashdist export runs/main/ckpt/latest hf_model --hf --config config.json --dtype bf16 "
+               "--max-shard-size 2GB\n"
+               "      # a folder transformers' from_pretrained('hf_model') loads"),
 }
 
 
@@ -65,7 +70,9 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("convert", help="convert between formats", epilog=EXAMPLES["convert"], formatter_class=fmt,
                        description="Read SRC (DCP directory of any world size, torch file, safetensors file, or "
                                    "the folder of a DeepSpeed ZeRO 1/2/3 checkpoint saved with a flashdist "
-                                   "optimizer) and write DST. DST is written to DST.tmp and renamed when complete. "
+                                   "optimizer) and write DST, one tensor at a time. DST is written under a temporary "
+                                   "name beside it and renamed when complete; a failure leaves nothing. DST may not be "
+                                   "SRC, lie inside it or hold it. "
                                    "A DeepSpeed checkpoint becomes the checkpoint FSDP2 + the same flashdist optimizer "
                                    "resume from (flashdist.checkpoint.load, any world size): parameters in the model's "
                                    "dtype with rho (the 24-bit master weights; bf16-master runs exactly), the portable "
@@ -83,15 +90,27 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--master-weight-bits", type=int, choices=[24, 32], default=None,
                    help="DeepSpeed, flashoptim: rho of the output, 24 (int8) or 32 (int16: fp32 masters kept exactly); "
                         "default: the checkpoint's optimizer setting. Build the loading FlashAdamW with the same")
-    p.add_argument("--force", action="store_true", help="replace DST if it exists")
-    p = sub.add_parser("export", help="fp32 master weights as safetensors", epilog=EXAMPLES["export"],
-                       formatter_class=fmt,
-                       description="Write the fp32 master weights (bf16/fp16 parameter + rho) of CKPT (DCP, torch, "
-                                   "safetensors or DeepSpeed ZeRO folder) as a safetensors file keyed by the "
-                                   "model's FQNs, for inference.")
+    p.add_argument("--force", action="store_true",
+                   help="replace DST if it is a previous output of the same kind (never a folder holding other files)")
+    p = sub.add_parser("export", help="master weights as safetensors or a Hugging Face model folder",
+                       epilog=EXAMPLES["export"], formatter_class=fmt,
+                       description="Write the master weights (bf16/fp16 parameter + rho; a tied parameter under each "
+                                   "of its names) of CKPT (DCP, torch, safetensors, DeepSpeed ZeRO folder or "
+                                   "flashoptim file), keyed by the model's FQNs, for inference: one safetensors file, "
+                                   "or with --hf a Hugging Face model folder (size-capped safetensors shards, "
+                                   "model.safetensors.index.json, config.json) that from_pretrained loads.")
     p.add_argument("ckpt")
     p.add_argument("out")
-    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--hf", action="store_true", help="write a Hugging Face model folder OUT")
+    p.add_argument("--config", default=None,
+                   help="--hf: the model's config.json (model.config.save_pretrained writes it), copied into OUT")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="fp32: the master weights (default); bf16: rounded to nearest (half the size)")
+    p.add_argument("--max-shard-size", default="5GB",
+                   help="--hf: largest shard file, bytes or e.g. 5GB, 500MB (default 5GB; a larger tensor gets a shard "
+                        "of its own)")
+    p.add_argument("--force", action="store_true",
+                   help="replace OUT if it is a previous output of the same kind (never a folder holding other files)")
     return ap
 
 
@@ -117,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
     from .checkpoint import convert as C
     from .checkpoint.dcp import CheckpointError
+    from .checkpoint.output import short_error
 
     progress = _Progress()
     try:
@@ -134,11 +154,17 @@ def main(argv: list[str] | None = None) -> int:
                             tag=args.tag, master_weight_bits=args.master_weight_bits)
             print(f"wrote {out}")
         else:
-            out = C.export(args.ckpt, args.out, force=args.force, progress=progress)
+            out = C.export(args.ckpt, args.out, force=args.force, progress=progress, hf=args.hf, dtype=args.dtype,
+                           config=args.config, max_shard_size=args.max_shard_size)
             print(f"wrote {out}")
     except (CheckpointError, OSError, ImportError) as e:
-        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"flashdist {args.command}: {message.removeprefix('flashdist: ')}", file=sys.stderr)
+        print(f"flashdist {args.command}: {short_error(e)}", file=sys.stderr)
+        return 1
+    except Exception as e:  # noqa: BLE001 - a failure nobody foresaw is still one line; the traceback on request
+        if os.environ.get("FLASHDIST_TRACEBACK"):
+            raise
+        print(f"flashdist {args.command}: {type(e).__name__}: {short_error(e)} (set FLASHDIST_TRACEBACK=1 for the "
+              "traceback)", file=sys.stderr)
         return 1
     return 0
 

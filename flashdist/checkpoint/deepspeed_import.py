@@ -122,6 +122,12 @@ def tag_folder(path: str | os.PathLike, tag: str | None = None) -> Path:
         tag = latest.read_text().strip()
         if not tag:
             raise CheckpointError(f"flashdist: {latest} is empty; pass the checkpoint tag (--tag)")
+    # a tag names a folder inside this one: a 'latest' file (or --tag) pointing elsewhere is refused, so a
+    # copied or crafted folder cannot make convert read another checkpoint
+    if Path(tag).is_absolute() or ".." in Path(tag).parts or not (path / tag).resolve().is_relative_to(path.resolve()):
+        raise CheckpointError(f"flashdist: the DeepSpeed tag {tag!r}"
+                              f"{' in ' + str(path / 'latest') if (path / 'latest').is_file() else ''} leads outside "
+                              f"{path}; a tag must name a folder inside the checkpoint folder")
     folder = path / tag
     if not folder.is_dir():
         raise CheckpointError(f"flashdist: the DeepSpeed checkpoint {folder} does not exist (tag {tag!r}"

@@ -17,15 +17,22 @@ def _optimizer_params(optimizer) -> set[int]:
     return {id(p) for group in optimizer.param_groups for p in group["params"]}
 
 
+def _parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """Every name of every parameter: a tied parameter (embedding = LM head) is listed under each of its
+    names, as ``model.state_dict()`` lists it, so each alias gets the master weight."""
+    return dict(model.named_parameters(remove_duplicate=False))
+
+
 def _buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    params = {name for name, _ in model.named_parameters()}
+    params = _parameters(model)
     return {k: v for k, v in model.state_dict().items() if k not in params}
 
 
 @torch.no_grad()
 def export_fp32_state_dict(model: torch.nn.Module, optimizer, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
     """The model's weights as fp32 master weights (bf16/fp16 parameter + rho), full tensors on the CPU,
-    keyed by the model's FQNs (``model.state_dict()`` names, which FSDP2 keeps), ready for
+    keyed by the model's FQNs (``model.state_dict()`` names, which FSDP2 keeps; a tied parameter under each
+    of its names, every one the master weight), ready for
     ``safetensors.torch.save_file`` and Hugging Face loading. Parameters the optimizer does not hold, and
     floating-point buffers, are exported as fp32; other buffers as they are.
 
@@ -34,7 +41,7 @@ def export_fp32_state_dict(model: torch.nn.Module, optimizer, *, rank0_only: boo
     mine = _optimizer_params(optimizer)
     keep = not rank0_only or _rank() == 0
     out: dict[str, torch.Tensor] = {}
-    entries = list(model.named_parameters()) + list(_buffers(model).items())
+    entries = list(_parameters(model).items()) + list(_buffers(model).items())
     for name, t in entries:
         if id(t) in mine:
             t = optimizer.master_weight(t)
@@ -52,7 +59,7 @@ def load_fp32_state_dict(model: torch.nn.Module, optimizer, state_dict: dict[str
     Buffers in ``state_dict`` are copied. Every rank passes the same full tensors (e.g. read from one
     safetensors file). Checked first: with ``strict``, missing or unexpected keys raise; shapes must match
     the global shapes. Nothing changes when a check fails."""
-    params = dict(model.named_parameters())
+    params = _parameters(model)
     buffers = _buffers(model)
     missing = sorted(set(params) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(params) - set(buffers))

@@ -1,0 +1,273 @@
+"""``flashdist convert`` / ``export`` never lose or silently alter data: tied weights get the master weight,
+destinations are checked, a failed write leaves nothing, every expected failure is one line, plain data
+survives safetensors, and a conversion's memory is bounded by its largest tensor, not the checkpoint."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import flashdist
+from flashdist import checkpoint
+from flashdist.checkpoint import convert as C
+from flashdist.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cli(*args) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main([str(a) for a in args])
+        except SystemExit as e:
+            rc = e.code
+    return rc, out.getvalue(), err.getvalue()
+
+
+def _one_line_failure(rc: int, out: str, err: str, *needles: str) -> None:
+    assert rc == 1 and out == "", (rc, out, err)
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in err, (needle, err)
+
+
+def _listing(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+class Tied(nn.Module):
+    """Embedding = LM head (one parameter, two names), plus an untied layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, 48)
+        self.mid = nn.Linear(48, 48)
+        self.head = nn.Linear(48, 64, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.mid(self.emb(x))))
+
+
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory):
+    torch.manual_seed(0)
+    model = Tied().bfloat16()
+    opt = flashdist.FlashAdamW(model.parameters(), lr=3e-3)
+    for _ in range(4):
+        x = torch.randint(0, 64, (32,))
+        nn.functional.cross_entropy(model(x).float(), x).backward()
+        opt.step()
+        opt.zero_grad()
+    path = tmp_path_factory.mktemp("tied") / "ck"
+    checkpoint.save(path, model, opt, extra={"dtype": torch.bfloat16})
+    return path, model, opt
+
+
+# ----- 4: tied weights -------------------------------------------------------------------------------------
+
+
+def test_export_fp32_state_dict_gives_every_alias_the_master(tied):
+    _, model, opt = tied
+    master = opt.master_weight(model.emb.weight).float()
+    assert (master - model.emb.weight.float()).abs().max() > 0  # rho holds something the bf16 weight does not
+    exported = flashdist.export_fp32_state_dict(model, opt)
+    assert set(exported) == set(model.state_dict())
+    assert torch.equal(exported["emb.weight"], master) and torch.equal(exported["head.weight"], master)
+
+
+def test_export_command_gives_every_alias_the_master(tied, tmp_path):
+    from safetensors.torch import load_file
+
+    path, model, opt = tied
+    rc, _, err = _cli("export", path, tmp_path / "w.safetensors")
+    assert rc == 0, err
+    exported = load_file(tmp_path / "w.safetensors")
+    expected = flashdist.export_fp32_state_dict(model, opt)
+    assert exported.keys() == expected.keys()
+    for k in expected:
+        assert torch.equal(exported[k], expected[k]), k
+    rc, _, err = _cli("export", path, tmp_path / "w16.safetensors", "--dtype", "bf16")
+    assert rc == 0, err
+    half = load_file(tmp_path / "w16.safetensors")
+    assert all(torch.equal(half[k], expected[k].bfloat16()) for k in expected)
+
+
+# ----- 6: destinations -------------------------------------------------------------------------------------
+
+
+def test_destination_inside_equal_to_or_holding_the_source_is_refused(tied, tmp_path):
+    path, _, _ = tied
+    before = _listing(path)
+    _one_line_failure(*_cli("export", path, path / ".metadata", "--force"), "lies inside")
+    _one_line_failure(*_cli("convert", path, path, "--to", "dcp", "--force"), "is the source")
+    assert _listing(path) == before
+    folder = tmp_path / "dir"
+    folder.mkdir()
+    assert _cli("convert", path, folder / "ck.pt", "--to", "torch")[0] == 0
+    (folder / "notes.txt").write_text("mine")
+    before = _listing(folder)
+    _one_line_failure(*_cli("convert", folder / "ck.pt", folder, "--to", "dcp", "--force"), "holds the source")
+    assert _listing(folder) == before
+
+
+def test_force_replaces_only_a_previous_output_of_the_same_kind(tied, tmp_path):
+    path, _, _ = tied
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "data.bin").write_bytes(b"keep")
+    _one_line_failure(*_cli("convert", path, mine, "--to", "dcp", "--force"), "--force replaces only")
+    _one_line_failure(*_cli("export", path, mine, "--hf", "--force"), "--force replaces only")
+    assert _listing(mine) == {"data.bin": b"keep"}
+    assert _cli("convert", path, tmp_path / "out.safetensors", "--to", "safetensors")[0] == 0
+    _one_line_failure(*_cli("convert", path, tmp_path / "out.safetensors", "--to", "torch", "--force"),
+                      "not a torch file")
+    assert _cli("convert", path, tmp_path / "out.dcp", "--to", "dcp")[0] == 0
+    rc, _, err = _cli("convert", path, tmp_path / "out.dcp", "--to", "dcp", "--force", "--format", "compressed")
+    assert rc == 0, err
+    assert C.inspect(tmp_path / "out.dcp")["optimizer_format"] == "compressed"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "out.dcp", "out.safetensors"]  # no temporaries
+
+
+def test_unwritable_destination_is_one_line(tied, tmp_path):
+    path, _, _ = tied
+    (tmp_path / "file").write_text("x")
+    for to in ("torch", "dcp", "safetensors"):
+        _one_line_failure(*_cli("convert", path, tmp_path / "file" / "out", "--to", to), "cannot write")
+    _one_line_failure(*_cli("export", path, tmp_path / "file" / "out", "--hf"), "cannot write")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+# ----- 5: failed writes ------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _file_size_limit(nbytes: int):
+    """Writes past ``nbytes`` fail with EFBIG (Python ignores SIGXFSZ), as on a full or capped disk."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+@pytest.mark.parametrize("args", [("convert", "--to", "torch"), ("convert", "--to", "dcp"),
+                                  ("convert", "--to", "safetensors"), ("export",), ("export", "--hf")],
+                         ids=["torch", "dcp", "safetensors", "export", "export-hf"])
+def test_failed_write_exits_1_and_leaves_nothing(tied, tmp_path, args):
+    path, _, _ = tied
+    out = tmp_path / "out"
+    with _file_size_limit(16 * 1024):  # the checkpoint's tensors are larger
+        rc, stdout, err = _cli(args[0], path, out, *args[1:])
+    _one_line_failure(rc, stdout, err, "could not write", str(out))
+    assert list(tmp_path.iterdir()) == []
+
+
+# ----- 9/10: plain data and shared storage through safetensors ----------------------------------------------
+
+
+def test_safetensors_keeps_dtypes_in_extra_and_exports_shared_storage(tmp_path):
+    shared = torch.randn(8, 4)
+    state = {"model": {"a.weight": shared, "b.weight": shared, "c": torch.arange(3)},
+             "extra": {"dtype": torch.bfloat16, "nested": {"dtypes": [torch.float32, torch.int8], "n": 3}}}
+    torch.save(state, tmp_path / "ck.pt")
+    rc, _, err = _cli("convert", tmp_path / "ck.pt", tmp_path / "ck.safetensors", "--to", "safetensors")
+    assert rc == 0, err
+    rc, _, err = _cli("convert", tmp_path / "ck.safetensors", tmp_path / "back.pt", "--to", "torch")
+    assert rc == 0, err
+    back = torch.load(tmp_path / "back.pt", weights_only=True)
+    assert back["extra"] == state["extra"]
+    for k, v in state["model"].items():
+        assert torch.equal(back["model"][k], v), k
+    rc, _, err = _cli("export", tmp_path / "ck.pt", tmp_path / "w.safetensors")
+    assert rc == 0, err
+    from safetensors.torch import load_file
+
+    weights = load_file(tmp_path / "w.safetensors")
+    assert torch.equal(weights["a.weight"], shared) and torch.equal(weights["b.weight"], shared)
+
+
+def test_plain_data_json_cannot_hold_is_one_line(tmp_path):
+    torch.save({"model": {"w": torch.ones(2)}, "extra": {"blob": b"\x00\x01"}}, tmp_path / "ck.pt")
+    _one_line_failure(*_cli("convert", tmp_path / "ck.pt", tmp_path / "x.safetensors", "--to", "safetensors"),
+                      "not JSON", "--to torch")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck.pt"]
+
+
+# ----- smaller: inspect's world size, DeepSpeed tags ------------------------------------------------------
+
+
+def test_inspect_counts_the_ranks_the_metadata_names(tied, tmp_path):
+    path, _, _ = tied
+    copy = tmp_path / "ck"
+    copy.mkdir()
+    for name, data in _listing(path).items():
+        (copy / name).write_bytes(data)
+    (copy / "__7_0.distcp").write_bytes(next(path.glob("*.distcp")).read_bytes())  # a stray file
+    assert C.inspect(copy)["saved_world_size"] == 1
+
+
+def test_deepspeed_tag_outside_the_folder_is_refused(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"x")
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    (ds / "link").symlink_to(elsewhere)
+    for tag in ("../elsewhere", str(elsewhere), "link"):
+        (ds / "latest").write_text(tag)
+        _one_line_failure(*_cli("convert", ds, tmp_path / "out", "--to", "dcp"), "leads outside")
+        _one_line_failure(*_cli("convert", ds, tmp_path / "out", "--to", "dcp", "--tag", tag), "leads outside")
+
+
+# ----- streaming ------------------------------------------------------------------------------------------
+
+
+def test_convert_and_export_memory_is_bounded_by_the_largest_tensor(tmp_path):
+    """The benchmark's peak RSS of a conversion, less the same conversion of a tiny checkpoint, on a checkpoint of
+    many tensors none of them large: a whole-checkpoint read would need its full size."""
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    out = tmp_path / "mem.json"
+    subprocess.run([sys.executable, str(ROOT / "launch" / "bench_convert_memory.py"), "--shape", "test",
+                    "--ops", "dcp->torch", "export safetensors", "--work", str(tmp_path),
+                    "--out", str(out)], env=env, check=True, timeout=600, capture_output=True)
+    result = json.loads(out.read_text())
+    assert result["checkpoint_bytes"] > 40 * result["largest_tensor_bytes"]
+    for row in result["rows"]:
+        assert row["growth_bytes"] < 0.25 * result["checkpoint_bytes"], row
+
+
+def test_torch_round_trip_keeps_plain_data_as_it_was(tied, tmp_path):
+    path, _, _ = tied
+    assert _cli("convert", path, tmp_path / "a.pt", "--to", "torch")[0] == 0
+    assert _cli("convert", tmp_path / "a.pt", tmp_path / "b.pt", "--to", "torch")[0] == 0
+    a, b = (torch.load(tmp_path / n, weights_only=True) for n in ("a.pt", "b.pt"))
+    assert a["optim"]["param_groups"] == b["optim"]["param_groups"]
+    assert isinstance(b["optim"]["param_groups"][0]["betas"], tuple) and b["extra"] == {"dtype": torch.bfloat16}
+    flat_a, _ = C._flat_tensors(a)
+    flat_b, _ = C._flat_tensors(b)
+    assert flat_a.keys() == flat_b.keys() and all(torch.equal(flat_a[k], flat_b[k]) for k in flat_a)
+
+
+def test_inspect_of_files_reads_the_structure_only(tied, tmp_path):
+    path, model, _ = tied
+    want = C.inspect(path)
+    for to in ("torch", "safetensors"):
+        assert _cli("convert", path, tmp_path / f"ck.{to}", "--to", to)[0] == 0
+        info = C.inspect(tmp_path / f"ck.{to}")
+        assert info["kind"] == to and info["step"] == want["step"] == 4
+        for key in ("parameters", "parameter_tensors", "model_dtypes", "optimizer_format", "master_weight_bits",
+                    "optimizer_state_keys"):
+            assert info[key] == want[key], (to, key)
