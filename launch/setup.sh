@@ -8,9 +8,9 @@ if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
 PY="$VENV/bin/python"
-if ! "$PY" -c "import torch, triton, pytest, safetensors" 2>/dev/null; then
+if ! "$PY" -c "import torch, triton, pytest, safetensors, ninja" 2>/dev/null; then
   "$PY" -m pip install -q --upgrade pip
-  "$PY" -m pip install -q "torch==${FLASHDIST_TORCH:-2.13.0}" triton pytest safetensors matplotlib
+  "$PY" -m pip install -q "torch==${FLASHDIST_TORCH:-2.13.0}" triton pytest safetensors matplotlib ninja
 fi
 if ! "$PY" -c "import deepspeed" 2>/dev/null; then  # after torch, so pip keeps the CPU torch
   DS_BUILD_OPS=0 "$PY" -m pip install -q "deepspeed==0.19.8"
