@@ -164,6 +164,8 @@ def main() -> None:
     if args.build:
         print(json.dumps(build(Path(args.build), args.shape, args.state)))
         return
+    if args.work:
+        Path(args.work).mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench_convert_", dir=args.work))
     try:
         result = measure(work, args.shape, args.state, args.ops)
