@@ -271,3 +271,22 @@ def test_inspect_of_files_reads_the_structure_only(tied, tmp_path):
         for key in ("parameters", "parameter_tensors", "model_dtypes", "optimizer_format", "master_weight_bits",
                     "optimizer_state_keys"):
             assert info[key] == want[key], (to, key)
+
+
+def test_converted_dcp_shards_are_tied_to_their_metadata(tied, tmp_path):
+    """`convert --to dcp` writes shards as `flashdist.checkpoint.save` does: a shard of another conversion
+    put in its place is refused on load, naming the file."""
+    import shutil
+
+    from flashdist.checkpoint.dcp import read_metadata
+
+    path, model, opt = tied
+    for name in ("a", "b"):
+        assert _cli("convert", path, tmp_path / name, "--to", "dcp")[0] == 0
+    ids = {read_metadata(tmp_path / n).storage_meta.save_id for n in ("a", "b")}
+    assert len(ids) == 2 and all(i.startswith("flashdist-") for i in ids)
+    checkpoint.load(tmp_path / "a", model, opt)  # intact: loads
+    shard = next((tmp_path / "b").glob("*.distcp"))
+    shutil.copyfile(shard, tmp_path / "a" / shard.name)
+    with pytest.raises(checkpoint.CheckpointError, match=shard.name):
+        checkpoint.load(tmp_path / "a", model, opt)

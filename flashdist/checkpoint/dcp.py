@@ -304,6 +304,13 @@ class _TiedWriter(FileSystemWriter):
         return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self._tied_save_id)
 
 
+def shard_writer(path: str | os.PathLike) -> FileSystemWriter:
+    """A DCP storage writer for a new checkpoint folder ``path`` whose shards are tied to its ``.metadata``
+    (a fresh save id in each shard and in the metadata, a CRC-32 per shard), as ``save`` writes them; for
+    writers of whole checkpoints other than ``save`` (``flashdist convert --to dcp``)."""
+    return _TiedWriter(Path(path), _SAVE_ID_PREFIX + uuid.uuid4().hex)
+
+
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from .dcp import CheckpointError
+from .dcp import CheckpointError, shard_writer
 
 Spec = tuple[tuple[int, ...], torch.dtype]
 Fetch = Callable[[Any], torch.Tensor]
@@ -332,5 +332,5 @@ def write_dcp(path: Path, rest, specs: dict[tuple, Spec], fetch: Fetch) -> None:
                 return t.detach().cpu().contiguous()
             return super().resolve_data(write_item)
 
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(path), thread_count=1), planner=_FetchingPlanner(),
+    dcp.save(state, storage_writer=shard_writer(path), planner=_FetchingPlanner(),
              no_dist=True)
