@@ -10,8 +10,6 @@ file missing, another optimizer, an unknown tag, an existing output.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 import shutil
 import sys
@@ -22,7 +20,7 @@ import torch
 from torch import nn
 
 from flashdist._compat import HAS_DEEPSPEED
-from flashdist.cli import main
+from _cli import run_cli as _cli  # tests/_cli.py
 from flashdist.quant import rho as R
 
 sys.path.insert(0, str(Path(__file__).parent / "distributed"))
@@ -134,14 +132,6 @@ def _fsdp_job(rank: int, world: int, jobs: list[tuple[str, int]]) -> list[dict]:
     return results
 
 
-def _cli(*args) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            rc = main([str(a) for a in args])
-        except SystemExit as e:
-            rc = e.code
-    return rc, out.getvalue(), err.getvalue()
 
 
 RESUMED = {"zero2-fp32-masters": 24, "zero2-bf16-masters": 24, "zero3-fp32-masters": 24, "zero3-bf16-masters": 24,

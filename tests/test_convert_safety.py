@@ -5,7 +5,6 @@ survives safetensors, and a conversion's memory is bounded by its largest tensor
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import os
 import resource
@@ -20,19 +19,11 @@ from torch import nn
 import flashdist
 from flashdist import checkpoint
 from flashdist.checkpoint import convert as C
-from flashdist.cli import main
+from _cli import run_cli as _cli  # tests/_cli.py
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _cli(*args) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            rc = main([str(a) for a in args])
-        except SystemExit as e:
-            rc = e.code
-    return rc, out.getvalue(), err.getvalue()
 
 
 def _one_line_failure(rc: int, out: str, err: str, *needles: str) -> None:

@@ -3,8 +3,6 @@ the master weights of a FlashAdamW run (a tiny LlamaForCausalLM, built from a Ll
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 
 import pytest
@@ -12,19 +10,11 @@ import torch
 
 import flashdist
 from flashdist import checkpoint
-from flashdist.cli import main
+from _cli import run_cli as _cli  # tests/_cli.py
 
 transformers = pytest.importorskip("transformers", reason="transformers is part of the [test] extra")
 
 
-def _cli(*args) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            rc = main([str(a) for a in args])
-        except SystemExit as e:
-            rc = e.code
-    return rc, out.getvalue(), err.getvalue()
 
 
 def _trained(tmp_path, tie: bool):
