@@ -39,7 +39,8 @@ class FlashAdamW(FlashOptimizer):
         quantize_states: keep the moments as 8-bit codes (default) or as fp32.
         companded: softsign (first moment) and sqrt (second moment) companding before 8-bit group
             quantization (default); False is linear group absmax for both, the paper's ablation.
-        backend: "auto" (Triton kernel for CUDA tensors, eager torch otherwise), "triton" or "reference".
+        backend: "auto" (the Triton kernel for CUDA tensors; for CPU tensors the fused C++ step, built at its
+            first use, or the eager reference where no compiler is present), "triton", "cpu" or "reference".
         state_dict_format: "portable" (default: fp32 ``exp_avg``/``exp_avg_sq`` as torch.optim.AdamW, plus
             ``rho``; loads at any world size and into AdamW) or "compressed" (codes, scales and rho: 2.125
             bytes + rho per parameter, resharded exactly by torch.distributed.checkpoint).
