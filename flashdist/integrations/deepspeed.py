@@ -248,8 +248,8 @@ def initialize(*args, **kwargs):
     ``"flashdist.FlashAdamW"``; any class of flashdist.optim); its ``params`` are the class's keyword arguments.
     Any other config goes to DeepSpeed untouched. Raises ``ValueError`` before DeepSpeed starts for an unknown
     flashdist type, a bad parameter, an impossible combination (no ZeRO, NVMe offload, ZeRO-Offload with bf16
-    master partitions, bf16_master_weights_and_grads without bf16_optimizer_states or with bf16 disabled; checked for a flashdist
-    optimizer passed as ``optimizer=`` too), an ``optimizer=`` argument together with a
+    master partitions, bf16_master_weights_and_grads without bf16_optimizer_states or with bf16 disabled;
+    checked for a flashdist optimizer passed as ``optimizer=`` too), an ``optimizer=`` argument together with a
     flashdist optimizer in the config, or a flashdist optimizer passed as ``optimizer=`` without
     ``flat_layout=True`` (a callable that builds one is checked when DeepSpeed calls it). The flashdist optimizer
     itself is ``engine.basic_optimizer``."""
