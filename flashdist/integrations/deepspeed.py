@@ -191,7 +191,8 @@ def prepare_config(config: dict) -> tuple[dict, OptimizerSpec | None]:
 
     Returns ``(config, None)`` unchanged when the optimizer section is absent or names a DeepSpeed optimizer.
     Otherwise the optimizer section is removed (DeepSpeed silently ignores it when an optimizer is passed, so
-    leaving it would be misleading), ``zero_allow_untested_optimizer`` is set, and the optimizer's type,
+    leaving it would be misleading), ``zero_allow_untested_optimizer`` is set (and ``zero_force_ds_cpu_optimizer``
+    cleared when the config offloads the optimizer to the CPU), and the optimizer's type,
     parameters and the combination with the rest of the config are checked: an unknown flashdist type, a bad
     parameter or an impossible combination raises ``ValueError`` here, before DeepSpeed starts."""
     if not isinstance(config, dict):
