@@ -354,6 +354,12 @@ class GradientRelease:
                 merged.setdefault(index, []).extend(p for p in params if p.grad is not None)
             streams.extend(stream for stream in batch.streams if stream not in streams)
         params_by_group = [(index, merged[index]) for index in sorted(merged) if merged[index]]
+        if torch.cuda.is_initialized() and any(not D.local(p.grad).is_cuda for _, ps in params_by_group for p in ps):
+            # Host gradients on a CUDA machine: FSDP2's CPUOffloadPolicy copies each gradient shard to pinned
+            # host memory; earlier torch releases copy asynchronously even when a hook reads the gradient
+            # (waiting only at the end of backward; torch 2.13 copies synchronously then): wait for the copies
+            # before the CPU step reads them.
+            torch.cuda.synchronize()
         context = contextlib.nullcontext()
         if len({stream.device for stream in streams}) > 1:
             # one process, parameters on several GPUs: step each on its device's current stream, after the

@@ -159,6 +159,15 @@ def test_config_with_a_deepspeed_optimizer_is_left_alone():
     assert spec is None and out is config
 
 
+@pytest.mark.parametrize("zero", [{"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+                                  {"stage": 3, "cpu_offload": True}], ids=["offload_optimizer", "cpu_offload"])
+def test_config_with_optimizer_offload_lets_flashdist_step_on_the_cpu(zero):
+    config, spec = fds.prepare_config(_config(zero_optimization=zero))
+    assert spec.cls is FlashAdamW and config["zero_force_ds_cpu_optimizer"] is False
+    assert config["zero_optimization"] == zero
+    assert fds.prepare_config(_config())[0].get("zero_force_ds_cpu_optimizer") is None  # no offload: untouched
+
+
 def test_config_from_a_json_file(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(_config()))
@@ -181,7 +190,16 @@ BAD_CONFIGS = {
                         "always True"),
     "no-zero": (dict(zero_optimization={"stage": 0}), "needs ZeRO"),
     "no-zero-section": (dict(zero_optimization=None), "needs ZeRO"),
-    "offload": (dict(zero_optimization={"stage": 3, "offload_optimizer": {"device": "cpu"}}), "offload_optimizer"),
+    "offload-nvme": (dict(zero_optimization={"stage": 3, "offload_optimizer": {"device": "nvme"}}),
+                     "device 'cpu', the config has 'nvme'"),
+    "offload-forced-ds-cpu-adam": (dict(zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}},
+                                        zero_force_ds_cpu_optimizer=True), "zero_force_ds_cpu_optimizer: true"),
+    "offload-bf16-masters": (dict(zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}},
+                                  bf16={"enabled": True, "bf16_master_weights_and_grads": True,
+                                        "bf16_optimizer_states": True}), "only for its own DeepSpeedCPUAdam"),
+    "legacy-cpu-offload-bf16-masters": (dict(zero_optimization={"stage": 2, "cpu_offload": True},
+                                             bf16={"enabled": True, "bf16_master_weights_and_grads": True,
+                                                   "bf16_optimizer_states": True}), "DeepSpeedCPUAdam"),
     "bf16-masters-without-states": (dict(bf16={"enabled": True, "bf16_master_weights_and_grads": True}),
                                     "bf16_optimizer_states: true"),
     "untested-off": (dict(zero_allow_untested_optimizer=False), "zero_allow_untested_optimizer"),
@@ -480,3 +498,154 @@ def test_merge_of_split_is_identity_for_exported_weights():
     low, rho = R.split(theta, torch.bfloat16, torch.int8)
     again_low, again_rho = R.split(R.merge(low, rho), torch.bfloat16, torch.int8)
     assert torch.equal(low, again_low) and torch.equal(rho, again_rho)
+
+
+# ----- ZeRO-Offload: the optimizer's partitions and state in host memory, the step on the CPU -------------
+
+OFFLOAD_STAGES = (1, 2, 3)
+
+
+def _offload(config: dict) -> dict:
+    config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    config["zero_force_ds_cpu_optimizer"] = False  # as the acceptance config writes it; flashdist sets it too
+    return config
+
+
+def _record_steps(engine) -> dict:
+    """Wrap the flashdist optimizer's step: for every master partition it steps, the partition before the step
+    and the gradient DeepSpeed handed over, keyed by the partition's position in ``master_partitions``."""
+    opt = engine.basic_optimizer
+    ids = {id(t): i for i, t in enumerate(fds.master_partitions(engine))}
+    record = {i: [] for i in ids.values()}
+    step = opt.step
+
+    def recording_step(*args, **kwargs):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                record[ids[id(p)]].append((p.detach().clone(), p.grad.detach().clone()))
+        return step(*args, **kwargs)
+
+    opt.step = recording_step
+    return record
+
+
+def _rank_offload_runs(rank: int, world: int, root: str) -> dict:
+    _setup_rank(rank, world)
+    out = {}
+    for stage in OFFLOAD_STAGES:
+        plain = _engine(_config_for(stage, "fp32-masters", world))
+        plain_record = _record_steps(plain)
+        out[f"z{stage}-plain"] = {"losses": _train(plain, 0, SAVE_AT + AFTER), "state": _local_state(plain),
+                                  "grads": {i: [g for _, g in steps] for i, steps in plain_record.items()}}
+        engine = _engine(_offload(_config_for(stage, "fp32-masters", world)))
+        record = _record_steps(engine)
+        run = {"before": _train(engine, 0, SAVE_AT)}
+        engine.save_checkpoint(os.path.join(root, f"z{stage}"), tag="saved")
+        run["saved_masters"] = fds.fp32_master_weights(engine)
+        run["after"] = _train(engine, SAVE_AT, AFTER)
+        run["state"] = _local_state(engine)
+        run["record"] = record
+        run["optimizer_type"] = type(engine.optimizer).__name__
+        resumed = _engine(_offload(_config_for(stage, "fp32-masters", world)))
+        fds.load_checkpoint(resumed, os.path.join(root, f"z{stage}"), tag="saved")
+        run["resumed_after"] = _train(resumed, SAVE_AT, AFTER)
+        run["resumed_state"] = _local_state(resumed)
+        out[f"z{stage}-offload"] = run
+    return out
+
+
+def _rank_offload_universal(rank: int, world: int, folder: str) -> dict:
+    _setup_rank(rank, world)
+    config = _offload(_config_for(2, "fp32-masters", world, universal=True))
+    engine = _engine(config)
+    fds.load_checkpoint(engine, folder)
+    return {"masters": fds.fp32_master_weights(engine), "after": _train(engine, SAVE_AT, AFTER),
+            "state": _local_state(engine)}
+
+
+@pytest.fixture(scope="module")
+def offload_runs(tmp_path_factory):
+    if not HAS_DEEPSPEED:
+        pytest.skip("deepspeed is not installed")
+    root = tmp_path_factory.mktemp("deepspeed-offload")
+    return root, run_ranks(_rank_offload_runs, 2, str(root), timeout=600)
+
+
+@needs_deepspeed
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", OFFLOAD_STAGES, ids=lambda s: f"zero{s}")
+def test_offload_steps_flat_8bit_state_on_the_cpu_exactly(offload_runs, stage):
+    """ZeRO-Offload with "type": "FlashAdamW": DeepSpeed keeps the fp32 master partitions on the CPU and calls
+    FlashAdamW's step there; the 8-bit flat-layout state lives beside them, and the step is bit for bit a
+    standalone FlashAdamW(flat_layout=True) given the same partitions and gradients."""
+    _, results = offload_runs
+    for rank_result in results:
+        run = rank_result[f"z{stage}-offload"]
+        assert run["optimizer_type"].startswith("DeepSpeedZeroOptimizer")
+        assert len(run["state"]) == len(run["record"]) > 0
+        for i, state in enumerate(run["state"]):
+            steps = run["record"][i]
+            assert len(steps) == SAVE_AT + AFTER and int(state["step"]) == SAVE_AT + AFTER
+            master = state["master"]
+            assert master.device.type == "cpu" and master.dtype == torch.float32 and master.dim() == 1
+            assert state["exp_avg_codes"].dtype == torch.int8 and state["exp_avg_codes"].shape == master.shape
+            assert state["exp_avg_scales"].shape == (1, -(-master.numel() // 32))
+            assert "rho" not in state  # fp32 masters: nothing to correct
+            replay = steps[0][0].clone()
+            opt = FlashAdamW([replay], lr=1e-3, weight_decay=0.1, flat_layout=True)
+            for before, grad in steps:
+                assert torch.equal(replay, before)  # DeepSpeed changed nothing between steps
+                replay.grad = grad
+                opt.step()
+            assert torch.equal(replay, master)
+            for key, value in opt.state[replay].items():
+                assert torch.equal(torch.as_tensor(value), torch.as_tensor(state[key])), key
+
+
+@needs_deepspeed
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", OFFLOAD_STAGES, ids=lambda s: f"zero{s}")
+def test_offload_tracks_the_run_without_offload(offload_runs, stage):
+    """Not bit for bit: DeepSpeed's offload path hands the optimizer gradients that differ from its GPU path by
+    fp32 rounding (the same with torch.optim.AdamW), and 8-bit moments can round those apart. From the same
+    weights (the first step) both paths' gradients agree to fp32 rounding, and the losses stay on one curve."""
+    _, results = offload_runs
+    for rank_result in results:
+        plain, run = rank_result[f"z{stage}-plain"], rank_result[f"z{stage}-offload"]
+        for i, steps in run["record"].items():
+            torch.testing.assert_close(steps[0][1], plain["grads"][i][0], rtol=1e-6, atol=1e-9)
+    plain, run = results[0][f"z{stage}-plain"], results[0][f"z{stage}-offload"]
+    losses = run["before"] + run["after"]
+    assert losses[-1] < losses[0] - 0.1
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(plain["losses"]), rtol=1e-4, atol=0)
+
+
+@needs_deepspeed
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", OFFLOAD_STAGES, ids=lambda s: f"zero{s}")
+def test_offload_save_load_is_exact(offload_runs, stage):
+    _, results = offload_runs
+    for rank_result in results:
+        run = rank_result[f"z{stage}-offload"]
+        assert run["resumed_after"] == run["after"]
+        for state, resumed in zip(run["state"], run["resumed_state"]):
+            assert state.keys() == resumed.keys()
+            for key in state:
+                assert torch.equal(torch.as_tensor(state[key]), torch.as_tensor(resumed[key])), key
+
+
+@needs_deepspeed
+@pytest.mark.slow
+def test_offload_universal_checkpoint_to_one_rank(offload_runs, monkeypatch):
+    """ZeRO-2 + offload on 2 ranks -> universal checkpoint -> ZeRO-2 + offload on 1 rank: the fp32 masters
+    exactly, the moments re-quantized in the new partition's groups (the same curve)."""
+    root, results = offload_runs
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    folder = str(root / "z2")
+    fds.to_universal(folder, tag="saved")
+    loaded = run_ranks(_rank_offload_universal, 1, folder, timeout=300)[0]
+    run = results[0]["z2-offload"]
+    for name, saved in run["saved_masters"].items():
+        assert torch.equal(loaded["masters"][name], saved), name
+    assert loaded["state"][0]["exp_avg_codes"].dtype == torch.int8
+    torch.testing.assert_close(torch.tensor(loaded["after"]), torch.tensor(run["after"]), rtol=1e-3, atol=0)

@@ -222,3 +222,23 @@ def test_multinode_scripts_parse_and_refuse_missing_settings():
     env = {k: v for k, v in os.environ.items() if k not in ("NNODES", "RDZV_HOST", "CKPT_DIR")}
     proc = subprocess.run(["bash", str(ROOT / "launch" / "multinode.sh")], env=env, capture_output=True, text=True)
     assert proc.returncode != 0 and "set NNODES" in proc.stderr
+
+
+def test_offload_benchmark_runs_and_measures_host_bytes(tmp_path):
+    """launch/bench_offload.py on the CPU: DeepSpeed ZeRO-Offload with FlashAdamW and FSDP2 CPUOffloadPolicy
+    with torch's AdamW and FlashAdamW; the host bytes per parameter it measures are the documented ones."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is the [deepspeed] extra; launch/setup.sh installs it")
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+               DS_ACCELERATOR="cpu", DS_BUILD_OPS="0")
+    out = tmp_path / "offload.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+           str(ROOT / "launch" / "bench_offload.py"), "--model", "tiny", "--cpu", "--seq", "32", "--batch", "2",
+           "--warmup", "1", "--steps", "1", "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["case"]: r for r in json.loads(out.read_text())["rows"]}
+    assert sorted(rows) == ["ds_flash", "fsdp2_adamw", "fsdp2_flash"]  # DeepSpeedCPUAdam needs its C++ op
+    assert rows["ds_flash"]["host_optimizer_bytes_per_param"] == 6.125  # fp32 masters + 8-bit moments
+    assert rows["fsdp2_adamw"]["host_optimizer_bytes_per_param"] == 12.0  # fp32 parameters + fp32 moments
+    # bf16 parameters + rho + 8-bit moments; the 1-D norm weights keep fp32 moments
+    assert 5.125 < rows["fsdp2_flash"]["host_optimizer_bytes_per_param"] < 5.2

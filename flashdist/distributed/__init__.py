@@ -82,6 +82,15 @@ def state_like(p: torch.Tensor, local_state: torch.Tensor, global_shape_: tuple[
     if not is_dtensor(p):
         return local_state
     stride = torch.empty(global_shape_, device="meta").stride()
+    if local_state.device.type != p.device_mesh.device_type:
+        # FSDP2's CPUOffloadPolicy keeps the local shards in host memory on a CUDA mesh; from_local would copy
+        # the state to the mesh's device. Build the DTensor around the host tensor, as FSDP2 does for the
+        # offloaded parameters themselves, so the state stays beside its parameter (and dcp.save writes it).
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+        spec = DTensorSpec(p.device_mesh, tuple(p.placements),
+                           tensor_meta=TensorMeta(torch.Size(global_shape_), stride, local_state.dtype))
+        return DTensor(local_state, spec, requires_grad=False)
     return DTensor.from_local(local_state, p.device_mesh, p.placements, run_check=False,
                               shape=torch.Size(global_shape_), stride=stride)
 

@@ -23,6 +23,10 @@ consecutive values of the partition, created at the first step. DeepSpeed's bf16
   next to each, so the master weights keep 24-bit precision: 2 + 1 bytes instead of 4, and 2.125 bytes of
   moments instead of 8.
 
+ZeRO-Offload (``"offload_optimizer": {"device": "cpu"}``, fp32 masters): DeepSpeed keeps the master partitions
+on the CPU and calls the optimizer's ``step()`` there, so flashdist's fused CPU step runs on them and the 8-bit
+state lives in host memory beside them; ``zero_force_ds_cpu_optimizer`` is set false for it.
+
 Checkpoints (see docs/deepspeed.md). ``engine.save_checkpoint`` / ``load_checkpoint`` round-trip exactly at
 the same world size: DeepSpeed stores the optimizer's portable state dict (fp32 ``exp_avg``/``exp_avg_sq`` of
 partition shape, and rho). To change the world size, :func:`to_universal` runs DeepSpeed's ds_to_universal on
@@ -131,6 +135,17 @@ def _optimizer_kwargs(cls: type, params: Any) -> dict:
     return kwargs
 
 
+def offload_device(config: dict) -> str | None:
+    """Where a DeepSpeed config puts the optimizer: ``"cpu"``, ``"nvme"``, or None when it stays with the model
+    (``zero_optimization.offload_optimizer.device``, or the deprecated ``zero_optimization.cpu_offload``)."""
+    zero = config.get("zero_optimization") or {}
+    offload = zero.get("offload_optimizer") or {}
+    device = offload.get("device", "none") if isinstance(offload, dict) else "none"
+    if device in (None, "none") and zero.get("cpu_offload"):
+        device = "cpu"
+    return None if device in (None, "none") else str(device)
+
+
 def _check_combination(config: dict, cls: type) -> None:
     """Settings with which a flashdist optimizer cannot run under DeepSpeed: errors before anything starts."""
     zero = config.get("zero_optimization") or {}
@@ -139,12 +154,24 @@ def _check_combination(config: dict, cls: type) -> None:
         raise ValueError(f"flashdist: {cls.__name__} under DeepSpeed needs ZeRO (zero_optimization.stage 1, 2 or 3), "
                          f"the config has stage {stage!r}. Without ZeRO, use flashdist on the model directly "
                          f"({cls.__name__}(model.parameters()) with a bf16 model keeps 24-bit master weights).")
-    offload = zero.get("offload_optimizer") or {}
-    if zero.get("cpu_offload") or (isinstance(offload, dict) and offload.get("device", "none") not in (None, "none")):
-        raise ValueError(f"flashdist: {cls.__name__} cannot run with zero_optimization.offload_optimizer (ZeRO-Offload "
-                         "steps on the CPU with DeepSpeedCPUAdam); remove offload_optimizer: flashdist's 8-bit "
-                         "moments are what saves the optimizer memory")
     bf16 = config.get("bf16") or config.get("bfloat16") or {}
+    device = offload_device(config)
+    if device not in (None, "cpu"):
+        raise ValueError(f"flashdist: {cls.__name__} runs with zero_optimization.offload_optimizer.device 'cpu', the "
+                         f"config has {device!r}: DeepSpeed's NVMe offload swaps optimizer state through its own "
+                         "async_io op and assumes DeepSpeed's fp32 state layout. Use device 'cpu' (the 8-bit state "
+                         "is small enough for host memory) or remove offload_optimizer")
+    if device == "cpu" and config.get("zero_force_ds_cpu_optimizer") is True:
+        raise ValueError(f"flashdist: the DeepSpeed config offloads the optimizer with zero_force_ds_cpu_optimizer: "
+                         f"true, which lets only DeepSpeedCPUAdam step on the CPU. Remove the setting (flashdist sets "
+                         f"it false: {cls.__name__}'s fused CPU step runs there instead)")
+    if device == "cpu" and bf16.get("bf16_master_weights_and_grads"):
+        raise ValueError("flashdist: bf16.bf16_master_weights_and_grads with zero_optimization.offload_optimizer: "
+                         "DeepSpeed (0.19) allows bf16 master partitions under ZeRO-Offload only for its own "
+                         "DeepSpeedCPUAdam (an exact type check when ZeRO starts). Remove "
+                         "bf16_master_weights_and_grads and bf16_optimizer_states: the host then keeps fp32 masters "
+                         "and flashdist's 8-bit moments (6.125 bytes per parameter), or drop offload_optimizer for "
+                         "bf16 masters + rho on the accelerator (5.125)")
     if bf16.get("bf16_master_weights_and_grads") and bf16.get("enabled", False) in (False, "false", None):
         raise ValueError("flashdist: bf16.bf16_master_weights_and_grads is set but bf16.enabled is false: DeepSpeed "
                          "would train the fp32 model with bf16 master partitions (16-bit masters, and no memory "
@@ -164,7 +191,8 @@ def prepare_config(config: dict) -> tuple[dict, OptimizerSpec | None]:
 
     Returns ``(config, None)`` unchanged when the optimizer section is absent or names a DeepSpeed optimizer.
     Otherwise the optimizer section is removed (DeepSpeed silently ignores it when an optimizer is passed, so
-    leaving it would be misleading), ``zero_allow_untested_optimizer`` is set, and the optimizer's type,
+    leaving it would be misleading), ``zero_allow_untested_optimizer`` is set (and ``zero_force_ds_cpu_optimizer``
+    cleared when the config offloads the optimizer to the CPU), and the optimizer's type,
     parameters and the combination with the rest of the config are checked: an unknown flashdist type, a bad
     parameter or an impossible combination raises ``ValueError`` here, before DeepSpeed starts."""
     if not isinstance(config, dict):
@@ -188,6 +216,8 @@ def prepare_config(config: dict) -> tuple[dict, OptimizerSpec | None]:
         raise ValueError(f"flashdist: optimizer.params of {cls.__name__} in the DeepSpeed config: {e}") from e
     out = {k: v for k, v in config.items() if k != "optimizer"}
     out["zero_allow_untested_optimizer"] = True
+    if offload_device(config) == "cpu":  # DeepSpeed otherwise refuses any CPU optimizer but DeepSpeedCPUAdam
+        out["zero_force_ds_cpu_optimizer"] = False
     return out, OptimizerSpec(cls, kwargs)
 
 
@@ -218,9 +248,9 @@ def initialize(*args, **kwargs):
     a flashdist optimizer, e.g. ``"optimizer": {"type": "FlashAdamW", "params": {"lr": 3e-4}}`` (also
     ``"flashdist.FlashAdamW"``; any class of flashdist.optim); its ``params`` are the class's keyword arguments.
     Any other config goes to DeepSpeed untouched. Raises ``ValueError`` before DeepSpeed starts for an unknown
-    flashdist type, a bad parameter, an impossible combination (no ZeRO, ZeRO-Offload,
-    bf16_master_weights_and_grads without bf16_optimizer_states or with bf16 disabled; checked for a flashdist
-    optimizer passed as ``optimizer=`` too), an ``optimizer=`` argument together with a
+    flashdist type, a bad parameter, an impossible combination (no ZeRO, NVMe offload, ZeRO-Offload with bf16
+    master partitions, bf16_master_weights_and_grads without bf16_optimizer_states or with bf16 disabled;
+    checked for a flashdist optimizer passed as ``optimizer=`` too), an ``optimizer=`` argument together with a
     flashdist optimizer in the config, or a flashdist optimizer passed as ``optimizer=`` without
     ``flat_layout=True`` (a callable that builds one is checked when DeepSpeed calls it). The flashdist optimizer
     itself is ``engine.basic_optimizer``."""
