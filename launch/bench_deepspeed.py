@@ -32,16 +32,14 @@ import gc
 import json
 import os
 import re
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchlib import run_or_record  # noqa: E402
+from benchlib import run_or_record, timed_steps  # noqa: E402
 from llama import Llama, LlamaConfig  # noqa: E402
 
 from flashdist.integrations import deepspeed as fds  # noqa: E402
@@ -116,32 +114,23 @@ def run_case(case: str, cfg: LlamaConfig, args, device: torch.device, rank: int)
         model, engine = build()
     g = torch.Generator(device="cpu").manual_seed(rank)
     x = torch.randint(0, cfg.vocab, (args.batch, args.seq + 1), generator=g).to(device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    times, losses = [], []
-    for i in range(args.warmup + args.steps):
-        if i == args.warmup and device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        sync()
-        t0 = time.perf_counter()
+
+    def step(engine=engine):
         loss = engine(x[:, :-1], x[:, 1:])
         engine.backward(loss)
         engine.step()
-        sync()
-        if i >= args.warmup:
-            times.append(time.perf_counter() - t0)
-        losses.append(loss.item())
+        return loss
+
+    timing = timed_steps(step, args.warmup, args.steps, device)
     per_param, numel = optimizer_bytes_per_param(engine)
     world = dist.get_world_size()
-    step_ms = 1e3 * statistics.median(times)
     row = {"case": case, "optimizer": type(engine.basic_optimizer).__name__ + (" (torch)" if torch_adam and
                                                                               case.startswith("ds_") else ""),
            "zero_stage": args.stage, "params_total": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel()
                                                          for p in model.parameters()),
            "partition_numel_rank0": numel, "optimizer_bytes_per_param": per_param,
            "peak_gib_rank0": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan"),
-           "step_ms_median": step_ms, "step_ms_min": 1e3 * min(times),
-           "tokens_per_s": world * args.batch * args.seq / (step_ms / 1e3),
-           "first_loss": losses[0], "last_loss": losses[-1]}
+           **timing, "tokens_per_s": world * args.batch * args.seq / (timing["step_ms_median"] / 1e3)}
     engine.destroy()
     del engine, model
     gc.collect()

@@ -37,9 +37,7 @@ import datetime
 import gc
 import json
 import os
-import statistics
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -47,7 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchlib import run_or_record  # noqa: E402
+from benchlib import run_or_record, timed_steps  # noqa: E402
 from llama import Llama, LlamaConfig  # noqa: E402
 
 import flashdist  # noqa: E402
@@ -158,27 +156,13 @@ def run_case(case: str, cfg: LlamaConfig, args, device: torch.device) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator(device="cpu").manual_seed(rank)
     x = torch.randint(0, cfg.vocab, (args.batch, args.seq + 1), generator=g).to(device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    times, losses = [], []
-    for i in range(args.warmup + args.steps):
-        if i == args.warmup and device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        sync()
-        t0 = time.perf_counter()
-        loss = step(x)
-        sync()
-        if i >= args.warmup:
-            times.append(time.perf_counter() - t0)
-        losses.append(loss.item())
+    timing = timed_steps(lambda: step(x), args.warmup, args.steps, device)
     per_param, numel = host_optimizer_bytes(optimizer_tensors())
     rss, hwm = host_gib()
-    step_ms = 1e3 * statistics.median(times)
     row = {"case": case, "optimizer": name, "world": world, "host_numel_rank0": numel,
            "host_optimizer_bytes_per_param": per_param, "host_rss_gib": rss, "host_peak_gib": hwm,
            "gpu_peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan"),
-           "step_ms_median": step_ms, "step_ms_min": 1e3 * min(times),
-           "tokens_per_s": world * args.batch * args.seq / (step_ms / 1e3),
-           "first_loss": losses[0], "last_loss": losses[-1]}
+           **timing, "tokens_per_s": world * args.batch * args.seq / (timing["step_ms_median"] / 1e3)}
     destroy()
     gc.collect()
     if device.type == "cuda":
