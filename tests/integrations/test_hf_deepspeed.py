@@ -18,6 +18,7 @@ from flashdist.integrations import deepspeed as fds
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "distributed"))
 from harness import run_ranks  # noqa: E402
+from _tiny_llama import tiny_llama  # noqa: E402 (tests/integrations/_tiny_llama.py)
 
 needs_stack = pytest.mark.skipif(
     not HAS_DEEPSPEED or any(importlib.util.find_spec(m) is None for m in ("accelerate", "transformers")),
@@ -55,16 +56,6 @@ def _setup():
     deepspeed.ops.__compatible_ops__ = defaultdict(bool)  # nothing JIT-builds (see tests/test_deepspeed.py)
 
 
-def _llama(dtype=torch.bfloat16):
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=4, vocab_size=128,
-                                      max_position_embeddings=64)
-    return transformers.LlamaForCausalLM(config).to(dtype)
-
-
 def _batch(step: int):
     ids = (torch.randint(0, 128, (4, 1), generator=torch.Generator().manual_seed(step)) + torch.arange(16)) % 128
     return {"input_ids": ids, "labels": ids}
@@ -85,7 +76,7 @@ def _accelerate(config: dict, optimizer_of) -> dict:
 
     AcceleratorState._reset_state(True)
     accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
-    model = _llama()
+    model = tiny_llama()
     engine, optimizer = accelerator.prepare(model, optimizer_of(model))
     losses = []
     for step in range(3):
@@ -107,7 +98,7 @@ def _trainer(out_dir: str, config: dict, optimizers_of=None, **args) -> dict:
                                           per_device_train_batch_size=4, logging_steps=1, report_to=[],
                                           disable_tqdm=True, save_strategy="no", **args)
     # fp32: the Trainer's bf16 needs a GPU or use_cpu, and use_cpu turns DeepSpeed off
-    model = _llama(torch.float32)
+    model = tiny_llama(torch.float32)
     optimizers = optimizers_of(model) if optimizers_of else (None, None)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=rows, optimizers=optimizers)
     trainer.train()

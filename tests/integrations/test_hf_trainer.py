@@ -13,6 +13,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 
 from flashdist import FlashAdam, FlashAdamW, FlashLion, FlashSGD, FlashSGDW  # noqa: E402
 from flashdist.integrations import transformers as fd_hf  # noqa: E402
+from _tiny_llama import tiny_llama  # noqa: E402 (tests/integrations/_tiny_llama.py)
 
 fd_hf.register()
 
@@ -102,14 +103,6 @@ def test_deepspeed_arguments_select_the_flat_layout(tmp_path, monkeypatch):
 # ----- a tiny Llama in bf16 through Trainer.train ---------------------------------------------------------
 
 
-def _model():
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=4, vocab_size=128,
-                                      max_position_embeddings=64)
-    return transformers.LlamaForCausalLM(config).to(torch.bfloat16)
-
-
 def _data(n: int = 32, length: int = 16):
     """Counting sequences from random starts: the next token is learnable within a few steps."""
     g = torch.Generator().manual_seed(1)
@@ -133,7 +126,7 @@ def _state(trainer):
 def test_trainer_trains_checkpoints_and_resumes_bit_exactly(tmp_path):
     data = _data()
     args = _args(tmp_path / "run", optim_args="master_weight_bits=24")
-    full = transformers.Trainer(model=_model(), args=args, train_dataset=data)
+    full = transformers.Trainer(model=tiny_llama(), args=args, train_dataset=data)
     full.train()
     weights, state, opt = _state(full)
     assert isinstance(opt, FlashAdamW)
@@ -143,7 +136,8 @@ def test_trainer_trains_checkpoints_and_resumes_bit_exactly(tmp_path):
     assert weights[w].dtype == torch.bfloat16
     assert state[w]["rho"].dtype == torch.int8 and state[w]["exp_avg_codes"].dtype == torch.int8
 
-    resumed = transformers.Trainer(model=_model(), args=_args(tmp_path / "resumed", optim_args="master_weight_bits=24"),
+    resumed = transformers.Trainer(model=tiny_llama(),
+                                   args=_args(tmp_path / "resumed", optim_args="master_weight_bits=24"),
                                    train_dataset=data)
     resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
     weights2, state2, _ = _state(resumed)

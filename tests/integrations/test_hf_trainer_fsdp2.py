@@ -24,20 +24,11 @@ pytest.importorskip("accelerate", reason="accelerate is not installed")
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "distributed"))
 from harness import run_ranks  # noqa: E402
+from _tiny_llama import tiny_llama  # noqa: E402 (tests/integrations/_tiny_llama.py)
 
 pytestmark = pytest.mark.slow  # multi-process
 
 STEPS, PER_RANK, WORLD = 3, 2, 2
-
-
-def _model():
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=4, vocab_size=128,
-                                      max_position_embeddings=64)
-    return transformers.LlamaForCausalLM(config).to(torch.bfloat16)
 
 
 def _rows():
@@ -66,7 +57,7 @@ def _trainer(out: str, batch: int):
             self.seen.append(inputs["input_ids"][:, 0].tolist())
             return super().training_step(model, inputs, *a, **k)
 
-    return Recording(model=_model(), args=args, train_dataset=_rows())
+    return Recording(model=tiny_llama(), args=args, train_dataset=_rows())
 
 
 def _full(model) -> dict:
