@@ -349,12 +349,16 @@ class GradientRelease:
         # by zero_grad() after a failed backward, is left out)
         merged: dict[int, list[torch.Tensor]] = {}
         streams: list = []
+        host_grads = False
         for batch in batches:
             for index, params in batch.params.items():
-                merged.setdefault(index, []).extend(p for p in params if p.grad is not None)
+                kept = [p for p in params if p.grad is not None]
+                merged.setdefault(index, []).extend(kept)
+                # one look per batch: FSDP2 offloads a whole unit or none of it
+                host_grads = host_grads or (bool(kept) and not D.local(kept[0].grad).is_cuda)
             streams.extend(stream for stream in batch.streams if stream not in streams)
         params_by_group = [(index, merged[index]) for index in sorted(merged) if merged[index]]
-        if torch.cuda.is_initialized() and any(not D.local(p.grad).is_cuda for _, ps in params_by_group for p in ps):
+        if host_grads and torch.cuda.is_initialized():
             # Host gradients on a CUDA machine: FSDP2's CPUOffloadPolicy copies each gradient shard to pinned
             # host memory; earlier torch releases copy asynchronously even when a hook reads the gradient
             # (waiting only at the end of backward; torch 2.13 copies synchronously then): wait for the copies
