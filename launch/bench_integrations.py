@@ -87,6 +87,12 @@ def accelerate_single() -> dict:
 
     AcceleratorState._reset_state(True)
     accelerator = Accelerator(cpu=True)
+    return _two_prepared_steps(accelerator)
+
+
+def _two_prepared_steps(accelerator) -> dict:
+    """A bf16 tiny Llama and a FlashAdamW through ``accelerator.prepare``, two steps; the memory report taken
+    while the gradients are still held."""
     model = _llama(torch.bfloat16)
     model, optimizer = accelerator.prepare(model, FlashAdamW(model.parameters(), lr=1e-3))
     for step in range(2):
@@ -136,14 +142,7 @@ def accelerate_fsdp2(mixed_precision: str) -> dict:
     if mixed_precision != "no":
         plugin.set_mixed_precision(mixed_precision)
     accelerator.state.fsdp_plugin = plugin
-    model = _llama(torch.bfloat16)
-    model, optimizer = accelerator.prepare(model, FlashAdamW(model.parameters(), lr=1e-3))
-    for step in range(2):
-        accelerator.backward(model(**_batch(step)).loss)
-        optimizer.step()
-        report = flashdist.memory_report(optimizer.optimizer)
-        optimizer.zero_grad()
-    return report
+    return _two_prepared_steps(accelerator)
 
 
 # ----- DeepSpeed ZeRO-2 through Accelerate, one rank ---------------------------------------------------
