@@ -354,7 +354,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
         try:
             dcp.save(_state(model, optimizer, extra), storage_writer=_TiedWriter(tmp, save_id))
         except (Exception, CheckpointException) as e:  # DCP wraps per-rank failures in a BaseException
-            failure = f"flashdist: could not save checkpoint {path}: {_short(e)}"
+            failure = f"flashdist: could not save checkpoint {path}: {error_summary(e)}"
         failures = _gather(failure)
         message = None
         if any(failures):
@@ -645,7 +645,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     try:
         dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
     except (Exception, CheckpointException) as e:  # DCP wraps per-rank failures in a BaseException
-        raise CheckpointError(f"flashdist: could not read checkpoint {where}: {_short(e)}; the model and "
+        raise CheckpointError(f"flashdist: could not read checkpoint {where}: {error_summary(e)}; the model and "
                               "optimizer were not changed") from e
     set_optimizer_state_dict(model, optimizer, state["optim"])  # validates everything before it copies
     set_model_state_dict(model, state["model"])
@@ -711,7 +711,9 @@ def _optimizer_hint(have, want) -> str:
     return ""
 
 
-def _short(e: BaseException) -> str:
+def error_summary(e: BaseException) -> str:
+    """One line for an error met while reading or writing a checkpoint: DCP's first failing rank's own error
+    rather than its traceback dump, flashdist's own message without its prefix."""
     if isinstance(e, CheckpointException):  # the first rank's own error, not DCP's traceback dump
         failures = [e.failures[rank] for rank in sorted(e.failures)]
         if failures:
