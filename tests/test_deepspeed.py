@@ -458,7 +458,7 @@ def test_fp32_export_is_param_plus_rho(zero_runs, stage, mode, monkeypatch):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     folder = str(root / f"z{stage}-{mode}")
-    exported = fds.export_fp32_state_dict(folder, tag="saved")
+    exported = fds.fp32_state_dict_from_zero_checkpoint(folder, tag="saved")
     live = results[0][f"z{stage}-{mode}"]["saved_masters"]
     assert exported.keys() == live.keys()
     for name in live:
@@ -490,6 +490,10 @@ def test_universal_checkpoint_to_another_world_size(zero_runs, stage, mode, worl
     assert plain_exact == (mode == "fp32-masters")  # DeepSpeed's loader alone rounds bf16-mode masters
     # the moments were re-quantized in other groups of 32: the same curve (measured: within 2e-4), not bit for bit
     torch.testing.assert_close(torch.tensor(loaded["after"]), torch.tensor(run["after"]), rtol=1e-3, atol=0)
+
+
+def test_former_export_name_is_the_same_function():
+    assert fds.export_fp32_state_dict is fds.fp32_state_dict_from_zero_checkpoint
 
 
 def test_merge_of_split_is_identity_for_exported_weights():

@@ -713,7 +713,8 @@ def _optimizer_hint(have, want) -> str:
 
 def error_summary(e: BaseException) -> str:
     """One line for an error met while reading or writing a checkpoint: DCP's first failing rank's own error
-    rather than its traceback dump, flashdist's own message without its prefix."""
+    rather than its traceback dump; flashdist's own message whole, anything else's first line (at most 300
+    characters); without a leading ``flashdist: `` (the caller adds its own)."""
     if isinstance(e, CheckpointException):  # the first rank's own error, not DCP's traceback dump
         failures = [e.failures[rank] for rank in sorted(e.failures)]
         if failures:
@@ -721,6 +722,6 @@ def error_summary(e: BaseException) -> str:
             if isinstance(e, tuple):  # DCP's WRAPPED_EXCEPTION: (exception, traceback summary)
                 e = e[0]
     text = [line for line in str(e).strip().splitlines() if line.strip()]
-    if isinstance(e, CheckpointError) and text:  # ours, already complete: one line, no prefix twice
-        return text[0].removeprefix("flashdist: ")
-    return text[0][:300] if text else type(e).__name__
+    if not text:
+        return type(e).__name__
+    return (text[0] if isinstance(e, CheckpointError) else text[0][:300]).removeprefix("flashdist: ")
