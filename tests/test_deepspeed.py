@@ -438,6 +438,25 @@ def test_universal_conversion_of_a_non_adam_checkpoint_is_refused(zero_runs, tmp
 
 @needs_deepspeed
 @pytest.mark.slow
+def test_files_hold_only_the_classes_the_reader_allows(zero_runs):
+    """Every file engine.save_checkpoint wrote (ZeRO 1/2/3, both modes, the family) pickles no class beyond
+    tensors, plain data and deepspeed_files.DEEPSPEED_GLOBALS, so the reader's allow-list is enough (and if a
+    DeepSpeed version pickles something new, this says what)."""
+    from flashdist.checkpoint.deepspeed_files import DEEPSPEED_GLOBALS
+
+    root, _ = zero_runs
+    found = {}
+    for path in sorted(root.glob("*/saved/*.pt")):
+        for name in torch.serialization.get_unsafe_globals_in_checkpoint(path):
+            found.setdefault(name, path.name)
+    assert len(list(root.glob("*/saved/*_optim_states.pt"))) == 2 * 3 * (len(MODES) + len(FAMILY))
+    assert set(found) <= set(DEEPSPEED_GLOBALS), found
+    # all but DynamicLossScaler (fp16 dynamic loss scaling) are in these bf16 runs' files
+    assert set(found) == set(DEEPSPEED_GLOBALS) - {"deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"}, found
+
+
+@needs_deepspeed
+@pytest.mark.slow
 def test_rho_keeps_bf16_masters_on_the_fp32_curve(zero_runs):
     _, results = zero_runs
     mean = {key: sum(results[0][f"long/{key}"][-10:]) / 10
