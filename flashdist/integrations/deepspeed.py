@@ -508,19 +508,14 @@ def _tag_folder(checkpoint_dir: str | os.PathLike, tag: str | None) -> Path:
     return folder
 
 
-def _fold_optimizer_file(file: deepspeed_files.OptimizerFile) -> bool:
+def _fold_optimizer_file(file: deepspeed_files.OptimizerFile) -> None:
     """Replace the bf16/fp16 master partitions of one rank's ZeRO optimizer file by fp32 ``param + rho`` and drop
-    rho, in place. Returns whether there was a rho to fold."""
-    folded = False
+    rho, in place (partitions without rho, as in the fp32-master mode, stay as they are)."""
     for k, (_, entry, master) in enumerate(file.partitions()):
-        rho = entry.get("rho")
-        if rho is None:
-            continue
-        n = master.numel()
-        file.masters[k] = R.merge(master.reshape(-1), rho.reshape(-1)[:n]).reshape(master.shape)
-        entry.pop("rho")
-        folded = True
-    return folded
+        rho = entry.pop("rho", None)
+        if rho is not None:
+            n = master.numel()
+            file.masters[k] = R.merge(master.reshape(-1), rho.reshape(-1)[:n]).reshape(master.shape)
 
 
 def _link_or_copy(source: str, target: str) -> None:
