@@ -135,8 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
     from .checkpoint import convert as C
-    from .checkpoint.dcp import CheckpointError
-    from .checkpoint.output import short_error
+    from .checkpoint.dcp import CheckpointError, error_summary
 
     progress = _Progress()
     try:
@@ -158,12 +157,12 @@ def main(argv: list[str] | None = None) -> int:
                            config=args.config, max_shard_size=args.max_shard_size)
             print(f"wrote {out}")
     except (CheckpointError, OSError, ImportError) as e:
-        print(f"flashdist {args.command}: {short_error(e)}", file=sys.stderr)
+        print(f"flashdist {args.command}: {error_summary(e)}", file=sys.stderr)
         return 1
     except Exception as e:  # noqa: BLE001 - a failure nobody foresaw is still one line; the traceback on request
         if os.environ.get("FLASHDIST_TRACEBACK"):
             raise
-        print(f"flashdist {args.command}: {type(e).__name__}: {short_error(e)} (set FLASHDIST_TRACEBACK=1 for the "
+        print(f"flashdist {args.command}: {type(e).__name__}: {error_summary(e)} (set FLASHDIST_TRACEBACK=1 for the "
               "traceback)", file=sys.stderr)
         return 1
     return 0

@@ -88,7 +88,7 @@ def _offline(args) -> None:
     if args.to_universal:
         print("universal checkpoint:", fds.to_universal(args.to_universal))
         return
-    weights = fds.export_fp32_state_dict(args.export_fp32)
+    weights = fds.fp32_state_dict_from_zero_checkpoint(args.export_fp32)
     from safetensors.torch import save_file
 
     save_file({k: v.contiguous() for k, v in weights.items()}, args.out)

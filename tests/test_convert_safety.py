@@ -281,3 +281,90 @@ def test_converted_dcp_shards_are_tied_to_their_metadata(tied, tmp_path):
     shutil.copyfile(shard, tmp_path / "a" / shard.name)
     with pytest.raises(checkpoint.CheckpointError, match=shard.name):
         checkpoint.load(tmp_path / "a", model, opt)
+
+
+# ----- DeepSpeed ZeRO files: one reader, one safety policy --------------------------------------------------
+
+
+class Payload:
+    """A class DeepSpeed never pickles into a checkpoint."""
+
+    def __init__(self):
+        self.note = "not DeepSpeed's"
+
+
+def _zero_folder(root: Path, extra: dict[int, dict] | None = None, *, zero_stage=2, loss_scaler=None) -> Path:
+    """A 2-rank ZeRO-2 checkpoint of a flashdist optimizer in DeepSpeed's layout (one bf16 parameter of 4 values,
+    bf16 masters + rho), with ``extra[rank]`` added to that rank's ZeRO state. Returns the folder holding
+    ``latest``."""
+    folder = root / "step1"
+    folder.mkdir(parents=True)
+    (root / "latest").write_text("step1")
+    torch.save({"dp_world_size": 2, "param_shapes": [{"w": torch.Size([4])}], "global_steps": 1,
+                "module": {"w": torch.zeros(4, dtype=torch.bfloat16)}, "ds_config": {"zero_optimization": {"stage": 2}}},
+               folder / "mp_rank_00_model_states.pt")
+    for rank in range(2):
+        master = torch.tensor([1.0, -2.0], dtype=torch.bfloat16) * (rank + 1)
+        entry = {"step": torch.tensor(1.0), "exp_avg": torch.full((2,), 0.5), "exp_avg_sq": torch.full((2,), 0.25),
+                 "rho": torch.tensor([3, -7], dtype=torch.int8)}
+        zsd = {"zero_stage": zero_stage, "loss_scaler": loss_scaler, "partition_count": [2],
+               "param_alignment_paddings": [[0]], "single_partition_of_fp32_groups": [master],
+               "base_optimizer_state": {"state": {0: entry}, "param_groups": [
+                   {"params": [0], "lr": 1e-3, "flashdist_format": "portable", "master_weight_bits": 24}]}}
+        zsd.update((extra or {}).get(rank, {}))
+        torch.save({"optimizer_state_dict": zsd}, folder / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+    return root
+
+
+def test_deepspeed_file_with_an_unexpected_class_is_refused_and_nothing_written(tmp_path):
+    """Rank 1's optimizer file holds an object DeepSpeed never writes: convert reads it with weights_only=True,
+    refuses it in one line naming the file and the class, and writes nothing. The same folder without the object
+    converts (the refusal is the object's, not the folder's)."""
+    good = _zero_folder(tmp_path / "good")
+    rc, _, err = _cli("convert", good, tmp_path / "good.pt", "--to", "torch")
+    assert rc == 0 and (tmp_path / "good.pt").is_file(), err
+    bad = _zero_folder(tmp_path / "bad", {1: {"loss_scaler": Payload()}})
+    before = _listing(bad)
+    for command in (("convert", bad, tmp_path / "out.pt", "--to", "torch"), ("export", bad, tmp_path / "out.pt")):
+        _one_line_failure(*_cli(*command), "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt", "Payload", "refused")
+    assert not (tmp_path / "out.pt").exists() and not list(tmp_path.glob("out.pt*"))
+    assert _listing(bad) == before
+
+
+@pytest.mark.skipif(not flashdist._compat.HAS_DEEPSPEED, reason="fold_rho is part of the DeepSpeed integration; "
+                                                                "DeepSpeed is the [deepspeed] extra")
+def test_fold_rho_reads_through_the_same_reader(tmp_path, monkeypatch):
+    """fold_rho refuses the file with the unexpected class before writing anything, and refuses to write into
+    an existing tag folder; on a good folder its copy holds DeepSpeed's own classes (DeepSpeed's loaders take
+    it), fp32 masters equal to param + rho and no rho."""
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    from flashdist.checkpoint import CheckpointError
+    from flashdist.integrations import deepspeed as fds
+    from flashdist.quant import rho as R
+
+    bad = _zero_folder(tmp_path / "bad", {1: {"clip_grad": Payload()}})
+    with pytest.raises(CheckpointError, match=r"bf16_zero_pp_rank_1_mp_rank_00_optim_states\.pt holds a pickled "
+                                              r"\S*Payload"):
+        fds.fold_rho(str(bad), str(tmp_path / "bad-out"))
+    assert not (tmp_path / "bad-out").exists()
+
+    good = _zero_folder(tmp_path / "good", zero_stage=ZeroStageEnum.gradients, loss_scaler=LossScaler(scale=1.0))
+    out = Path(fds.fold_rho(str(good), str(tmp_path / "out")))
+    assert out == tmp_path / "out" / "step1" and (tmp_path / "out" / "latest").read_text() == "step1"
+    for rank in range(2):
+        name = f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+        saved = torch.load(good / "step1" / name, weights_only=False)["optimizer_state_dict"]
+        folded = torch.load(out / name, weights_only=False)["optimizer_state_dict"]
+        assert type(folded["zero_stage"]) is ZeroStageEnum and type(folded["loss_scaler"]) is LossScaler
+        rho = saved["base_optimizer_state"]["state"][0]["rho"]
+        expected = R.merge(saved["single_partition_of_fp32_groups"][0], rho)
+        assert folded["single_partition_of_fp32_groups"][0].dtype == torch.float32
+        assert torch.equal(folded["single_partition_of_fp32_groups"][0], expected)
+        assert "rho" not in folded["base_optimizer_state"]["state"][0]
+    before = _listing(tmp_path / "out")
+    with pytest.raises(FileExistsError, match="already exists"):
+        fds.fold_rho(str(good), str(tmp_path / "out"))
+    assert _listing(tmp_path / "out") == before

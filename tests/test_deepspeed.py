@@ -438,6 +438,25 @@ def test_universal_conversion_of_a_non_adam_checkpoint_is_refused(zero_runs, tmp
 
 @needs_deepspeed
 @pytest.mark.slow
+def test_files_hold_only_the_classes_the_reader_allows(zero_runs):
+    """Every file engine.save_checkpoint wrote (ZeRO 1/2/3, both modes, the family) pickles no class beyond
+    tensors, plain data and deepspeed_files.DEEPSPEED_GLOBALS, so the reader's allow-list is enough (and if a
+    DeepSpeed version pickles something new, this says what)."""
+    from flashdist.checkpoint.deepspeed_files import DEEPSPEED_GLOBALS
+
+    root, _ = zero_runs
+    found = {}
+    for path in sorted(root.glob("*/saved/*.pt")):
+        for name in torch.serialization.get_unsafe_globals_in_checkpoint(path):
+            found.setdefault(name, path.name)
+    assert len(list(root.glob("*/saved/*_optim_states.pt"))) == 2 * 3 * (len(MODES) + len(FAMILY))
+    assert set(found) <= set(DEEPSPEED_GLOBALS), found
+    # all but DynamicLossScaler (fp16 dynamic loss scaling) are in these bf16 runs' files
+    assert set(found) == set(DEEPSPEED_GLOBALS) - {"deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"}, found
+
+
+@needs_deepspeed
+@pytest.mark.slow
 def test_rho_keeps_bf16_masters_on_the_fp32_curve(zero_runs):
     _, results = zero_runs
     mean = {key: sum(results[0][f"long/{key}"][-10:]) / 10
@@ -458,7 +477,7 @@ def test_fp32_export_is_param_plus_rho(zero_runs, stage, mode, monkeypatch):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     folder = str(root / f"z{stage}-{mode}")
-    exported = fds.export_fp32_state_dict(folder, tag="saved")
+    exported = fds.fp32_state_dict_from_zero_checkpoint(folder, tag="saved")
     live = results[0][f"z{stage}-{mode}"]["saved_masters"]
     assert exported.keys() == live.keys()
     for name in live:
@@ -490,6 +509,10 @@ def test_universal_checkpoint_to_another_world_size(zero_runs, stage, mode, worl
     assert plain_exact == (mode == "fp32-masters")  # DeepSpeed's loader alone rounds bf16-mode masters
     # the moments were re-quantized in other groups of 32: the same curve (measured: within 2e-4), not bit for bit
     torch.testing.assert_close(torch.tensor(loaded["after"]), torch.tensor(run["after"]), rtol=1e-3, atol=0)
+
+
+def test_former_export_name_is_the_same_function():
+    assert fds.export_fp32_state_dict is fds.fp32_state_dict_from_zero_checkpoint
 
 
 def test_merge_of_split_is_identity_for_exported_weights():

@@ -354,7 +354,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
         try:
             dcp.save(_state(model, optimizer, extra), storage_writer=_TiedWriter(tmp, save_id))
         except (Exception, CheckpointException) as e:  # DCP wraps per-rank failures in a BaseException
-            failure = f"flashdist: could not save checkpoint {path}: {_short(e)}"
+            failure = f"flashdist: could not save checkpoint {path}: {error_summary(e)}"
         failures = _gather(failure)
         message = None
         if any(failures):
@@ -645,7 +645,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     try:
         dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
     except (Exception, CheckpointException) as e:  # DCP wraps per-rank failures in a BaseException
-        raise CheckpointError(f"flashdist: could not read checkpoint {where}: {_short(e)}; the model and "
+        raise CheckpointError(f"flashdist: could not read checkpoint {where}: {error_summary(e)}; the model and "
                               "optimizer were not changed") from e
     set_optimizer_state_dict(model, optimizer, state["optim"])  # validates everything before it copies
     set_model_state_dict(model, state["model"])
@@ -711,7 +711,10 @@ def _optimizer_hint(have, want) -> str:
     return ""
 
 
-def _short(e: BaseException) -> str:
+def error_summary(e: BaseException) -> str:
+    """One line for an error met while reading or writing a checkpoint: DCP's first failing rank's own error
+    rather than its traceback dump; flashdist's own message whole, anything else's first line (at most 300
+    characters); without a leading ``flashdist: `` (the caller adds its own)."""
     if isinstance(e, CheckpointException):  # the first rank's own error, not DCP's traceback dump
         failures = [e.failures[rank] for rank in sorted(e.failures)]
         if failures:
@@ -719,6 +722,6 @@ def _short(e: BaseException) -> str:
             if isinstance(e, tuple):  # DCP's WRAPPED_EXCEPTION: (exception, traceback summary)
                 e = e[0]
     text = [line for line in str(e).strip().splitlines() if line.strip()]
-    if isinstance(e, CheckpointError) and text:  # ours, already complete: one line, no prefix twice
-        return text[0].removeprefix("flashdist: ")
-    return text[0][:300] if text else type(e).__name__
+    if not text:
+        return type(e).__name__
+    return (text[0] if isinstance(e, CheckpointError) else text[0][:300]).removeprefix("flashdist: ")

@@ -25,20 +25,17 @@ DeepSpeed's bf16 master and rho exactly; fp32 masters keep 24 bits (or all 32 wi
 Moments travel as fp32 (the portable format) and are re-quantized by the loading optimizer in its
 row-aligned groups of 32, which differ from DeepSpeed's flat groups.
 
-Safety. The files are read with ``torch.load(weights_only=True)``; the few DeepSpeed classes an optimizer file
-pickles (the ZeRO stage enum, the loss scaler, fragment addresses) are mapped to inert stand-ins, so
-nothing from the file runs and DeepSpeed need not be installed. Every check runs before anything is written:
-a rank's file missing, a file of another world size, a ZeRO stage other than 1-3, an optimizer that is not
-flashdist's, elastic checkpoints, tensor/pipeline parallel or MoE files raise :class:`CheckpointError`.
+Safety and the folder layout: :mod:`flashdist.checkpoint.deepspeed_files` (the one reader of DeepSpeed's
+files: ``torch.load(weights_only=True)`` with DeepSpeed's own few classes allowed, DeepSpeed not needed). Every
+check runs before anything is written: a rank's file missing, a file of another world size, a ZeRO stage other
+than 1-3, an optimizer that is not flashdist's, elastic checkpoints, tensor/pipeline parallel or MoE files
+raise :class:`CheckpointError`.
 """
 
 from __future__ import annotations
 
-import enum
 import math
 import os
-import pickle
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -47,135 +44,15 @@ import torch
 
 from ..quant import rho as R
 from .dcp import CheckpointError
+from .deepspeed_files import (HINT, ZERO12_MODEL_FILE, OptimizerFile, load_file, missing, model_states_file,
+                              optimizer_files, read_optimizer_file, stage3_model_files, tag_folder)
 from .state import FORMAT_VERSION, dequantize_moment
 
 Progress = Callable[[str, int, int], None]
 
-_OPTIM_FILE = re.compile(r"^(?P<prefix>.*?)zero_pp_rank_(?P<rank>\d+)_mp_rank_(?P<mp>\d+)_optim_states\.pt$")
-_MODEL_FILE_3 = re.compile(r"^zero_pp_rank_(?P<rank>\d+)_mp_rank_(?P<mp>\d+)_model_states\.pt$")
-_HINT = ("flashdist convert reads checkpoints that engine.save_checkpoint wrote with a flashdist optimizer "
-         "(flashdist.integrations.deepspeed.initialize)")
-
 
 def _quiet(_what: str, _done: int, _total: int) -> None:
     pass
-
-
-# ----- reading DeepSpeed's files without running them ---------------------------------------------------
-
-
-class _ZeroStage(enum.IntEnum):
-    """Stand-in for deepspeed.runtime.zero.config.ZeroStageEnum."""
-
-    disabled = 0
-    optimizer_states = 1
-    gradients = 2
-    weights = 3
-    max_stage = 4
-
-
-class _Inert:
-    """Stand-in for a pickled DeepSpeed object (fragment addresses, loss scalers): its attributes, no code."""
-
-
-_STAND_INS = [(_ZeroStage, "deepspeed.runtime.zero.config.ZeroStageEnum"),
-              (_Inert, "deepspeed.utils.tensor_fragment.fragment_address"),
-              (_Inert, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
-              (_Inert, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
-              (_Inert, "deepspeed.runtime.fp16.loss_scaler.LossScalerBase")]
-
-
-def _load(path: Path) -> dict:
-    try:
-        with torch.serialization.safe_globals(_STAND_INS):
-            value = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except pickle.UnpicklingError as e:
-        first = next((line for line in str(e).splitlines() if "GLOBAL" in line or "Unsupported" in line), str(e))
-        raise CheckpointError(f"flashdist: {path} holds objects other than tensors and plain data and was refused "
-                              f"(weights_only=True): {first.strip()[:200]}") from None
-    except Exception as e:  # noqa: BLE001 - truncated zip, not a torch file, ...
-        text = str(e).strip().splitlines()
-        raise CheckpointError(f"flashdist: could not read {path}: {text[0][:200] if text else type(e).__name__}") \
-            from None
-    if not isinstance(value, dict):
-        raise CheckpointError(f"flashdist: {path} is not a DeepSpeed checkpoint file (it holds a "
-                              f"{type(value).__name__})")
-    return value
-
-
-# ----- the files of one checkpoint --------------------------------------------------------------------
-
-
-def tag_folder(path: str | os.PathLike, tag: str | None = None) -> Path:
-    """The folder of one DeepSpeed checkpoint: ``path/<tag>`` (``tag`` default: the ``latest`` file), or
-    ``path`` itself when it holds the ``*_optim_states.pt`` files."""
-    path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"flashdist: {path} is not a directory")
-    if tag is None and any(path.glob("*_optim_states.pt")):
-        return path
-    if tag is None:
-        latest = path / "latest"
-        if not latest.is_file():
-            raise CheckpointError(f"flashdist: {path} has no 'latest' file and no *_optim_states.pt files; pass "
-                                  "the checkpoint tag (--tag)")
-        tag = latest.read_text().strip()
-        if not tag:
-            raise CheckpointError(f"flashdist: {latest} is empty; pass the checkpoint tag (--tag)")
-    # a tag names a folder inside this one: a 'latest' file (or --tag) pointing elsewhere is refused, so a
-    # copied or crafted folder cannot make convert read another checkpoint
-    if Path(tag).is_absolute() or ".." in Path(tag).parts or not (path / tag).resolve().is_relative_to(path.resolve()):
-        raise CheckpointError(f"flashdist: the DeepSpeed tag {tag!r}"
-                              f"{' in ' + str(path / 'latest') if (path / 'latest').is_file() else ''} leads outside "
-                              f"{path}; a tag must name a folder inside the checkpoint folder")
-    folder = path / tag
-    if not folder.is_dir():
-        raise CheckpointError(f"flashdist: the DeepSpeed checkpoint {folder} does not exist (tag {tag!r}"
-                              f"{' from ' + str(path / 'latest') if (path / 'latest').is_file() else ''})")
-    if (folder / "zero").is_dir() and not any(folder.glob("*_optim_states.pt")):
-        raise CheckpointError(f"flashdist: {folder} is a DeepSpeed universal checkpoint; convert the checkpoint "
-                              "it was made from (engine.save_checkpoint's folder)")
-    return folder
-
-
-def _files(folder: Path) -> tuple[dict[int, Path], str]:
-    """rank -> optimizer file, and the file-name prefix (``bf16_`` under bf16); refuses MoE/TP/PP layouts."""
-    names = sorted(p.name for p in folder.glob("*_optim_states.pt"))
-    if not names:
-        raise CheckpointError(f"flashdist: {folder} holds no DeepSpeed ZeRO optimizer files (*_optim_states.pt). "
-                              + _HINT)
-    if any("expp_rank" in n for n in names) or any(folder.glob("*expert*_model_states.pt")):
-        raise CheckpointError(f"flashdist: {folder} is a DeepSpeed MoE checkpoint (expert files); flashdist "
-                              "convert reads data-parallel ZeRO checkpoints only")
-    files: dict[int, Path] = {}
-    prefixes = set()
-    for name in names:
-        m = _OPTIM_FILE.match(name)
-        if m is None:
-            raise CheckpointError(f"flashdist: {folder / name} is not named like a ZeRO optimizer file "
-                                  "(zero_pp_rank_<r>_mp_rank_<m>_optim_states.pt)")
-        if int(m["mp"]) != 0:
-            raise CheckpointError(f"flashdist: {folder / name} belongs to model-parallel rank {int(m['mp'])}; "
-                                  "tensor/pipeline-parallel DeepSpeed checkpoints are not supported (data-parallel "
-                                  "ZeRO only)")
-        prefixes.add(m["prefix"])
-        files[int(m["rank"])] = folder / name
-    if len(prefixes) > 1:
-        raise CheckpointError(f"flashdist: {folder} mixes optimizer files of two kinds ({sorted(prefixes)}); "
-                              "was another checkpoint saved into the same folder?")
-    return files, prefixes.pop()
-
-
-def _missing(folder: Path, what: str, name: str, rank: int, world: int) -> CheckpointError:
-    return CheckpointError(f"flashdist: {folder} lacks {name} ({what} of rank {rank} of {world}): the checkpoint "
-                           "is incomplete. Copy every rank's files into the folder, or save the checkpoint again")
-
-
-def _check_stage(stage: Any, where: Path) -> int:
-    if stage not in (1, 2, 3):
-        raise CheckpointError(f"flashdist: {where} has ZeRO stage {stage!r}; flashdist convert reads ZeRO "
-                              "stages 1, 2 and 3")
-    return int(stage)
 
 
 # ----- reassembling partitions ------------------------------------------------------------------------
@@ -232,44 +109,26 @@ def _merge_zero3(partitions: list[list[torch.Tensor]], shapes: list[dict], world
 # ----- one rank's optimizer file ----------------------------------------------------------------------
 
 
-def _rank_partitions(sd: dict, path: Path, stage: int) -> tuple[list[dict], list[dict], list[int]]:
+def _rank_partitions(file: OptimizerFile, stage: int) -> tuple[list[dict], list[dict], list[int]]:
     """([{"theta": fp32, moment: fp32, "step": float} per partition], param groups, group of each partition)."""
-    zsd = sd.get("optimizer_state_dict")
-    if not isinstance(zsd, dict) or "zero_stage" not in zsd:
-        raise CheckpointError(f"flashdist: {path} is not a DeepSpeed ZeRO optimizer file. " + _HINT)
-    if _check_stage(zsd["zero_stage"], path) != stage:
-        raise CheckpointError(f"flashdist: {path} has ZeRO stage {int(zsd['zero_stage'])}, rank 0 has {stage}: "
+    path = file.path
+    if file.stage != stage:
+        raise CheckpointError(f"flashdist: {path} has ZeRO stage {file.stage}, rank 0 has {stage}: "
                               "files of two checkpoints in one folder?")
-    if stage == 3:
-        base, masters = zsd.get("optimizer_state_dict"), zsd.get("fp32_flat_groups")
-    else:
-        base, masters = zsd.get("base_optimizer_state"), zsd.get("single_partition_of_fp32_groups")
-    if isinstance(base, list):
-        raise CheckpointError(f"flashdist: {path} was saved with zero_optimization.elastic_checkpoint; flashdist "
-                              "convert reads checkpoints saved without it")
-    if not isinstance(base, dict) or not isinstance(masters, list) or "param_groups" not in base:
-        raise CheckpointError(f"flashdist: {path} has no optimizer state or master partitions. " + _HINT)
-    groups = base["param_groups"]
+    groups = file.state["param_groups"]
     if not groups or any("flashdist_format" not in g for g in groups):
         raise CheckpointError(f"flashdist: {path} was saved by another optimizer (its param groups have no "
-                              "flashdist_format). " + _HINT + "; for other optimizers use DeepSpeed's zero_to_fp32 "
+                              "flashdist_format). " + HINT + "; for other optimizers use DeepSpeed's zero_to_fp32 "
                               "and flashdist.load_fp32_state_dict")
-    ids, owner = [], []
-    for gi, group in enumerate(groups):
-        ids.extend(group["params"])
-        owner.extend([gi] * len(group["params"]))
-    if len(ids) != len(masters):
-        raise CheckpointError(f"flashdist: {path} has {len(masters)} master partitions and {len(ids)} optimizer "
-                              "parameters. " + _HINT)
-    parts = []
-    for k, (pid, master) in enumerate(zip(ids, masters)):
-        entry = base.get("state", {}).get(pid)
+    parts, owner = [], []
+    for k, (g, entry, master) in enumerate(file.partitions()):
+        owner.append(g)
         n = master.numel()
         if not entry:
             raise CheckpointError(f"flashdist: {path} has no optimizer state for master partition {k} (saved before "
                                   "the first optimizer step?); there are no moments to convert. Start from the "
                                   "weights instead: DeepSpeed's zero_to_fp32 and flashdist.load_fp32_state_dict")
-        group = groups[owner[k]]
+        group = groups[g]
         rho = entry.get("rho")
         theta = master.reshape(-1).float()
         if rho is not None:
@@ -312,32 +171,23 @@ def read_deepspeed(path: str | os.PathLike, tag: str | None = None, *, master_we
     carry the master weight as parameter + rho. Raises :class:`CheckpointError` (a ``ValueError``) naming
     the file and what to do for incomplete or unsupported checkpoints."""
     folder = tag_folder(path, tag)
-    files, prefix = _files(folder)
+    files, prefix = optimizer_files(folder)
     # ---- model states: world size, stage, parameter names and shapes
-    zero12_model = folder / "mp_rank_00_model_states.pt"
-    stage3_models = {int(m["rank"]): folder / n for n in os.listdir(folder) if (m := _MODEL_FILE_3.match(n))}
-    if zero12_model.is_file():
-        model_path = zero12_model
-    elif 0 in stage3_models:
-        model_path = stage3_models[0]
-    elif stage3_models:
-        raise _missing(folder, "ZeRO-3 model states", "zero_pp_rank_0_mp_rank_00_model_states.pt", 0,
-                       max(stage3_models) + 1)
-    else:
-        raise CheckpointError(f"flashdist: {folder} has no model-states file (mp_rank_00_model_states.pt or "
-                              "zero_pp_rank_0_mp_rank_00_model_states.pt). " + _HINT)
+    model_path = model_states_file(folder)
+    zero12_model = folder / ZERO12_MODEL_FILE
+    stage3_models = stage3_model_files(folder)
     progress("reading deepspeed", 0, 1)
-    model_sd = _load(model_path)
+    model_sd = load_file(model_path)
     world = model_sd.get("dp_world_size")
     shapes = model_sd.get("param_shapes")
     shapes = [shapes] if isinstance(shapes, dict) else shapes  # older DeepSpeed: one dict for all groups
     if not isinstance(world, int) or world < 1 or not isinstance(shapes, list):
         raise CheckpointError(f"flashdist: {model_path} is not a DeepSpeed model-states file (no dp_world_size / "
-                              "param_shapes). " + _HINT)
+                              "param_shapes). " + HINT)
     stage_hint = (model_sd.get("ds_config") or {}).get("zero_optimization", {}) or {}
     for r in range(world):
         if r not in files:
-            raise _missing(folder, "optimizer state", f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt", r, world)
+            raise missing(folder, "optimizer state", f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt", r, world)
     extra_ranks = sorted(set(files) - set(range(world)))
     if extra_ranks:
         raise CheckpointError(f"flashdist: {folder} has optimizer files of ranks {extra_ranks}, but the checkpoint "
@@ -345,38 +195,35 @@ def read_deepspeed(path: str | os.PathLike, tag: str | None = None, *, master_we
     if not zero12_model.is_file():
         for r in range(world):
             if r not in stage3_models:
-                raise _missing(folder, "ZeRO-3 model states", f"zero_pp_rank_{r}_mp_rank_00_model_states.pt", r, world)
+                raise missing(folder, "ZeRO-3 model states", f"zero_pp_rank_{r}_mp_rank_00_model_states.pt", r, world)
     # ---- every rank's partitions
     total = world + 2
     progress("reading deepspeed", 1, total)
-    first = _load(files[0])
-    zsd = first.get("optimizer_state_dict")
-    if not isinstance(zsd, dict) or "zero_stage" not in zsd:
-        raise CheckpointError(f"flashdist: {files[0]} is not a DeepSpeed ZeRO optimizer file. " + _HINT)
-    stage = _check_stage(zsd["zero_stage"], files[0])
+    first = read_optimizer_file(files[0])
+    stage = first.stage
     if stage_hint.get("stage") not in (None, stage) and isinstance(stage_hint.get("stage"), int):
         raise CheckpointError(f"flashdist: {files[0]} has ZeRO stage {stage}, {model_path} says "
                               f"{stage_hint.get('stage')}: files of two checkpoints in one folder?")
     if stage != 3 and not zero12_model.is_file():
         raise CheckpointError(f"flashdist: {folder} lacks mp_rank_00_model_states.pt (the ZeRO-{stage} model states)")
-    count = zsd.get("partition_count")
+    count = first.partition_count
     counts = set(count) if isinstance(count, list) else {count}
     if counts != {world}:
         raise CheckpointError(f"flashdist: {files[0]} was saved with {sorted(counts, key=str)} partitions, the model "
                               f"states with {world} ranks: files of two checkpoints in one folder?")
-    paddings = zsd.get("param_alignment_paddings")
+    paddings = first.paddings
     per_rank = []
     groups = owner = None
     for r in range(world):
-        sd = first if r == 0 else _load(files[r])
-        parts, rank_groups, rank_owner = _rank_partitions(sd, files[r], stage)
+        file = first if r == 0 else read_optimizer_file(files[r])
+        parts, rank_groups, rank_owner = _rank_partitions(file, stage)
         if groups is None:
             groups, owner = rank_groups, rank_owner
         elif len(rank_owner) != len(owner):
             raise CheckpointError(f"flashdist: {files[r]} has {len(rank_owner)} master partitions, rank 0 has "
                                   f"{len(owner)}: files of two checkpoints in one folder?")
         per_rank.append(parts)
-        first = None
+        first = file = None
         progress("reading deepspeed", r + 2, total)
     del first
     if len(shapes) != len(groups):
@@ -486,7 +333,7 @@ def _frozen(model_sd: dict, stage: int, world: int, folder: Path, stage3_models:
     if stage != 3:
         module = model_sd.get("module") or {}
         return {name: module[name].clone() for name in shapes if name in module}
-    fragments = [_load(stage3_models[r]).get("frozen_param_fragments") or {} for r in range(world)]
+    fragments = [load_file(stage3_models[r]).get("frozen_param_fragments") or {} for r in range(world)]
     out = {}
     for name, shape in shapes.items():
         numel = math.prod(shape)
@@ -501,13 +348,7 @@ def describe(path: str | os.PathLike, tag: str | None = None) -> dict[str, Any]:
     """What a DeepSpeed checkpoint folder is, from its model-states file only: tag folder, ZeRO stage, world size,
     DeepSpeed version, global step."""
     folder = tag_folder(path, tag)
-    model_path = folder / "mp_rank_00_model_states.pt"
-    if not model_path.is_file():
-        model_path = folder / "zero_pp_rank_0_mp_rank_00_model_states.pt"
-    if not model_path.is_file():
-        raise CheckpointError(f"flashdist: {folder} has no model-states file (mp_rank_00_model_states.pt or "
-                              "zero_pp_rank_0_mp_rank_00_model_states.pt)")
-    sd = _load(model_path)
+    sd = load_file(model_states_file(folder))
     config = sd.get("ds_config") or {}
     bf16 = config.get("bf16") or config.get("bfloat16") or {}
     return {"folder": str(folder), "zero_stage": (config.get("zero_optimization") or {}).get("stage"),

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from .dcp import CheckpointError, shard_writer
+from .dcp import CheckpointError, error_summary, shard_writer
 
 Spec = tuple[tuple[int, ...], torch.dtype]
 Fetch = Callable[[Any], torch.Tensor]
@@ -117,14 +117,7 @@ def _remove(path: Path) -> None:
             path.unlink()
 
 
-def short_error(e: BaseException) -> str:
-    """The first line of an error, without DCP's per-rank traceback dump."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    if isinstance(e, CheckpointException) and e.failures:
-        e = next(iter(e.failures.values()))
-    text = [line for line in str(e).strip().splitlines() if line.strip()]
-    return (text[0][:300] if text else type(e).__name__).removeprefix("flashdist: ")
+short_error = error_summary  # its former name here
 
 
 @contextlib.contextmanager
@@ -142,7 +135,7 @@ def atomic_output(dst: Path, *, directory: bool) -> Iterator[Path]:
             os.close(fd)
             tmp = Path(name)
     except OSError as e:
-        raise CheckpointError(f"flashdist: cannot write {dst}: {short_error(e)}") from e
+        raise CheckpointError(f"flashdist: cannot write {dst}: {error_summary(e)}") from e
     try:
         yield tmp
         _fsync_tree(tmp)
@@ -164,7 +157,7 @@ def atomic_output(dst: Path, *, directory: bool) -> Iterator[Path]:
             raise
         if isinstance(e, CheckpointError):
             raise
-        raise CheckpointError(f"flashdist: could not write {dst}: {short_error(e)}; nothing was written") from e
+        raise CheckpointError(f"flashdist: could not write {dst}: {error_summary(e)}; nothing was written") from e
 
 
 # ----- safetensors -----------------------------------------------------------------------------------------

@@ -32,13 +32,14 @@ the same world size: DeepSpeed stores the optimizer's portable state dict (fp32 
 partition shape, and rho). To change the world size, :func:`to_universal` runs DeepSpeed's ds_to_universal on
 a copy whose master weights carry rho (DeepSpeed's converter drops every optimizer key but the moments and
 the masters), and :func:`load_checkpoint` loads the universal checkpoint and restores rho from the 24-bit
-masters. :func:`export_fp32_state_dict` is DeepSpeed's zero_to_fp32 with rho added back.
+masters. :func:`fp32_state_dict_from_zero_checkpoint` is DeepSpeed's zero_to_fp32 with rho added back. Every
+file of a checkpoint folder is read through :mod:`flashdist.checkpoint.deepspeed_files`, the reader the converter
+uses too (``torch.load(weights_only=True)`` with DeepSpeed's own classes allowed).
 """
 
 from __future__ import annotations
 
 import copy
-import glob
 import inspect
 import json
 import os
@@ -46,11 +47,13 @@ import shutil
 import tempfile
 from argparse import Namespace
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from .._compat import HAS_DEEPSPEED
+from ..checkpoint import deepspeed_files
 from ..quant import rho as R
 
 _TYPE_PREFIX = "flashdist."
@@ -440,8 +443,7 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None, **kwargs):
 def _read_universal(folder: str, name: str) -> torch.Tensor:
     from deepspeed.checkpoint.constants import PARAM
 
-    value = torch.load(os.path.join(folder, name, "fp32.pt"), map_location="cpu", weights_only=False)
-    return value[PARAM] if isinstance(value, dict) else value
+    return deepspeed_files.load_file(os.path.join(folder, name, "fp32.pt"))[PARAM]
 
 
 def _restore_universal_masters(engine, folder: str) -> None:
@@ -499,49 +501,21 @@ def _split_into(opt, master: torch.Tensor, theta: torch.Tensor, start: int) -> N
 # ----- offline: checkpoint folders ---------------------------------------------------------------------
 
 
-def _tag_folder(checkpoint_dir: str, tag: str | None) -> tuple[str, str]:
-    if tag is None:
-        latest = os.path.join(checkpoint_dir, "latest")
-        if not os.path.isfile(latest):
-            raise FileNotFoundError(f"flashdist: {checkpoint_dir!r} has no 'latest' file; pass the checkpoint tag")
-        with open(latest) as f:
-            tag = f.read().strip()
-    folder = os.path.join(checkpoint_dir, tag)
-    if not glob.glob(os.path.join(folder, "*_optim_states.pt")):
-        raise FileNotFoundError(f"flashdist: {folder!r} holds no DeepSpeed ZeRO optimizer files (*_optim_states.pt)")
-    return tag, folder
+def _tag_folder(checkpoint_dir: str | os.PathLike, tag: str | None) -> Path:
+    """The tag folder of a checkpoint, which must hold a data-parallel run's ZeRO optimizer files."""
+    folder = deepspeed_files.tag_folder(checkpoint_dir, tag)
+    deepspeed_files.optimizer_files(folder)
+    return folder
 
 
-def _fold_optimizer_file(sd: dict, path: str) -> bool:
+def _fold_optimizer_file(file: deepspeed_files.OptimizerFile) -> None:
     """Replace the bf16/fp16 master partitions of one rank's ZeRO optimizer file by fp32 ``param + rho`` and drop
-    rho, in place. Returns whether there was a rho to fold."""
-    from deepspeed.checkpoint.constants import (BASE_OPTIMIZER_STATE, FP32_FLAT_GROUPS, OPTIMIZER_STATE_DICT,
-                                                SINGLE_PARTITION_OF_FP32_GROUPS, ZERO_STAGE)
-
-    zsd = sd[OPTIMIZER_STATE_DICT]
-    if zsd.get(ZERO_STAGE, 0) == 3:
-        base, masters = zsd[OPTIMIZER_STATE_DICT], zsd[FP32_FLAT_GROUPS]
-    else:
-        base, masters = zsd[BASE_OPTIMIZER_STATE], zsd[SINGLE_PARTITION_OF_FP32_GROUPS]
-    if not isinstance(base, dict):
-        raise ValueError(f"flashdist: {path} was saved with zero_optimization.elastic_checkpoint; convert checkpoints "
-                         "saved without it")
-    ids = [pid for group in base["param_groups"] for pid in group["params"]]
-    if len(ids) != len(masters):
-        raise ValueError(f"flashdist: {path} has {len(masters)} master partitions and {len(ids)} optimizer "
-                         "parameters; is it a checkpoint of a flashdist optimizer?")
-    folded = False
-    for k, pid in enumerate(ids):
-        entry = base["state"].get(pid, {})
-        rho = entry.get("rho")
-        if rho is None:
-            continue
-        master = masters[k]
-        n = master.numel()
-        masters[k] = R.merge(master.reshape(-1), rho.reshape(-1)[:n]).reshape(master.shape)
-        entry.pop("rho")
-        folded = True
-    return folded
+    rho, in place (partitions without rho, as in the fp32-master mode, stay as they are)."""
+    for k, (_, entry, master) in enumerate(file.partitions()):
+        rho = entry.pop("rho", None)
+        if rho is not None:
+            n = master.numel()
+            file.masters[k] = R.merge(master.reshape(-1), rho.reshape(-1)[:n]).reshape(master.shape)
 
 
 def _link_or_copy(source: str, target: str) -> None:
@@ -558,24 +532,39 @@ def fold_rho(checkpoint_dir: str, output_dir: str, tag: str | None = None) -> st
     ``param + rho`` (the 24-bit master weights) and rho dropped from the optimizer state. DeepSpeed's own
     tools (ds_to_universal, zero_to_fp32) then read the full-precision masters from it: without this, the
     masters of a bf16-master run are bf16 and rho is lost. A checkpoint of the default mode (fp32 masters) has
-    no rho and is copied as it is. Writes ``output_dir/<tag>`` and ``output_dir/latest``; returns the tag
-    folder. Files are read with ``torch.load(weights_only=False)``, as DeepSpeed reads them: convert only
-    checkpoints you trust."""
+    no rho and is copied as it is. ``checkpoint_dir``: the folder given to ``engine.save_checkpoint`` (``tag``
+    defaults to its ``latest``), or a tag folder itself. Writes ``output_dir/<tag>`` (which must not exist yet,
+    or be empty) and ``output_dir/latest``; returns the tag folder.
+
+    Files are read by :mod:`flashdist.checkpoint.deepspeed_files` (``torch.load(weights_only=True)`` with
+    DeepSpeed's own classes allowed): every optimizer file is checked before anything is written, and a file
+    holding anything else raises :class:`~flashdist.checkpoint.CheckpointError`."""
     _require_deepspeed()
-    tag, folder = _tag_folder(checkpoint_dir, tag)
-    out = os.path.join(output_dir, tag)
-    os.makedirs(out, exist_ok=True)
-    for path in sorted(glob.glob(os.path.join(folder, "*"))):
-        target = os.path.join(out, os.path.basename(path))
-        if path.endswith("_optim_states.pt"):
-            sd = torch.load(path, map_location="cpu", weights_only=False)
-            _fold_optimizer_file(sd, path)
-            torch.save(sd, target)
-        elif os.path.isfile(path):
+    folder = _tag_folder(checkpoint_dir, tag)
+    return _fold(folder, output_dir)
+
+
+def _fold(folder: Path, output_dir: str | os.PathLike) -> str:
+    tag = folder.name
+    out = Path(output_dir) / tag
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"flashdist: {out} already exists; fold_rho writes a new folder: pass another "
+                              "output_dir")
+    files, _ = deepspeed_files.optimizer_files(folder)
+    for path in files.values():  # refuse a bad file before writing any (tensors are memory-mapped, not read)
+        deepspeed_files.read_optimizer_file(path, deepspeed_objects=True)
+    out.mkdir(parents=True, exist_ok=True)
+    for path in sorted(folder.iterdir()):
+        target = out / path.name
+        if path in files.values():
+            # DeepSpeed's own classes, not stand-ins: the copy is a checkpoint DeepSpeed loads
+            file = deepspeed_files.read_optimizer_file(path, deepspeed_objects=True)
+            _fold_optimizer_file(file)
+            torch.save(file.contents, target)
+        elif path.is_file():
             _link_or_copy(path, target)
-    with open(os.path.join(output_dir, "latest"), "w") as f:
-        f.write(tag)
-    return out
+    (Path(output_dir) / "latest").write_text(tag)
+    return str(out)
 
 
 def to_universal(checkpoint_dir: str, output_dir: str | None = None, tag: str | None = None, *,
@@ -583,7 +572,7 @@ def to_universal(checkpoint_dir: str, output_dir: str | None = None, tag: str | 
     """DeepSpeed's ds_to_universal for a flashdist checkpoint, keeping 24-bit master weights.
 
     ``checkpoint_dir`` is the folder given to ``engine.save_checkpoint``; ``tag`` defaults to its ``latest``.
-    The universal checkpoint goes to ``output_dir`` (default ``checkpoint_dir/<tag>_universal``), and
+    The universal checkpoint goes to ``output_dir`` (default ``<tag>_universal`` beside the tag folder), and
     ``latest_universal`` beside it names it, as ds_to_universal does. Load it at any world size (and from ZeRO
     1 to 2 or back; DeepSpeed's loader does not cross between ZeRO 1/2 and 3) with ``"checkpoint":
     {"load_universal": true}`` and :func:`load_checkpoint`. The moments travel as floats
@@ -593,46 +582,51 @@ def to_universal(checkpoint_dir: str, output_dir: str | None = None, tag: str | 
     _require_deepspeed()
     from deepspeed.checkpoint import ds_to_universal
 
-    tag, folder = _tag_folder(checkpoint_dir, tag)
-    output_dir = output_dir or os.path.join(checkpoint_dir, f"{tag}_universal")
+    folder = _tag_folder(checkpoint_dir, tag)
+    output_dir = output_dir or str(folder.parent / f"{folder.name}_universal")
     _check_portable(folder)
     with tempfile.TemporaryDirectory(prefix="flashdist-fold-", dir=os.path.dirname(os.path.abspath(output_dir))) as tmp:
-        folded = fold_rho(checkpoint_dir, tmp, tag)
+        folded = _fold(folder, tmp)
         ds_to_universal.main(Namespace(input_folder=folded, output_folder=output_dir, num_extract_workers=num_workers,
                                        num_merge_workers=num_workers, keep_temp_folder=False, strict=True,
                                        inject_missing_state=True))
     return output_dir
 
 
-def _check_portable(folder: str) -> None:
-    from deepspeed.checkpoint.constants import BASE_OPTIMIZER_STATE, OPTIMIZER_STATE_DICT, ZERO_STAGE
-
-    path = sorted(glob.glob(os.path.join(folder, "*_optim_states.pt")))[0]
-    zsd = torch.load(path, map_location="cpu", weights_only=False, mmap=True)[OPTIMIZER_STATE_DICT]
-    base = zsd[OPTIMIZER_STATE_DICT] if zsd.get(ZERO_STAGE, 0) == 3 else zsd[BASE_OPTIMIZER_STATE]
-    groups = base.get("param_groups", []) if isinstance(base, dict) else []
+def _check_portable(folder: Path) -> None:
+    files, _ = deepspeed_files.optimizer_files(folder)
+    file = deepspeed_files.read_optimizer_file(files[min(files)])
+    path, base = file.path, file.state
+    groups = base["param_groups"]
     if any(g.get("flashdist_format") == "compressed" for g in groups):
         raise ValueError(f"flashdist: {path} holds the compressed optimizer state (codes and scales); DeepSpeed's "
                          "universal checkpoints carry float exp_avg/exp_avg_sq only. Save with the default "
                          "state_dict_format='portable' to convert.")
-    states = base.get("state", {}) if isinstance(base, dict) else {}
+    states = base.get("state", {})
     keys = {k for entry in states.values() if isinstance(entry, dict) for k in entry} - {"step", "rho"}
     if keys and not {"exp_avg", "exp_avg_sq"} <= keys:
         raise ValueError(f"flashdist: {path} holds optimizer state {sorted(keys)}, not Adam's exp_avg/exp_avg_sq: "
                          "DeepSpeed's universal checkpoints (ds_to_universal) carry Adam's moments only, so a "
                          "FlashSGD/FlashSGDW/FlashLion checkpoint cannot change world size this way. Resume it at "
-                         "the world size it was saved with, or export its weights with export_fp32_state_dict.")
+                         "the world size it was saved with, or export its weights with fp32_state_dict_from_zero_checkpoint.")
 
 
-def export_fp32_state_dict(checkpoint_dir: str, tag: str | None = None) -> dict[str, torch.Tensor]:
+def fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | None = None) -> dict[str, torch.Tensor]:
     """The model's fp32 weights from a DeepSpeed ZeRO checkpoint of a flashdist optimizer, keyed by the model's
     parameter names: DeepSpeed's zero_to_fp32 (``get_fp32_state_dict_from_zero_checkpoint``), with each bf16
-    master weight plus its rho in bf16-master mode (zero_to_fp32 alone returns the bf16 masters there)."""
+    master weight plus its rho in bf16-master mode (zero_to_fp32 alone returns the bf16 masters there).
+    ``checkpoint_dir``: the folder given to ``engine.save_checkpoint`` (``tag`` defaults to its ``latest``), or a
+    tag folder itself. (For the weights of a live model and optimizer: :func:`flashdist.export_fp32_state_dict`;
+    of a live engine: :func:`fp32_master_weights`.)"""
     _require_deepspeed()
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    tag, _ = _tag_folder(checkpoint_dir, tag)
-    with tempfile.TemporaryDirectory(prefix="flashdist-fold-", dir=checkpoint_dir) as tmp:
-        fold_rho(checkpoint_dir, tmp, tag)
-        state = get_fp32_state_dict_from_zero_checkpoint(tmp, tag)
+    folder = _tag_folder(checkpoint_dir, tag)
+    with tempfile.TemporaryDirectory(prefix="flashdist-fold-", dir=folder.parent) as tmp:
+        _fold(folder, tmp)
+        state = get_fp32_state_dict_from_zero_checkpoint(tmp, folder.name)
     return {name: t.float() if t.is_floating_point() else t for name, t in state.items()}
+
+
+export_fp32_state_dict = fp32_state_dict_from_zero_checkpoint
+"""The former name of :func:`fp32_state_dict_from_zero_checkpoint`, kept so that existing imports work."""
