@@ -277,7 +277,7 @@ def write_torch(path: Path, rest, specs: dict[tuple, Spec], fetch: Fetch,
     with FakeTensorMode() as mode:
         fakes = {route: torch.empty(spec[0], dtype=spec[1]) for route, spec in specs.items()}
     del mode
-    structure = _fill(tree, lambda route: fakes[route])
+    structure = _fill(tree, fakes.__getitem__)
     order = [route for route, _ in _iter_tensors(tree)]  # torch.save numbers storages as it pickles them
     with torch.serialization.skip_data(materialize_fake_tensors=True):
         torch.save(structure, path)
