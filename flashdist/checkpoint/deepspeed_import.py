@@ -47,7 +47,8 @@ import torch
 
 from ..quant import rho as R
 from .dcp import CheckpointError
-from .state import FORMAT_VERSION, dequantize_moment
+from ..quant.moment import QuantizedMoment
+from .state import FORMAT_VERSION
 
 Progress = Callable[[str, int, int], None]
 
@@ -276,17 +277,17 @@ def _rank_partitions(sd: dict, path: Path, stage: int) -> tuple[list[dict], list
             theta = R.merge(master.reshape(-1), rho.reshape(-1)[:n])
         part: dict[str, Any] = {"theta": theta, "step": float(entry.get("step", 0))}
         for key, value in entry.items():
-            if key in ("step", "rho") or key.endswith("_scales") or not isinstance(value, torch.Tensor):
+            name, part = QuantizedMoment.split_key(key)
+            if key in ("step", "rho") or part == "scales" or not isinstance(value, torch.Tensor):
                 continue
-            if key.endswith("_codes"):
-                name = key[: -len("_codes")]
-                scales = entry.get(f"{name}_scales")
-                if scales is None:
-                    raise CheckpointError(f"flashdist: {path}: partition {k} has {key} without {name}_scales")
-                value = dequantize_moment(name, value.reshape(1, -1), scales, value.numel(),
-                                          group.get("companded", True))
+            if part == "codes":
+                if QuantizedMoment.scales_key(name) not in entry:
+                    raise CheckpointError(f"flashdist: {path}: partition {k} has {key} without "
+                                          f"{QuantizedMoment.scales_key(name)}")
+                # DeepSpeed partitions are flat: one row of groups in storage order, whatever the codes' shape
+                value = QuantizedMoment.from_state(entry, name, flat=True,
+                                                   companded=group.get("companded", True)).dequantize()
             else:
-                name = key
                 if not value.is_floating_point():
                     raise CheckpointError(f"flashdist: {path}: state {key!r} of partition {k} is {value.dtype}, "
                                           "expected a float moment")
