@@ -277,10 +277,10 @@ def _rank_partitions(sd: dict, path: Path, stage: int) -> tuple[list[dict], list
             theta = R.merge(master.reshape(-1), rho.reshape(-1)[:n])
         part: dict[str, Any] = {"theta": theta, "step": float(entry.get("step", 0))}
         for key, value in entry.items():
-            name, part = QuantizedMoment.split_key(key)
-            if key in ("step", "rho") or part == "scales" or not isinstance(value, torch.Tensor):
+            name, piece = QuantizedMoment.split_key(key)
+            if key in ("step", "rho") or piece == "scales" or not isinstance(value, torch.Tensor):
                 continue
-            if part == "codes":
+            if piece == "codes":
                 if QuantizedMoment.scales_key(name) not in entry:
                     raise CheckpointError(f"flashdist: {path}: partition {k} has {key} without "
                                           f"{QuantizedMoment.scales_key(name)}")
