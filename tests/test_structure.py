@@ -142,6 +142,20 @@ def test_no_upward_import():
     assert upward_imports(import_graph()) == []
 
 
+def test_moved_names_keep_their_old_import_paths():
+    """Names that moved down a layer are still importable where they were (the same objects)."""
+    from flashdist.checkpoint import state as old_state
+    from flashdist.kernels import scalars
+    from flashdist.optim import base, params, state_dict
+    from flashdist.quant import codes, moment
+
+    for name in ("FORMATS", "FORMAT_VERSION", "LAYOUT_KEYS", "export_state_dict", "load_state_dict",
+                 "quantize_moment", "dequantize_moment"):
+        assert getattr(old_state, name) is getattr(state_dict, name), name
+    assert base.state_layout is moment.state_layout and base.param_name is params.param_name
+    assert scalars.f32 is codes.f32
+
+
 def test_the_checker_sees_lazy_and_relative_imports(tmp_path):
     """The checker itself: an import inside a function, relative to a package, is an edge, and a cycle and an
     upward edge through it are reported (a checker that saw nothing would pass the tests above)."""
