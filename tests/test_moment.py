@@ -49,7 +49,8 @@ def test_quantize_and_dequantize_by_kind(name, companded):
     layout = MomentLayout.of(values.shape)
     moment = QuantizedMoment.quantize(name, values, layout, companded)
     assert moment.codes.shape == values.shape and moment.scales.shape == (5, 3)
-    assert moment.codes.dtype == QuantizedMoment.code_dtype(name) == (torch.uint8 if name == "exp_avg_sq" else torch.int8)
+    want = torch.uint8 if name == "exp_avg_sq" else torch.int8
+    assert moment.codes.dtype == QuantizedMoment.code_dtype(name) == want
     assert moment.scales.dtype == torch.bfloat16
     if name == "exp_avg_sq":
         stored = Q.sqrt_rn(values) if companded else values  # what the scales are the group absmax of

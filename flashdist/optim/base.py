@@ -15,7 +15,8 @@ import torch
 
 from .. import distributed as D
 from ..quant import rho as R
-from ..quant.moment import MomentLayout, QuantizedMoment, state_layout
+from ..quant.moment import MomentLayout, QuantizedMoment
+from ..quant.moment import state_layout  # noqa: F401  (public here before it moved down to quant)
 from .params import param_name
 from .state_dict import FORMATS, export_state_dict, load_state_dict
 
@@ -387,12 +388,10 @@ class FlashOptimizer(torch.optim.Optimizer):
                 elif loaded.dtype != torch.float32:
                     state[name] = loaded.float()
                 continue
-            if QuantizedMoment.held_in(state, name):
-                moment = QuantizedMoment.from_state(state, name, flat=layout.flat, companded=group["companded"])
-            else:
-                moment = QuantizedMoment.zeros(name, p, layout, group["companded"])
-                moment.store(state)
+            if not QuantizedMoment.held_in(state, name):
+                QuantizedMoment.zeros(name, p, layout, group["companded"]).store(state)
             if loaded is not None:
+                moment = QuantizedMoment.from_state(state, name, flat=layout.flat, companded=group["companded"])
                 moment.quantize_(D.local(loaded).to(lp.device, torch.float32))
                 del state[name]
         if R.splits(p.dtype, group["master_weight_bits"]) and "rho" not in state:
