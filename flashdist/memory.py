@@ -6,6 +6,7 @@ import torch
 
 from . import distributed as D
 from .quant.codes import GROUP
+from .quant.moment import QuantizedMoment
 
 SCALE_BYTES = 2.0 / GROUP  # one bf16 scale per group of 32 values
 
@@ -67,12 +68,11 @@ def memory_report(optimizer: torch.optim.Optimizer, *, include_grads: bool = Tru
             for key, value in optimizer.state.get(p, {}).items():
                 if not isinstance(value, torch.Tensor) or key == "step":
                     continue
+                part = QuantizedMoment.split_key(key)[1]  # "codes" or "scales" of a quantized moment
                 if key == "rho":
                     out["rho"] += _nbytes(value)
-                elif key.endswith("_codes"):
-                    out["codes"] += _nbytes(value)
-                elif key.endswith("_scales"):
-                    out["scales"] += _nbytes(value)
+                elif part is not None:
+                    out[part] += _nbytes(value)
                 elif value.dtype == torch.float32 and key.startswith("exp_avg") or key == "momentum_buffer":
                     out["fp32_moments"] += _nbytes(value)
                 else:

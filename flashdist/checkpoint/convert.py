@@ -34,11 +34,12 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from ..quant import rho as R
+from ..quant.moment import MomentLayout, QuantizedMoment
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .dcp import CheckpointError, SafeFileSystemReader, SafeLoadPlanner, error_summary, resolve
 from .output import Fetch, Spec, atomic_output, check_destination, write_dcp, write_safetensors, write_torch
-from .state import FORMAT_VERSION, FORMATS, dequantize_moment, quantize_moment
+from .state import FORMAT_VERSION, FORMATS
 
 KINDS = ("dcp", "torch", "safetensors", "deepspeed", "flashoptim")
 OUTPUTS = ("dcp", "torch", "safetensors")
@@ -504,47 +505,42 @@ def _reformat_groups(groups: list, fmt: str) -> list:
 
 def _reformat_entry(entry: dict, group: dict, fmt: str) -> dict:
     """One parameter's optimizer state in format ``fmt``. Works on meta tensors too (the output's shapes)."""
-    from ..optim.base import state_layout
-
-    companded = group.get("companded", True)
+    companded, flat = group.get("companded", True), group.get("flat_layout", False)
     entry = dict(entry)
-    moments = sorted({k[: -len("_codes")] for k in entry if k.endswith("_codes")} |
+    moments = sorted({name for name, part in map(QuantizedMoment.split_key, entry) if part == "codes"} |
                      {k for k in entry if k in ("exp_avg", "exp_avg_sq", "momentum_buffer")})
     for m in moments:
-        if fmt == "portable" and f"{m}_codes" in entry:
-            codes, scales = entry.pop(f"{m}_codes"), entry.pop(f"{m}_scales")
-            layout = state_layout(tuple(codes.shape), group.get("flat_layout", False))
-            pieces = _pieces(codes, layout)
+        if fmt == "portable" and QuantizedMoment.held_in(entry, m):
+            moment = QuantizedMoment.from_state(entry, m, flat=flat, companded=companded, pop=True)
+            pieces = _pieces(moment.codes, moment.layout)
             if len(pieces) == 1:
-                entry[m] = dequantize_moment(m, codes, scales, layout[1], companded)
+                entry[m] = moment.dequantize()
                 continue
-            values = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
+            values = torch.empty(moment.codes.shape, dtype=torch.float32, device=moment.codes.device)
             for part in pieces:
-                values[part] = dequantize_moment(m, codes[part], scales[part], layout[1], companded)
+                values[part] = moment.row_slice(part).dequantize()
             entry[m] = values
         elif fmt == "compressed" and isinstance(entry.get(m), torch.Tensor) and entry[m].is_floating_point():
             values = entry[m]
-            layout = state_layout(tuple(values.shape), group.get("flat_layout", False)) \
-                if group.get("quantize_states", True) else None
+            layout = MomentLayout.of(tuple(values.shape), flat) if group.get("quantize_states", True) else None
             if layout is None:
                 continue
-            quantized = [quantize_moment(m, values[part].float(), layout[1], companded)
-                         for part in _pieces(values, layout)]
+            pieces = [QuantizedMoment.quantize(m, values[part].float(), layout, companded)
+                      for part in _pieces(values, layout)]
             del entry[m]
-            entry[f"{m}_codes"] = torch.cat([c for c, _ in quantized]) if len(quantized) > 1 else quantized[0][0]
-            entry[f"{m}_scales"] = torch.cat([s for _, s in quantized]) if len(quantized) > 1 else quantized[0][1]
+            QuantizedMoment.cat(pieces).store(entry)
     return entry
 
 
 _VALUES_PER_PIECE = 2**20  # a large moment is (de)quantized in pieces of whole rows: the float temporaries stay small
 
 
-def _pieces(t: torch.Tensor, layout: tuple) -> list[slice]:
+def _pieces(t: torch.Tensor, layout: MomentLayout) -> list[slice]:
     """Slices of whole rows of a row-aligned moment (groups never cross rows, so each piece quantizes as it
     does in the whole tensor); one slice, the whole, for a single row (the flat layout) or a small tensor."""
-    if layout[0] <= 1 or t.dim() == 0 or t.numel() <= _VALUES_PER_PIECE:
+    if layout.rows <= 1 or t.dim() == 0 or t.numel() <= _VALUES_PER_PIECE:
         return [slice(None)]
-    step = max(1, _VALUES_PER_PIECE // max(layout[1], 1))
+    step = max(1, _VALUES_PER_PIECE // max(layout.cols, 1))
     return [slice(i, i + step) for i in range(0, len(t), step)]
 
 
@@ -578,14 +574,14 @@ def _reformat_plan(source: Source, fmt: str):
             out_specs[("optim", "state", name, k)] = (tuple(t.shape), t.dtype)
             if k not in inputs[name] or specs[inputs[name][k]] != out_specs[("optim", "state", name, k)]:
                 # made from one moment (its values, or its codes and scales); the rest is read as it is
-                derived[("optim", "state", name, k)] = (name, k.removesuffix("_codes").removesuffix("_scales"))
+                derived[("optim", "state", name, k)] = (name, QuantizedMoment.split_key(k)[0])
     new_state.update({n: e for n, e in optim["state"].items() if n not in new_state})
     rest = dict(rest, optim=dict(optim, state=new_state,
                                  param_groups=_reformat_groups(optim.get("param_groups", []), fmt)))
 
     def compute(what) -> dict[tuple, torch.Tensor]:
         name, moment = what
-        routes = {k: r for k, r in inputs[name].items() if k in (moment, f"{moment}_codes", f"{moment}_scales")}
+        routes = {k: r for k, r in inputs[name].items() if QuantizedMoment.split_key(k)[0] == moment}
         got = source.get(list(routes.values()))
         entry = _reformat_entry({k: got[r] for k, r in routes.items()}, groups.get(name, {}), fmt)
         return {("optim", "state", name, k): v for k, v in entry.items()}
@@ -654,7 +650,7 @@ def inspect(path: str | os.PathLike) -> dict[str, Any]:
         "parameter_tensors": len(model),
         "model_dtypes": dtypes,
         "optimizer_format": fmt.pop() if len(fmt) == 1 else ("mixed" if fmt else
-                                                             ("compressed" if any(k.endswith("_codes") for k in optim_keys)
+                                                             ("compressed" if QuantizedMoment.any_codes(optim_keys)
                                                               else ("portable" if optim_keys else None))),
         "format_version": max((g.get("flashdist_version", 0) for g in groups), default=None),
         "master_weight_bits": sorted({g.get("master_weight_bits") for g in groups}, key=str) if groups else None,

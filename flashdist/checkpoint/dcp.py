@@ -64,6 +64,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from ..quant.moment import QuantizedMoment
+
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded into this model and optimizer (nothing was changed), or a save
@@ -656,7 +658,7 @@ def _saved_format(metadata) -> str | None:
     """"compressed" when the checkpoint's optimizer state holds codes, "portable" when it holds float
     moments only, None when it holds neither (no quantized parameter: the two formats are the same)."""
     keys = [k for k in metadata.state_dict_metadata if k.startswith("optim.state.")]
-    if any(k.endswith("_codes") for k in keys):
+    if QuantizedMoment.any_codes(keys):
         return "compressed"
     return None
 
@@ -686,10 +688,10 @@ def _optimizer_hint(have, want) -> str:
         return {k.rsplit(".", 1)[-1] for k in keys if k.startswith("optim.state.")}
 
     def moments(keys):
-        return tuple(sorted({k.removesuffix("_codes").removesuffix("_scales") for k in keys} - {"step", "rho"}))
+        return tuple(sorted({QuantizedMoment.split_key(k)[0] for k in keys} - {"step", "rho"}))
 
     def fmt(keys):
-        return "compressed" if any(k.endswith("_codes") for k in keys) else "portable"
+        return "compressed" if QuantizedMoment.any_codes(keys) else "portable"
 
     saved, mine = state_keys(have), state_keys(want)
     if saved == mine or not saved or not mine:

@@ -44,9 +44,10 @@ import torch
 
 from ..quant import rho as R
 from .dcp import CheckpointError
+from ..quant.moment import QuantizedMoment
 from .deepspeed_files import (HINT, ZERO12_MODEL_FILE, OptimizerFile, load_file, missing, model_states_file,
                               optimizer_files, read_optimizer_file, stage3_model_files, tag_folder)
-from .state import FORMAT_VERSION, dequantize_moment
+from .state import FORMAT_VERSION
 
 Progress = Callable[[str, int, int], None]
 
@@ -135,17 +136,17 @@ def _rank_partitions(file: OptimizerFile, stage: int) -> tuple[list[dict], list[
             theta = R.merge(master.reshape(-1), rho.reshape(-1)[:n])
         part: dict[str, Any] = {"theta": theta, "step": float(entry.get("step", 0))}
         for key, value in entry.items():
-            if key in ("step", "rho") or key.endswith("_scales") or not isinstance(value, torch.Tensor):
+            name, piece = QuantizedMoment.split_key(key)
+            if key in ("step", "rho") or piece == "scales" or not isinstance(value, torch.Tensor):
                 continue
-            if key.endswith("_codes"):
-                name = key[: -len("_codes")]
-                scales = entry.get(f"{name}_scales")
-                if scales is None:
-                    raise CheckpointError(f"flashdist: {path}: partition {k} has {key} without {name}_scales")
-                value = dequantize_moment(name, value.reshape(1, -1), scales, value.numel(),
-                                          group.get("companded", True))
+            if piece == "codes":
+                if QuantizedMoment.scales_key(name) not in entry:
+                    raise CheckpointError(f"flashdist: {path}: partition {k} has {key} without "
+                                          f"{QuantizedMoment.scales_key(name)}")
+                # DeepSpeed partitions are flat: one row of groups in storage order, whatever the codes' shape
+                value = QuantizedMoment.from_state(entry, name, flat=True,
+                                                   companded=group.get("companded", True)).dequantize()
             else:
-                name = key
                 if not value.is_floating_point():
                     raise CheckpointError(f"flashdist: {path}: state {key!r} of partition {k} is {value.dtype}, "
                                           "expected a float moment")

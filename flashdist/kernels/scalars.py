@@ -11,10 +11,7 @@ import math
 import struct
 from dataclasses import dataclass
 
-
-def f32(x: float) -> float:
-    """The nearest fp32 value, as a Python float."""
-    return struct.unpack("f", struct.pack("f", x))[0]
+from ..quant.codes import f32
 
 
 _PLAIN = frozenset((float, int, bool))

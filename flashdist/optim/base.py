@@ -14,8 +14,11 @@ from typing import Any
 import torch
 
 from .. import distributed as D
-from ..quant import codes as Q
 from ..quant import rho as R
+from ..quant.moment import MomentLayout, QuantizedMoment
+from ..quant.moment import state_layout  # noqa: F401  (public here before it moved down to quant)
+from .params import param_name
+from .state_dict import FORMATS, export_state_dict, load_state_dict
 
 SUPPORTED_PARAM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _GRAD = operator.attrgetter("grad")
@@ -41,26 +44,6 @@ _EAGER_STEP = ("flashdist: the optimizer step runs eagerly (it is one fused laun
 
 class PrecisionWarning(UserWarning):
     """fp32 parameters handed to a flashdist optimizer in a setting where the model likely computes in bf16."""
-
-
-def state_layout(shape, flat_layout: bool = False) -> tuple[int, int, int] | None:
-    """``(rows, cols, groups_per_row)`` of the quantized moments of a parameter of this GLOBAL shape, or None
-    for fp32 moments. Row-aligned (flashdist.quant.codes.quantized_layout) by default; with ``flat_layout``
-    the tensor is ONE row of ``numel`` values, whatever its shape: groups of 32 consecutive values in storage
-    order (DeepSpeed's flat 1-D partitions)."""
-    if not flat_layout:
-        return Q.quantized_layout(shape)
-    numel = 1
-    for d in shape:
-        numel *= d
-    return 1, numel, (numel + Q.GROUP - 1) // Q.GROUP
-
-
-def param_name(group: dict, index: int, p: torch.Tensor) -> str:
-    """The parameter's name when the optimizer was given ``named_parameters()``, else its position."""
-    names = group.get("param_names")
-    where = f"'{names[index]}'" if names else f"param_groups[...]['params'][{index}]"
-    return f"{where} (shape {tuple(p.shape)}, {p.dtype})"
 
 
 def check_number(name: str, value: Any, *, low: float, high: float | None = None, high_open: bool = False):
@@ -101,7 +84,6 @@ class FlashOptimizer(torch.optim.Optimizer):
     _torch_counts_steps = True  # the torch optimizer this one replaces keeps state["step"] (SGD does not)
 
     def __init__(self, params, defaults: dict, *, backend: str = "auto", state_dict_format: str = "portable"):
-        from ..checkpoint.state import FORMATS
         from ..functional.backend import BACKENDS
 
         if backend not in BACKENDS:
@@ -129,8 +111,8 @@ class FlashOptimizer(torch.optim.Optimizer):
         self._flat_ids: set[int] = set()
 
     def moments_of(self, group: dict) -> tuple[str, ...]:
-        """State names of the moments the parameters of ``group`` keep (fp32, or as ``<name>_codes`` and
-        ``<name>_scales``)."""
+        """State names of the moments the parameters of ``group`` keep (fp32 under these names, or as a
+        ``flashdist.quant.moment.QuantizedMoment``)."""
         return self._moments
 
     # ----- construction -------------------------------------------------------------------------------
@@ -394,7 +376,7 @@ class FlashOptimizer(torch.optim.Optimizer):
         step = state.get("step")
         if not isinstance(step, torch.Tensor):
             state["step"] = torch.tensor(float(step or 0.0))
-        layout = state_layout(shape, group.get("flat_layout", False)) if group["quantize_states"] else None
+        layout = MomentLayout.of(shape, group.get("flat_layout", False)) if group["quantize_states"] else None
         for name in self.moments_of(group):
             loaded = state.get(name)
             if loaded is not None and tuple(loaded.shape) != shape:
@@ -406,20 +388,11 @@ class FlashOptimizer(torch.optim.Optimizer):
                 elif loaded.dtype != torch.float32:
                     state[name] = loaded.float()
                 continue
-            rows, cols, ngroups = layout
-            if f"{name}_codes" not in state:
-                code_dtype = torch.uint8 if name.endswith("_sq") else torch.int8
-                state[f"{name}_codes"] = D.state_like(p, torch.zeros_like(lp, dtype=code_dtype), shape)
-                local_rows = 1 if group.get("flat_layout", False) else lp.shape[0]
-                scales = torch.zeros((local_rows, ngroups), dtype=torch.bfloat16, device=lp.device)
-                state[f"{name}_scales"] = D.state_like(p, scales, (rows, ngroups))
+            if not QuantizedMoment.held_in(state, name):
+                QuantizedMoment.zeros(name, p, layout, group["companded"]).store(state)
             if loaded is not None:
-                from ..checkpoint.state import quantize_moment
-
-                codes, scales = quantize_moment(name, D.local(loaded).to(lp.device, torch.float32), cols,
-                                                group["companded"])
-                D.local(state[f"{name}_codes"]).copy_(codes)
-                D.local(state[f"{name}_scales"]).copy_(scales)
+                moment = QuantizedMoment.from_state(state, name, flat=layout.flat, companded=group["companded"])
+                moment.quantize_(D.local(loaded).to(lp.device, torch.float32))
                 del state[name]
         if R.splits(p.dtype, group["master_weight_bits"]) and "rho" not in state:
             rho_dtype = R.rho_dtype(group["master_weight_bits"])
@@ -430,8 +403,8 @@ class FlashOptimizer(torch.optim.Optimizer):
         state = self.state.get(p)
         if not state or not isinstance(state.get("step"), torch.Tensor):
             return False
-        quantized = group["quantize_states"] and (group.get("flat_layout", False) or p.ndim >= 2)
-        size = 1 + len(self.moments_of(group)) * (2 if quantized else 1)
+        quantized = group["quantize_states"] and MomentLayout.of(p.shape, group.get("flat_layout", False)) is not None
+        size = 1 + sum(len(QuantizedMoment.keys(name)) if quantized else 1 for name in self.moments_of(group))
         return len(state) == size + R.splits(p.dtype, group["master_weight_bits"])
 
     # ----- queries -------------------------------------------------------------------------------------
@@ -579,12 +552,10 @@ class FlashOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """torch's state dict in this optimizer's ``state_dict_format``: "portable" (default; fp32 moments
         under torch.optim.AdamW's names, plus rho) or "compressed" (codes, scales, rho). See
-        flashdist.checkpoint.state. Every trainable parameter has state in it, stepped or not (dcp.save needs
+        flashdist.optim.state_dict. Every trainable parameter has state in it, stepped or not (dcp.save needs
         the same keys on every rank); frozen parameters never stepped have none, as in torch.optim. Hooks
         run as in torch.optim: ``register_state_dict_pre_hook`` hooks before, ``register_state_dict_post_hook``
         hooks on the dict that is returned (and may replace it)."""
-        from ..checkpoint.state import export_state_dict
-
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
         self._ensure_trainable_state()
@@ -619,8 +590,6 @@ class FlashOptimizer(torch.optim.Optimizer):
         torch.optim.AdamW's) keeps the current rho: set the fp32 weights with
         flashdist.load_fp32_state_dict. ``register_load_state_dict_pre_hook`` hooks run first (and may
         replace the dict), ``register_load_state_dict_post_hook`` hooks after the load, as in torch.optim."""
-        from ..checkpoint.state import load_state_dict
-
         state_dict = dict(state_dict) if isinstance(state_dict, dict) else state_dict
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = hook(self, state_dict)
@@ -676,15 +645,15 @@ class _Bucket:
         self.device = D.local(params[0]).device
         self.params = [D.local(p) for p in params]
         names = opt.moments_of(group)
-        self.quantized = bool(names) and f"{names[0]}_codes" in states[0]
+        self.quantized = bool(names) and QuantizedMoment.held_in(states[0], names[0])
         self.moments, self.scales = [], []
         for name in names:
-            key = f"{name}_codes" if self.quantized else name
-            self.moments.append([D.local(s[key]) for s in states])
-            self.scales.append([D.local(s[f"{name}_scales"]) for s in states] if self.quantized else None)
+            codes_key, scales_key = QuantizedMoment.keys(name) if self.quantized else (name, None)
+            self.moments.append([D.local(s[codes_key]) for s in states])
+            self.scales.append([D.local(s[scales_key]) for s in states] if self.quantized else None)
         self.rhos = [D.local(s["rho"]) for s in states] if "rho" in states[0] else None
         flat = group.get("flat_layout", False)
-        self.cols = [state_layout(D.global_shape(p), flat)[1] for p in params] if self.quantized else None
+        self.cols = [MomentLayout.of(D.global_shape(p), flat).cols for p in params] if self.quantized else None
         self.dtensor = any(D.is_dtensor(p) for p in params)
 
     def subset(self, index: list[int]) -> "_Bucket":
@@ -720,7 +689,7 @@ class _Plan:
         self.sizes = list(map(len, self.states)) if group.get("flat_layout", False) else None
         self.step: int | None = None  # the common step count, once known
         by_layout: dict[tuple, list[int]] = defaultdict(list)
-        codes = f"{opt.moments_of(group)[0]}_codes" if opt.moments_of(group) else None
+        codes = QuantizedMoment.codes_key(opt.moments_of(group)[0]) if opt.moments_of(group) else None
         for i, (p, s) in enumerate(zip(params, self.states)):
             by_layout[("rho" in s, codes in s, D.local(p).device)].append(i)
         self.buckets = [_Bucket(opt, group, [params[i] for i in index], index) for index in by_layout.values()]

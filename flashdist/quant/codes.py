@@ -43,11 +43,18 @@ Rounding is to nearest, ties to even (``torch.round``): the kernel rounds with o
 
 from __future__ import annotations
 
+import struct
+
 import torch
 
-from ..kernels.scalars import f32
-
 GROUP = 32
+
+
+def f32(x: float) -> float:
+    """The nearest fp32 value, as a Python float."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
 INV127 = f32(1.0 / 127.0)  # fp32 constants: the kernel multiplies by exactly these values
 INV255 = f32(1.0 / 255.0)
 TINY = 2.0**-64  # groups with an absmax below this are lifted by LIFT before the reciprocal (see above)

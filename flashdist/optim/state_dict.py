@@ -1,0 +1,192 @@
+"""Optimizer state-dict formats: portable (default) and compressed, versioned, validated on load.
+
+Portable: per parameter ``step``, each moment dequantized to fp32 under torch.optim's name and the
+parameter's shape (``exp_avg``, ``exp_avg_sq``), and ``rho``. It loads into torch.optim.AdamW, into
+flashdist at any world size (loading re-quantizes the local rows; row-aligned groups make that the same as
+re-quantizing the full tensor), and a torch.optim.AdamW state dict loads into flashdist. Re-quantizing an
+unchanged state gives back the same codes and scales.
+
+Compressed (``state_dict_format="compressed"``): the codes, scales and rho themselves, 2.125 + rho bytes
+per parameter; under FSDP2 they are DTensors with the parameter's placements and true global shapes, so
+torch.distributed.checkpoint reshards them exactly.
+
+Each param group of a saved state dict carries ``flashdist_format`` and ``flashdist_version``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import distributed as D
+from ..quant.moment import QuantizedMoment, dequantize_moment, quantize_moment
+from .params import param_name
+
+FORMAT_VERSION = 1
+FORMATS = ("portable", "compressed")
+LAYOUT_KEYS = ("master_weight_bits", "quantize_states", "companded", "flat_layout")
+_META_KEYS = ("flashdist_format", "flashdist_version")
+_KEPT_GROUP_KEYS = ("params", "param_names") + _META_KEYS + LAYOUT_KEYS  # not taken from a loaded group
+
+__all__ = ["FORMATS", "FORMAT_VERSION", "LAYOUT_KEYS", "dequantize_moment", "export_state_dict", "load_state_dict",
+           "quantize_moment"]
+
+
+def _params_in_order(opt):
+    for group in opt.param_groups:
+        for p in group["params"]:
+            yield group, p
+
+
+def export_state_dict(opt, sd: dict, fmt: str) -> dict:
+    """Rewrite ``sd`` (torch's ``Optimizer.state_dict()`` of a flashdist optimizer) into format ``fmt``."""
+    if fmt not in FORMATS:
+        raise ValueError(f"flashdist: state_dict_format must be one of {FORMATS}, got {fmt!r}")
+    for sgroup in sd["param_groups"]:
+        sgroup["flashdist_format"] = fmt
+        sgroup["flashdist_version"] = FORMAT_VERSION
+    for index, (group, p) in enumerate(_params_in_order(opt)):
+        entry = sd["state"].get(index)
+        if entry is None:
+            continue
+        # torch's state_dict() shares the live per-param dicts; the step counts are 0-d views of one
+        # tensor per step plan (a saved view would carry the whole storage): copy both
+        entry = sd["state"][index] = dict(entry)
+        if isinstance(entry.get("step"), torch.Tensor):
+            entry["step"] = entry["step"].clone()
+        names = opt.moments_of(group)
+        if fmt == "compressed" or not names or not QuantizedMoment.held_in(entry, names[0]):
+            continue
+        for name in names:
+            moment = QuantizedMoment.from_state(entry, name, flat=group.get("flat_layout", False),
+                                                companded=group["companded"], pop=True)
+            entry[name] = D.state_like(p, moment.dequantize(), tuple(D.global_shape(p)))
+    return sd
+
+
+def _local_for(value, mine: torch.Tensor) -> torch.Tensor:
+    """The part of a loaded tensor that this rank holds for state tensor ``mine``."""
+    if D.is_dtensor(value):
+        if D.is_dtensor(mine) and (value.device_mesh != mine.device_mesh or value.placements != mine.placements):
+            value = value.redistribute(mine.device_mesh, mine.placements)  # a state dict sharded differently
+        elif not D.is_dtensor(mine):
+            value = value.full_tensor()
+        return D.local(value)
+    if D.is_dtensor(mine):  # a full (unsharded) tensor loaded into a sharded optimizer
+        return D.local_rows(value, mine)
+    return value
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(f"flashdist: {message}")
+
+
+def _plan_param(opt, group, p, name, saved: dict) -> list:
+    """Validate one parameter's saved state; return a list of (destination local tensor, source) copies."""
+    mine = opt.state[p]
+    if any(isinstance(v, dict) and not v for v in saved.values()):
+        # torch.distributed.checkpoint.state_dict rebuilds a FLATTENED optimizer state dict from the keys of
+        # the live optimizer state (exp_avg_codes, ...), so the portable keys (exp_avg, ...) never arrive.
+        raise ValueError(f"flashdist: the state of {name} came through flatten_optimizer_state_dict=True, which "
+                         "can only carry the compressed format (torch rebuilds it from the live state's keys). "
+                         "Build the optimizer with state_dict_format='compressed' (it reshards exactly across "
+                         "world sizes too), or save without flatten_optimizer_state_dict.")
+    names = opt.moments_of(group)
+    quantized = bool(names) and QuantizedMoment.held_in(mine, names[0])
+    shape = tuple(D.global_shape(p))
+    ops = []
+    keys = set(saved)
+    compressed_keys = {key for m in names for key in QuantizedMoment.keys(m)}
+    portable_keys = set(names)
+    extra = keys - compressed_keys - portable_keys - {"step", "rho"}
+    _check(not extra, f"state of {name} has unexpected keys {sorted(extra)} (expected {sorted(mine)}); "
+                      "was it saved by another optimizer (e.g. AdamW with amsgrad)?")
+    if "step" not in saved and not opt._torch_counts_steps and keys & portable_keys:
+        # torch.optim.SGD keeps no step count; a saved momentum buffer means at least one step was taken
+        saved = {**saved, "step": 1.0}
+    _check("step" in saved, f"state of {name} has no 'step'")
+    if keys & compressed_keys:
+        _check(quantized, f"state of {name} is compressed (codes and scales) but this optimizer keeps its "
+                          "moments in fp32 (quantize_states=False or a 1-d parameter); build it with the settings "
+                          "the checkpoint was saved with, or save it in the portable format")
+        _check(compressed_keys <= keys, f"state of {name} lacks {sorted(compressed_keys - keys)}")
+        for key in sorted(compressed_keys):
+            value = saved[key]
+            _check(isinstance(value, torch.Tensor), f"state '{key}' of {name} is not a tensor")
+            _check(tuple(value.shape) == tuple(mine[key].shape) and value.dtype == mine[key].dtype,
+                   f"state '{key}' of {name} is {value.dtype} {tuple(value.shape)}, expected "
+                   f"{mine[key].dtype} {tuple(mine[key].shape)}")
+            ops.append(("copy", D.local(mine[key]), value, mine[key]))
+    else:
+        _check(portable_keys <= keys, f"state of {name} lacks {sorted(portable_keys - keys)} "
+                                      f"(has {sorted(keys)})")
+        for m in names:
+            value = saved[m]
+            _check(isinstance(value, torch.Tensor) and value.is_floating_point(),
+                   f"state '{m}' of {name} must be a floating-point tensor")
+            _check(tuple(value.shape) == shape, f"state '{m}' of {name} has shape {tuple(value.shape)}, "
+                                                f"the parameter has {shape}")
+            if quantized:
+                ops.append(("quantize", m, value, mine))
+            else:
+                ops.append(("copy", D.local(mine[m]), value, mine[m]))
+    if "rho" in saved:
+        value = saved["rho"]
+        _check("rho" in mine, f"state of {name} has 'rho' but this optimizer keeps no rho for it "
+                              f"(master_weight_bits={group['master_weight_bits']}, {p.dtype})")
+        _check(isinstance(value, torch.Tensor) and value.dtype == mine["rho"].dtype and tuple(value.shape) == shape,
+               f"state 'rho' of {name} is {getattr(value, 'dtype', type(value))} "
+               f"{tuple(getattr(value, 'shape', ()))}, expected {mine['rho'].dtype} {shape}")
+        ops.append(("copy", D.local(mine["rho"]), value, mine["rho"]))
+    step = saved["step"]
+    _check(isinstance(step, (int, float)) or (isinstance(step, torch.Tensor) and step.numel() == 1),
+           f"state 'step' of {name} must be a number")
+    ops.append(("step", mine["step"], step, None))
+    return ops
+
+
+def load_state_dict(opt, sd: dict) -> None:
+    """Load ``sd`` (portable, compressed or torch.optim.AdamW's) into ``opt``; all checks run first."""
+    _check(isinstance(sd, dict) and isinstance(sd.get("param_groups"), list) and isinstance(sd.get("state"), dict),
+           "load_state_dict expects a dict with 'state' and 'param_groups'")
+    groups, saved = sd["param_groups"], sd["state"]
+    _check(len(groups) == len(opt.param_groups),
+           f"the state dict has {len(groups)} param groups, this optimizer has {len(opt.param_groups)}")
+    plan = []
+    index = 0
+    for gi, (group, sgroup) in enumerate(zip(opt.param_groups, groups)):
+        version = sgroup.get("flashdist_version", FORMAT_VERSION)
+        _check(isinstance(version, int) and version <= FORMAT_VERSION,
+               f"param group {gi} was saved in state-dict format version {version!r}; this flashdist reads "
+               f"versions up to {FORMAT_VERSION}: upgrade flashdist")
+        _check(len(sgroup["params"]) == len(group["params"]),
+               f"param group {gi} has {len(sgroup['params'])} parameters in the state dict and "
+               f"{len(group['params'])} here: is this checkpoint from another model?")
+        if "flashdist_format" in sgroup:
+            for key in ("master_weight_bits",):
+                _check(sgroup.get(key, group[key]) == group[key],
+                       f"param group {gi} was saved with {key}={sgroup.get(key)!r}, this optimizer has "
+                       f"{key}={group[key]!r}; build the optimizer with the same setting")
+        for i, (pid, p) in enumerate(zip(sgroup["params"], group["params"])):
+            if pid in saved:
+                opt._init_state(p, group)  # flat_layout groups create their state lazily
+                plan.extend((op, group) for op in _plan_param(opt, group, p, param_name(group, i, p), saved[pid]))
+            index += 1
+    # The hyper-parameters the groups will have after the load (torch's load_state_dict takes the saved
+    # ones), checked too: e.g. FlashSGD refuses a momentum switched on or off under the state it holds.
+    for group, sgroup in zip(opt.param_groups, groups):
+        opt._check_hyperparameters({**group, **{k: v for k, v in sgroup.items() if k not in _KEPT_GROUP_KEYS}})
+    # Everything checked: apply.
+    for (kind, dest, value, mine), group in plan:
+        if kind == "copy":
+            dest.copy_(_local_for(value, mine))
+        elif kind == "step":
+            dest.fill_(float(value))
+        else:  # re-quantize a portable moment under this optimizer's sharding
+            moment = QuantizedMoment.from_state(mine, dest, flat=group.get("flat_layout", False),
+                                                companded=group["companded"])
+            moment.quantize_(_local_for(value, moment.codes).to(D.local(moment.codes).device, torch.float32))
+    for group, sgroup in zip(opt.param_groups, groups):
+        for k, v in sgroup.items():
+            if k not in _KEPT_GROUP_KEYS:
+                group[k] = v
