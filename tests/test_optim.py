@@ -120,6 +120,33 @@ def test_state_dict_round_trip_mid_run_is_exact(name, fmt):
             assert torch.equal(opt.state[p][key], opt2.state[p2][key]), key
 
 
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_nonfinite_gradient_skips_its_group_only(name):
+    """A NaN in one group of 32: that group's weights and state keep their bits (the element's alone where no
+    8-bit moments are kept, as for SGD without momentum), the skip is counted, every other value steps."""
+    gen = torch.Generator().manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(2, 64, generator=gen).bfloat16())
+    opt = Case(OPTIMIZERS[name]).make([p])
+    p.grad = torch.randn(p.shape, generator=gen).bfloat16()
+    opt.step()
+    before = {k: v.clone() for k, v in opt.state[p].items() if k != "step"}
+    w, master = p.detach().clone(), opt.master_weight(p).clone()
+    g = torch.randn(p.shape, generator=gen).bfloat16()
+    g[0, 5] = float("nan")  # group 0 of row 0
+    p.grad = g
+    opt.step()
+    assert int(opt.skipped) == 1
+    grouped = any(v.shape != p.shape for v in before.values())  # per-group scales: 8-bit moments
+    kept = torch.zeros(p.shape, dtype=torch.bool)
+    kept[0, slice(0, 32) if grouped else 5] = True
+    assert torch.equal(p[kept], w[kept]) and torch.equal(opt.master_weight(p)[kept], master[kept])
+    assert (opt.master_weight(p) != master)[~kept].all()
+    for key, old in before.items():
+        # per-value tensors (codes, rho) hold the group in [0, :32]; per-group ones (scales) in [0, 0]
+        where = kept if old.shape == p.shape else (0, 0)
+        assert torch.equal(opt.state[p][key][where], old[where]), key
+
+
 @pytest.mark.parametrize("name, lr, steps", [("adamw", 1e-2, 30), ("sgd-momentum", 1e-4, 20), ("lion", 1e-3, 20)])
 def test_rho_beats_plain_bf16(name, lr, steps):
     """Steps near or far below bf16's spacing (2^-7 at |w| in [2, 4)): without rho most are lost or
