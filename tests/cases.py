@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -71,20 +71,19 @@ def _torch(cls):
 
 @dataclass(frozen=True)
 class Optimizer:
-    """One optimizer configuration under test. ``reference(p, lr=, **kwargs)`` builds the float64 optimizer
-    that steps ``p``; ``quant`` maps a moment storage to its error (absent: not run with that storage)."""
+    """One optimizer configuration under test: what tests/test_optim.py needs to run it and judge it."""
 
-    name: str
-    cls: type
-    kwargs: dict
-    reference: Callable
+    name: str  # the pytest id's first part
+    cls: type  # the flashdist optimizer
+    kwargs: dict  # its options, given to the reference too (lr, master weights and moments come from the Case)
+    reference: Callable  # reference(p, lr=, **kwargs): the float64 optimizer that steps the float64 copy p
     lr: float
     update: str  # "unit" (|update| = lr: Adam, Lion) or "gradient" (lr times the gradients' size: SGD)
-    arith: float
-    quant: dict
+    arith: float  # error of fp32 arithmetic per step, in units of the update
+    quant: dict  # moment storage -> its error per step, in units of the update; storages absent are not run
     max_flipped: float | None = None  # sign updates: the fraction of coordinates allowed to end > lr apart
-    dtypes: tuple = tuple(DTYPES)
-    bits: tuple = (24, 32, None)
+    dtypes: tuple = tuple(DTYPES)  # parameter dtypes it runs with
+    bits: tuple = (24, 32, None)  # master_weight_bits it runs with (bf16 and fp16 parameters)
 
     def make(self, params, *, bits=24, moments="q-comp", lr=None, **options):
         quantize, companded = MOMENTS[moments]
@@ -92,8 +91,9 @@ class Optimizer:
                         quantize_states=quantize, companded=companded, **self.kwargs, **options)
 
 
-# companded 8-bit moments: a few percent of the update (worst measured for Adam: 0.06, with coupled L2 decay;
-# docs/method.md explains the sticky +-1 codes behind it); SGD's buffer is <= 10 gradients with momentum 0.9
+# companded 8-bit moments: a few code steps of the group scale, a few percent of the update (coupled L2 decay
+# is the worst case: docs/method.md explains its sticky +-1 codes); SGD's buffer is <= 10 gradients with
+# momentum 0.9, so a few percent of it is 0.15 of a gradient
 ADAM_QUANT = {"q-comp": 0.1, "q-linear": 5.0, "fp32m": 0.0}
 SGD_QUANT = {"q-comp": 0.15, "fp32m": 0.0}
 _SGD = dict(cls=FlashSGD, reference=_torch(torch.optim.SGD), lr=1e-2, update="gradient", arith=1e-3, quant=SGD_QUANT)
@@ -112,7 +112,8 @@ OPTIMIZERS = {o.name: o for o in [
     Optimizer("sgd-plain", kwargs=dict(weight_decay=1e-3), **{**_SGD, "quant": {"q-comp": 0.0, "fp32m": 0.0}}),
     Optimizer("sgdw", FlashSGDW, dict(momentum=0.9, weight_decay=0.1), SGDW64, lr=1e-2, update="gradient",
               arith=1e-3, quant=SGD_QUANT),
-    # Without rho, Lion's lr-sized steps below half a bf16/fp16 ulp are lost: test_rho_beats_plain_bf16
+    # Without rho, Lion's lr-sized steps below half a bf16/fp16 ulp are lost: test_rho_beats_plain_bf16. With
+    # 8-bit momentum a flipped sign costs 2 lr at that step; max_flipped keeps that rare
     Optimizer("lion", FlashLion, dict(betas=(0.9, 0.99), weight_decay=0.1), Lion64, lr=1e-2, update="unit",
               arith=1e-3, quant={"q-comp": 2.0, "fp32m": 0.0}, max_flipped=0.05, bits=(24, 32)),
 ]}
@@ -127,7 +128,6 @@ class Case:
     bits: int | None = 24
     moments: str = "q-comp"
     backend: str = "auto"
-    options: dict = field(default_factory=dict)
 
     @property
     def id(self) -> str:
@@ -136,8 +136,7 @@ class Case:
         return f"{self.opt.name}-{self.dtype}{bits}-{self.moments}{backend}"
 
     def make(self, params, **options):
-        return self.opt.make(params, bits=self.bits, moments=self.moments, backend=self.backend,
-                             **{**self.options, **options})
+        return self.opt.make(params, bits=self.bits, moments=self.moments, backend=self.backend, **options)
 
 
 def matrix(opt: Optimizer, backend: str = "auto") -> list[Case]:
