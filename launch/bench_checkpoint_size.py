@@ -12,7 +12,6 @@ import argparse
 import datetime
 import json
 import os
-import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -20,8 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import flashdist  # noqa: E402
+import flashdist
 
 
 def _model(hidden: int, layers: int, vocab: int) -> torch.nn.Module:

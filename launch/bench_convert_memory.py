@@ -26,7 +26,6 @@ import zlib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 SHAPES = {  # vocab, hidden, intermediate, layers, kv width
     "tiny": (64, 16, 32, 1, 16),

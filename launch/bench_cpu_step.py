@@ -30,15 +30,13 @@ import os
 import platform
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import flashdist  # noqa: E402
-from flashdist import FlashAdamW, FlashLion, FlashSGD  # noqa: E402
+import flashdist
+from flashdist import FlashAdamW, FlashLion, FlashSGD
 
 SHAPES = [(4096, 4096)] * 4 + [(11008, 4096)] * 2
 

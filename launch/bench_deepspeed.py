@@ -32,17 +32,18 @@ import gc
 import json
 import os
 import re
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchlib import run_or_record, timed_steps  # noqa: E402
-from llama import Llama, LlamaConfig  # noqa: E402
+from flashdist.integrations import deepspeed as fds
 
-from flashdist.integrations import deepspeed as fds  # noqa: E402
+if __package__:  # python -m launch.bench_deepspeed
+    from .benchlib import run_or_record, timed_steps
+    from .llama import Llama, LlamaConfig
+else:  # run as a file (python or torchrun launch/bench_deepspeed.py): its own folder is on sys.path
+    from benchlib import run_or_record, timed_steps
+    from llama import Llama, LlamaConfig
 
 CASES = ("ds_adamw", "ds_adamw_bf16_states", "flash_fp32_masters", "flash_bf16_masters")
 

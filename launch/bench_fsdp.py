@@ -19,19 +19,20 @@ import gc
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchlib import run_or_record  # noqa: E402
-from llama import Llama, LlamaConfig  # noqa: E402
+import flashdist
 
-import flashdist  # noqa: E402
+if __package__:  # python -m launch.bench_fsdp
+    from .benchlib import run_or_record
+    from .llama import Llama, LlamaConfig
+else:  # run as a file (python or torchrun launch/bench_fsdp.py): its own folder is on sys.path
+    from benchlib import run_or_record
+    from llama import Llama, LlamaConfig
 
 CASES = ("adamw_fp32_master", "flash_24bit", "flash_24bit_release", "flashoptim_24bit")
 

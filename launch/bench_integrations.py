@@ -15,16 +15,14 @@ import argparse
 import datetime
 import json
 import os
-import sys
 import tempfile
 import warnings
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import flashdist  # noqa: E402
-from flashdist import FlashAdamW  # noqa: E402
+import flashdist
+from flashdist import FlashAdamW
 
 KEYS = ("params", "grads", "rho", "codes", "scales", "fp32_moments", "other")
 

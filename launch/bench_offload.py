@@ -37,19 +37,20 @@ import datetime
 import gc
 import json
 import os
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchlib import run_or_record, timed_steps  # noqa: E402
-from llama import Llama, LlamaConfig  # noqa: E402
+import flashdist
+from flashdist import distributed as D
 
-import flashdist  # noqa: E402
-from flashdist import distributed as D  # noqa: E402
+if __package__:  # python -m launch.bench_offload
+    from .benchlib import run_or_record, timed_steps
+    from .llama import Llama, LlamaConfig
+else:  # run as a file (python or torchrun launch/bench_offload.py): its own folder is on sys.path
+    from benchlib import run_or_record, timed_steps
+    from llama import Llama, LlamaConfig
 
 CASES = ("ds_cpu_adam", "ds_flash", "fsdp2_adamw", "fsdp2_flash")
 HYPER = {"lr": 1e-4, "betas": (0.9, 0.95), "weight_decay": 0.1}

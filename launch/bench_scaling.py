@@ -41,14 +41,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import bench_fsdp  # noqa: E402
-from benchlib import run_or_record  # noqa: E402
-from llama import LlamaConfig  # noqa: E402
+import flashdist
+from flashdist import distributed as D
 
-import flashdist  # noqa: E402
-from flashdist import distributed as D  # noqa: E402
+if __package__:  # python -m launch.bench_scaling
+    from . import bench_fsdp
+    from .benchlib import run_or_record
+    from .llama import LlamaConfig
+else:  # run as a file (python or torchrun launch/bench_scaling.py): its own folder is on sys.path
+    import bench_fsdp
+    from benchlib import run_or_record
+    from llama import LlamaConfig
 
 CASES = ("adamw_fp32_master", "flash_24bit", "flash_24bit_release")
 LABELS = {"adamw_fp32_master": "torch.optim.AdamW, fp32 master weights", "flash_24bit": "FlashAdamW 24-bit",

@@ -35,11 +35,8 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import flashdist  # noqa: E402
 from flashdist.functional.adam import flash_adam  # noqa: E402

@@ -73,9 +73,10 @@ def main() -> None:
             env["CUDA_VISIBLE_DEVICES"] = str(i % gpus)
         else:
             env["CUDA_VISIBLE_DEVICES"] = ""
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-               str(HERE / "train.py"), *VARIANTS[name], *model, "--steps", str(steps), "--seed", str(seed),
-               "--out-dir", str(run_dir)]
+        # the recipe runs the way this file runs (a module of the launch package, or a file)
+        recipe = ["-m", f"{__package__}.train"] if __package__ else [str(HERE / "train.py")]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", *recipe,
+               *VARIANTS[name], *model, "--steps", str(steps), "--seed", str(seed), "--out-dir", str(run_dir)]
         log = open(out / f"{slug(name)}-seed{seed}.log", "w")
         running.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), name, seed))
         print(f"started {name} seed {seed}", flush=True)

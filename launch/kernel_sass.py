@@ -25,8 +25,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 SCALARS = ("beta1", "beta2", "one_minus_beta1", "one_minus_beta2", "eps", "weight_decay", "decay", "step_size",
            "inv_bc2_sqrt")
 ALGOS = {"adam": 0, "sgd": 1, "lion": 2}

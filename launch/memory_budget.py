@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from flashdist import bytes_per_param  # noqa: E402
+from flashdist import bytes_per_param
 
 GIB = 2**30
 # the memory the driver reports: H100 80 GB 81,559 MiB; H200 141 GB 143,771 MiB (docs/benchmarks.md's machine)

@@ -19,7 +19,7 @@
 #   PYTHON          the interpreter (default: python)
 # Every other argument goes to launch/train.py.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.."  # the repository root: torchrun runs the checkout's launch.train (and flashdist)
 : "${NNODES:?set NNODES, the number of nodes}"
 : "${RDZV_HOST:?set RDZV_HOST, an address of one node that every node can reach}"
 : "${CKPT_DIR:?set CKPT_DIR, a checkpoint directory on storage that every node mounts}"
@@ -31,5 +31,5 @@ else
   RDZV=(--rdzv-backend=c10d --rdzv-endpoint="$RDZV_HOST:${RDZV_PORT:-29500}" --rdzv-id="${JOB_ID:-flashdist}")
 fi
 exec "$PY" -m torch.distributed.run --nnodes="$NNODES" --nproc-per-node="$NPROC" "${RDZV[@]}" \
-  --max-restarts="${MAX_RESTARTS:-3}" launch/train.py --ckpt-dir "$CKPT_DIR" --ckpt-every "${CKPT_EVERY:-100}" \
+  --max-restarts="${MAX_RESTARTS:-3}" -m launch.train --ckpt-dir "$CKPT_DIR" --ckpt-every "${CKPT_EVERY:-100}" \
   --auto-resume "$@"

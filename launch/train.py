@@ -29,20 +29,21 @@ import json
 import math
 import os
 import resource
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from data import VOCAB, batch, load_corpus  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
+import flashdist
+from flashdist import checkpoint
 
-import flashdist  # noqa: E402
-from flashdist import checkpoint  # noqa: E402
+if __package__:  # python -m launch.train
+    from .data import VOCAB, batch, load_corpus
+    from .model import GPT, GPTConfig
+else:  # run as a file (python or torchrun launch/train.py): its own folder is on sys.path
+    from data import VOCAB, batch, load_corpus
+    from model import GPT, GPTConfig
 
 # --optimizer -> default (lr, weight decay). Lion's sign update moves every coordinate by lr: a 3x smaller lr than
 # AdamW's and a 3x larger decay (the same lr * weight_decay). SGD's update is lr times a gradient-sized momentum

@@ -21,18 +21,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from data import VOCAB, batch, load_corpus  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
+from flashdist.integrations import deepspeed as fds
 
-from flashdist.integrations import deepspeed as fds  # noqa: E402
+if __package__:  # python -m launch.train_deepspeed
+    from .data import VOCAB, batch, load_corpus
+    from .model import GPT, GPTConfig
+else:  # run as a file (python or torchrun launch/train_deepspeed.py): its own folder is on sys.path
+    from data import VOCAB, batch, load_corpus
+    from model import GPT, GPTConfig
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 

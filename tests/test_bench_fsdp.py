@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "launch"))
 
-import bench_fsdp  # noqa: E402
+from launch import bench_fsdp
 
 
 def _row(case, rnd, ms):

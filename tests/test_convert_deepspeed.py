@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,9 +22,8 @@ from flashdist._compat import HAS_DEEPSPEED
 from _cli import run_cli as _cli  # tests/_cli.py
 from flashdist.quant import rho as R
 
-sys.path.insert(0, str(Path(__file__).parent / "distributed"))
-from harness import run_ranks  # noqa: E402
-from test_deepspeed import VOCAB, Net  # noqa: E402  (the same tiny language model)
+from harness import run_ranks
+from test_deepspeed import VOCAB, Net  # the same tiny language model
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed "
                                                    "(DS_BUILD_OPS=0 pip install deepspeed; launch/setup.sh does)")]

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,8 +22,7 @@ from flashdist._compat import HAS_DEEPSPEED
 from flashdist.integrations import deepspeed as fds
 from flashdist.quant import rho as R
 
-sys.path.insert(0, str(Path(__file__).parent / "distributed"))
-from harness import run_ranks  # noqa: E402
+from harness import run_ranks
 
 needs_deepspeed = pytest.mark.skipif(
     not HAS_DEEPSPEED, reason="deepspeed is not installed (DS_BUILD_OPS=0 pip install deepspeed; launch/setup.sh "

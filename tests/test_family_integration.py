@@ -11,22 +11,19 @@ that format after the same steps.
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent / "distributed"))
-from harness import run_ranks  # noqa: E402
-from test_checkpoint_reshard import _gather, _model, _shard, _train  # noqa: E402
+from harness import run_ranks
+from test_checkpoint_reshard import _gather, _model, _shard, _train
 
-import flashdist  # noqa: E402
-from flashdist import FlashAdamW, FlashLion, FlashSGD, checkpoint  # noqa: E402
-from flashdist import distributed as D  # noqa: E402
-from flashdist.checkpoint import CheckpointError  # noqa: E402
-from flashdist.checkpoint.convert import read  # noqa: E402
-from flashdist.cli import main  # noqa: E402
+import flashdist
+from flashdist import FlashAdamW, FlashLion, FlashSGD, checkpoint
+from flashdist import distributed as D
+from flashdist.checkpoint import CheckpointError
+from flashdist.checkpoint.convert import read
+from flashdist.cli import main
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

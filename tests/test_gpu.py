@@ -303,11 +303,7 @@ def test_kernel_keeps_block_values_out_of_shared_memory():
     lookup became ``fused._gather``: 24 shared-memory instructions and two barriers per block, 8% more
     instructions per value)."""
     _kernels()
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch"))
-    try:
-        import kernel_sass
-    finally:
-        sys.path.pop(0)
+    from launch import kernel_sass
     major, minor = torch.cuda.get_device_capability()
     for name, overrides in kernel_sass.specialisations():
         r = kernel_sass.compile_one(overrides, arch=10 * major + minor)

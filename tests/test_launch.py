@@ -69,6 +69,40 @@ def test_flash_sgd_trains(tmp_path):
     assert log[-1]["val_loss"] < log[2]["val_loss"]
 
 
+# every file of launch/ with a command line; summarize.py takes two summary files and has no options
+RECIPES = sorted(f.stem for f in (ROOT / "launch").glob("*.py") if "__main__" in f.read_text() and f.stem != "summarize")
+# the recipes import their sibling files one way as a module and another as a file; the other tests run
+# train.py, train_deepspeed.py, bench_fsdp.py, bench_offload.py and bench_scaling.py as files
+AS_FILE_ONLY_HERE = ["bench_deepspeed"]
+# what `python -m launch.NAME --help` does, for all recipes in one process (one torch import, not fourteen)
+RUN_AS_MODULES = """
+import contextlib, io, runpy, sys
+for name in sys.argv[1:]:
+    sys.argv, out = [name, "--help"], io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            runpy.run_module("launch." + name, run_name="__main__", alter_sys=True)
+        except SystemExit as done:
+            assert done.code in (0, None), (name, done.code)
+    assert "usage:" in out.getvalue(), name
+"""
+
+
+def test_every_recipe_runs_as_a_module():
+    env = dict(os.environ, DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-c", RUN_AS_MODULES, *RECIPES], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert len(RECIPES) >= 14 and proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("name", AS_FILE_ONLY_HERE)
+def test_recipe_runs_as_a_file(name):
+    env = dict(os.environ, DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, str(ROOT / "launch" / f"{name}.py"), "--help"], cwd=ROOT.parent, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "usage:" in proc.stdout, proc.stderr[-3000:]
+
+
 def test_bad_options_are_refused():
     proc = subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"), "--grad-release"],
                           capture_output=True, text=True)
@@ -77,8 +111,7 @@ def test_bad_options_are_refused():
 
 def test_optimizer_defaults_and_refusals(capsys):
     """Per-optimizer default lr / weight decay, explicit values win, `flash` is FlashAdamW's old name."""
-    sys.path.insert(0, str(ROOT / "launch"))
-    import train
+    from launch import train
 
     parse = train.parse_args
     assert (parse([]).optimizer, parse([]).lr, parse([]).weight_decay) == ("flash_adamw", 3e-3, 0.1)
@@ -111,8 +144,7 @@ def test_deepspeed_recipe_trains_and_resumes(tmp_path):
 
 
 def test_mesh_defaults_to_one_replica_group_per_node_and_refuses_shapes_that_miss_ranks():
-    sys.path.insert(0, str(ROOT / "launch"))
-    import train
+    from launch import train
 
     assert train.mesh_shape(16, 8) == (2, 8)  # HSDP: replicate across the 2 nodes, shard within each
     assert train.mesh_shape(2, 2) == (1, 2)  # one node: plain FSDP2
@@ -128,8 +160,7 @@ def test_mesh_defaults_to_one_replica_group_per_node_and_refuses_shapes_that_mis
 
 
 def test_mesh_and_resume_flags_are_checked(capsys):
-    sys.path.insert(0, str(ROOT / "launch"))
-    import train
+    from launch import train
 
     for argv, message in [(["--auto-resume"], "need --ckpt-dir"), (["--replicas", "0"], "--replicas must be"),
                           (["--shards", "-2"], "--shards must be"), (["--threads", "0"], "--threads must be")]:
@@ -170,8 +201,7 @@ def _benchmark_rows() -> dict[tuple[str, int], float]:
 
 def test_memory_budget_reproduces_the_measured_8b_rows(tmp_path):
     """launch/memory_budget.py's persistent GiB per GPU equal the measured 8B rows of docs/benchmarks.md."""
-    sys.path.insert(0, str(ROOT / "launch"))
-    import memory_budget
+    from launch import memory_budget
 
     measured = _benchmark_rows()
     names = {"torch.optim.AdamW, fp32 master weights": "AdamW (fp32 master)", "FlashAdamW 24-bit": "FlashAdamW",
@@ -189,8 +219,7 @@ def test_memory_budget_reproduces_the_measured_8b_rows(tmp_path):
 
 
 def test_memory_budget_refuses_gpu_counts_that_are_not_whole_nodes(capsys):
-    sys.path.insert(0, str(ROOT / "launch"))
-    import memory_budget
+    from launch import memory_budget
 
     with pytest.raises(SystemExit):
         memory_budget.main(["--gpus", "12"])
@@ -200,9 +229,8 @@ def test_memory_budget_refuses_gpu_counts_that_are_not_whole_nodes(capsys):
 @pytest.mark.parametrize("model", ["8b", "tiny"])
 def test_memory_budget_counts_the_parameters_of_the_benchmark_model(model):
     """The analytic Llama shape counts what launch/llama.py builds (on the meta device: no memory)."""
-    sys.path.insert(0, str(ROOT / "launch"))
-    import memory_budget
-    from llama import Llama, LlamaConfig
+    from launch import memory_budget
+    from launch.llama import Llama, LlamaConfig
 
     import torch
 

@@ -1,131 +1,173 @@
-"""FlashAdamW / FlashAdam against float64 torch.optim.AdamW / Adam, behaviour as a torch optimizer, bad input.
+"""Every flashdist optimizer through one runner, over the cases of tests/cases.py: the trajectory against its
+float64 reference (torch.optim.AdamW / Adam / SGD, a float64 SGDW and Lion) within the error model stated
+there, every backend bit for bit against the eager reference, odd shapes, and state_dict round trips in the
+middle of a run. Then FlashAdamW's own behaviour as a torch optimizer, and bad input.
 
-Trajectory tolerances are stated per step, in units of the learning rate, and come from the error model of
-each feature (see ``Case.tol``): they are bounds a correct implementation stays under, not fitted values.
+The Triton backend runs under the interpreter on CPU (tests/_interpreter.py): in this process where that
+took, else in a child process (``test_in_interpreter_process``).
 """
 
 from __future__ import annotations
 
+import _interpreter  # first: it decides whether this process interprets triton  # isort: skip
+
 import copy
-import itertools
-from dataclasses import dataclass
+from dataclasses import replace
 
 import pytest
 import torch
 
 import flashdist
-from flashdist import FlashAdam, FlashAdamW
+from cases import CASES, DTYPES, OPTIMIZERS, Case, run_pair
+from flashdist import FlashAdamW, FlashLion, FlashSGD, FlashSGDW
+from flashdist.kernels import cpu
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-MANTISSA = {torch.bfloat16: 8, torch.float16: 11}
-
-
-@dataclass(frozen=True)
-class Case:
-    dtype: str
-    bits: int | None
-    quantize: bool
-    companded: bool
-
-    @property
-    def id(self):
-        return f"{self.dtype}-{self.bits or 'nosplit'}-{'q' if self.quantize else 'fp32m'}-" \
-               f"{'comp' if self.companded else 'linear'}"
-
-    def tol(self, lr: float, max_abs: float) -> float:
-        """Bound on |flash - float64| after each step, divided by (lr * steps)."""
-        # fp32 arithmetic: the master weight is rounded to fp32 each step (half an fp32 ulp at the largest
-        # |theta|), and the update itself carries a few fp32 roundings of a term of size lr
-        t = 4 * 2.0 ** (torch.tensor(max_abs).log2().floor().item() - 24) / lr + 1e-5
-        if self.quantize:
-            # 8-bit moments: the update m/sqrt(v) is off by a few code steps of the group scale; companded
-            # codes keep that to a few percent of lr per step (worst measured here: 0.06, with coupled L2
-            # decay; docs/method.md explains the sticky +-1 codes behind it). Linear codes (the paper's ablation) round small
-            # second moments to zero, so single updates can be several times lr: the ablation is visibly
-            # worse, which is what test_linear_ablation_is_worse shows.
-            t += 0.1 if self.companded else 5.0
-        dt = DTYPES[self.dtype]
-        if dt != torch.float32:
-            # each step re-rounds the master weight: half a rho step of half an ulp with rho, half an ulp
-            # of the low-precision format without it, at the largest |theta|
-            half_ulp = 2.0 ** (torch.tensor(max_abs).log2().floor().item() - MANTISSA[dt])
-            per_step = half_ulp / {24: 127, 32: 32767, None: 1}[self.bits] / 2 if self.bits else half_ulp
-            t += per_step / lr
-        return t
-
-
-CASES = [Case(d, b, q, c) for d, b, q, c in itertools.product(DTYPES, (24, 32, None), (True, False), (True, False))
-         if not (d == "fp32" and b != 24) and (q or c)]
-
-
-def _problem(shape, steps, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    w0 = torch.randn(shape, generator=g, dtype=torch.float64)
-    rows = shape[0] if len(shape) else 1
-    scale = torch.logspace(-3, 1, rows, dtype=torch.float64).reshape((-1,) + (1,) * (len(shape) - 1)) \
-        if len(shape) else torch.tensor(1.0, dtype=torch.float64)
-    grads = [torch.randn(shape, generator=g, dtype=torch.float64) * scale for _ in range(steps)]
-    return w0, grads
-
-
-def _run_pair(case: Case, *, decoupled=True, shape=(16, 96), steps=20, lr=1e-3, wd=0.1):
-    dtype = DTYPES[case.dtype]
-    w0, grads = _problem(shape, steps)
-    p = torch.nn.Parameter(w0.to(dtype))
-    ref = torch.nn.Parameter(p.detach().double().clone())
-    cls, rcls = (FlashAdamW, torch.optim.AdamW) if decoupled else (FlashAdam, torch.optim.Adam)
-    opt = cls([p], lr=lr, weight_decay=wd, master_weight_bits=case.bits, quantize_states=case.quantize,
-              companded=case.companded)
-    ropt = rcls([ref], lr=lr, weight_decay=wd, foreach=False)
-    worst = 0.0
-    for k, gr in enumerate(grads, 1):
-        p.grad = gr.to(dtype)
-        ref.grad = p.grad.double()
-        opt.step()
-        ropt.step()
-        diff = (opt.master_weight(p).double() - ref.detach()).abs()
-        worst = max(worst, (diff.max().item() if diff.numel() else 0.0) / (lr * k))
-    max_abs = w0.abs().max().item() if w0.numel() else 1.0
-    return worst, case.tol(lr, max_abs + lr * steps)
+# ----- the runner ---------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_adamw_trajectory_vs_float64(case):
-    worst, tol = _run_pair(case)
-    assert worst <= tol, f"{case.id}: {worst:.3g} lr/step > {tol:.3g}"
+def test_trajectory_vs_float64(case):
+    result = run_pair(case)
+    assert result.ratio <= 1.0, f"error {result.ratio:.3g} x the per-step bound"
+    if case.opt.max_flipped is not None and case.moments != "fp32m":
+        # an 8-bit momentum flips the sign of interpolations near zero: that must stay rare
+        assert result.flipped < case.opt.max_flipped, result.flipped
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.dtype == "bf16"], ids=lambda c: c.id)
-def test_adam_l2_trajectory_vs_float64(case):
-    # L2 decay adds wd * theta to the gradient; a small wd keeps that term from dominating tiny-gradient
-    # rows, where 8-bit momentum codes stuck at +-1 (a known property of round-to-nearest EMAs) would
-    # otherwise dominate the comparison (docs/method.md).
-    worst, tol = _run_pair(case, decoupled=False, wd=1e-3)
-    assert worst <= tol, f"{case.id}: {worst:.3g} lr/step > {tol:.3g}"
+# the fused CPU step over the whole matrix; the Triton kernel once per optimizer (tests/test_triton_kernel.py
+# holds its matrix, at the level of the kernel)
+BACKEND_CASES = [replace(c, backend="cpu") for c in CASES] + [Case(o, backend="triton") for o in OPTIMIZERS.values()]
 
 
-def test_unquantized_32bit_is_near_exact():
-    worst, _ = _run_pair(Case("bf16", 32, False, True))
-    assert worst < 1e-3  # 2^-24-relative master weights: only fp32 rounding is left
+def _stepped(case: Case, backend: str, steps: int = 2) -> list[torch.Tensor]:
+    """Parameters, master weights and state after ``steps`` steps on a matrix with odd rows and a 1-d tensor
+    (gradients from 1e-4 to 1e2 across groups)."""
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=gen).to(DTYPES[case.dtype]))
+              for shape in ((5, 70), (7,))]
+    opt = replace(case, backend=backend).make(params)
+    for _ in range(steps):
+        for p in params:
+            p.grad = (torch.randn(p.shape, generator=gen) * 10.0 ** torch.randint(-4, 3, p.shape, generator=gen)
+                      ).to(p.dtype)
+        opt.step()
+    return [t for p in params for t in (p.detach(), opt.master_weight(p), *opt.state[p].values())]
 
 
-def test_rho_beats_plain_bf16():
-    # With lr near bf16's spacing, plain bf16 loses or distorts most updates; rho keeps them.
-    errs = {b: _run_pair(Case("bf16", b, False, True), lr=1e-2, steps=30)[0] for b in (24, None)}
+@pytest.mark.parametrize("case", BACKEND_CASES, ids=lambda c: c.id)
+def test_backend_matches_reference_bitwise(case):
+    if case.backend == "cpu" and not cpu.available():
+        pytest.skip(f"the fused CPU step is not built here ({cpu.build_error()}): CPU steps run the reference")
+    if case.backend == "triton" and not _interpreter.IN_PROCESS:
+        pytest.skip("triton is not interpreted in this process: test_in_interpreter_process runs this case"
+                    if _interpreter.HAS_TRITON else "triton is not installed")
+    got, want = _stepped(case, case.backend), _stepped(case, "reference")
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.dtype == b.dtype and torch.equal(a, b), f"tensor {i} differs from the reference's"
+
+
+def test_in_interpreter_process():
+    if not _interpreter.HAS_TRITON:
+        pytest.skip("triton is not installed")
+    if _interpreter.IN_PROCESS:
+        pytest.skip("the interpreter cases run in this process")
+    done = _interpreter.run_interpreted(__file__, "-k", "test_backend_matches_reference_bitwise and triton")
+    ran = sum(c.backend == "triton" for c in BACKEND_CASES)
+    assert done.returncode == 0 and f"{ran} passed" in done.stdout, done.stdout[-6000:] + done.stderr[-3000:]
+
+
+SHAPES = [(1,), (31,), (33,), (4097,), (3, 5, 7), (0,), (0, 4), (5, 1), ()]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)) or "scalar")
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_odd_shapes(name, shape):
+    """Partial, single-value and empty groups, rows of one value, 0-d and 3-d tensors."""
+    result = run_pair(Case(OPTIMIZERS[name]), shape=shape, steps=5)
+    assert result.ratio <= 1.0, f"error {result.ratio:.3g} x the per-step bound"
+
+
+@pytest.mark.parametrize("fmt", ["portable", "compressed"])
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_state_dict_round_trip_mid_run_is_exact(name, fmt):
+    """Three steps, a state dict into a fresh optimizer, three more steps in both: the same bits. Portable
+    moments are re-quantized on load, which gives back the codes they came from."""
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=gen).bfloat16()) for shape in ((16, 96), (16,))]
+    grads = [[torch.randn(p.shape, generator=gen).bfloat16() for p in params] for _ in range(6)]
+    case = Case(OPTIMIZERS[name])
+    opt = case.make(params, state_dict_format=fmt)
+
+    def train(o, ps, gs):
+        for step in gs:
+            for p, g in zip(ps, step):
+                p.grad = g.clone()
+            o.step()
+
+    train(opt, params, grads[:3])
+    sd = copy.deepcopy(opt.state_dict())
+    params2 = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt2 = case.make(params2)
+    opt2.load_state_dict(sd)
+    for p, p2 in zip(params, params2):
+        assert {k: v.dtype for k, v in opt.state[p].items()} == {k: v.dtype for k, v in opt2.state[p2].items()}
+    train(opt, params, grads[3:])
+    train(opt2, params2, grads[3:])
+    for p, p2 in zip(params, params2):
+        assert torch.equal(p, p2)
+        for key in opt.state[p]:
+            assert torch.equal(opt.state[p][key], opt2.state[p2][key]), key
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_nonfinite_gradient_skips_its_group_only(name):
+    """A NaN in one group of 32: that group's weights and state keep their bits (the element's alone where no
+    8-bit moments are kept, as for SGD without momentum), the skip is counted, every other value steps."""
+    gen = torch.Generator().manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(2, 64, generator=gen).bfloat16())
+    opt = Case(OPTIMIZERS[name]).make([p])
+    p.grad = torch.randn(p.shape, generator=gen).bfloat16()
+    opt.step()
+    before = {k: v.clone() for k, v in opt.state[p].items() if k != "step"}
+    w, master = p.detach().clone(), opt.master_weight(p).clone()
+    g = torch.randn(p.shape, generator=gen).bfloat16()
+    g[0, 5] = float("nan")  # group 0 of row 0
+    p.grad = g
+    opt.step()
+    assert int(opt.skipped) == 1
+    grouped = any(v.shape != p.shape for v in before.values())  # per-group scales: 8-bit moments
+    kept = torch.zeros(p.shape, dtype=torch.bool)
+    kept[0, slice(0, 32) if grouped else 5] = True
+    assert torch.equal(p[kept], w[kept]) and torch.equal(opt.master_weight(p)[kept], master[kept])
+    assert (opt.master_weight(p) != master)[~kept].all()
+    for key, old in before.items():
+        # per-value tensors (codes, rho) hold the group in [0, :32]; per-group ones (scales) in [0, 0]
+        where = kept if old.shape == p.shape else (0, 0)
+        assert torch.equal(opt.state[p][key][where], old[where]), key
+
+
+@pytest.mark.parametrize("name, lr, steps", [("adamw", 1e-2, 30), ("sgd-momentum", 1e-4, 20), ("lion", 1e-3, 20)])
+def test_rho_beats_plain_bf16(name, lr, steps):
+    """Steps near or far below bf16's spacing (2^-7 at |w| in [2, 4)): without rho most are lost or
+    distorted, with rho (steps of 2^-15 there) they add up."""
+    errs = {bits: run_pair(Case(OPTIMIZERS[name], bits=bits, moments="fp32m"), lr=lr, steps=steps).final
+            for bits in (24, None)}
     assert errs[24] < errs[None] / 10, errs
 
 
+def test_unquantized_32bit_is_near_exact():
+    result = run_pair(Case(OPTIMIZERS["adamw"], bits=32, moments="fp32m"))
+    assert result.per_step < 1e-3  # 2^-24-relative master weights: only fp32 rounding is left
+
+
 def test_linear_ablation_is_worse():
-    comp = _run_pair(Case("bf16", 24, True, True))[0]
-    linear = _run_pair(Case("bf16", 24, True, False))[0]
+    comp = run_pair(Case(OPTIMIZERS["adamw"])).per_step
+    linear = run_pair(Case(OPTIMIZERS["adamw"], moments="q-linear")).per_step
     assert comp < linear / 3, (comp, linear)
 
 
-@pytest.mark.parametrize("shape", [(1,), (31,), (33,), (4097,), (3, 5, 7), (0,), (0, 4), (5, 1), ()],
-                         ids=lambda s: "x".join(map(str, s)) or "scalar")
-def test_odd_shapes(shape):
-    worst, tol = _run_pair(Case("bf16", 24, True, True), shape=shape, steps=5)
-    assert worst <= tol
+# ----- FlashAdamW's own behaviour -------------------------------------------------------------------------
 
 
 def test_fp32_params_have_no_rho_and_quantized_moments():
@@ -306,35 +348,6 @@ def test_param_groups_schedulers_and_grads_none():
     assert opt.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.5**3)
 
 
-def test_state_dict_round_trip_mid_run_is_exact():
-    torch.manual_seed(0)
-    model = _tiny_model()
-    opt = FlashAdamW(model.parameters(), lr=1e-2)
-    x = torch.randn(32, 16, dtype=torch.bfloat16)
-
-    def train(m, o, n):
-        for _ in range(n):
-            o.zero_grad()
-            m(x).float().square().mean().backward()
-            o.step()
-
-    train(model, opt, 3)
-    sd = copy.deepcopy(opt.state_dict())
-    model2 = copy.deepcopy(model)
-    opt2 = FlashAdamW(model2.parameters(), lr=1e-2)
-    opt2.load_state_dict(sd)
-    for p2 in model2.parameters():
-        for key, value in opt2.state[p2].items():
-            assert value.dtype == (torch.float32 if key in ("step", "exp_avg", "exp_avg_sq") else value.dtype)
-    assert opt2.state[model2[0].weight]["exp_avg_codes"].dtype == torch.int8
-    train(model, opt, 3)
-    train(model2, opt2, 3)
-    for p, p2 in zip(model.parameters(), model2.parameters()):
-        assert torch.equal(p, p2)
-        for key in opt.state[p]:
-            assert torch.equal(opt.state[p][key], opt2.state[p2][key]), key
-
-
 def test_load_state_dict_rejects_mismatch_and_changes_nothing():
     model = _tiny_model()
     opt = FlashAdamW(model.parameters())
@@ -360,20 +373,34 @@ def _param(dtype=torch.bfloat16, shape=(4, 8)):
     return torch.nn.Parameter(torch.randn(shape).to(dtype))
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(lr=-1e-3), "lr"),
-    (dict(betas=(1.0, 0.999)), r"betas\[0\]"),
-    (dict(betas=(0.9, -0.1)), r"betas\[1\]"),
-    (dict(betas=(0.9,)), "betas"),
-    (dict(eps=-1e-8), "eps"),
-    (dict(weight_decay=-0.1), "weight_decay"),
-    (dict(master_weight_bits=16), "master_weight_bits"),
-    (dict(companded="yes"), "companded"),
-    (dict(backend="cuda"), "backend"),
-], ids=["lr", "beta1", "beta2", "betas-len", "eps", "wd", "bits", "companded", "backend"])
-def test_bad_hyperparameters(kwargs, match):
+@pytest.mark.parametrize("cls, kwargs, match", [
+    (FlashAdamW, dict(lr=-1e-3), "lr"),
+    (FlashAdamW, dict(betas=(1.0, 0.999)), r"betas\[0\]"),
+    (FlashAdamW, dict(betas=(0.9, -0.1)), r"betas\[1\]"),
+    (FlashAdamW, dict(betas=(0.9,)), "betas"),
+    (FlashAdamW, dict(eps=-1e-8), "eps"),
+    (FlashAdamW, dict(weight_decay=-0.1), "weight_decay"),
+    (FlashAdamW, dict(master_weight_bits=16), "master_weight_bits"),
+    (FlashAdamW, dict(companded="yes"), "companded"),
+    (FlashAdamW, dict(backend="cuda"), "backend"),
+    (FlashSGD, dict(lr=-0.1), "lr"),
+    (FlashSGD, dict(momentum=-0.9), "momentum"),
+    (FlashSGD, dict(momentum=0.9, dampening=1.5), "dampening"),
+    (FlashSGD, dict(nesterov=True), "nesterov"),
+    (FlashSGD, dict(momentum=0.9, dampening=0.1, nesterov=True), "nesterov"),
+    (FlashSGD, dict(nesterov="yes", momentum=0.9), "nesterov"),
+    (FlashSGD, dict(master_weight_bits=8), "master_weight_bits"),
+    (FlashSGDW, dict(weight_decay=-1.0), "weight_decay"),
+    (FlashLion, dict(betas=(1.5, 0.99)), r"betas\[0\]"),
+    (FlashLion, dict(betas=(0.9,)), "betas"),
+    (FlashLion, dict(weight_decay=float("nan")), "weight_decay"),
+    (FlashLion, dict(state_dict_format="zip"), "state_dict_format"),
+], ids=["lr", "beta1", "beta2", "betas-len", "eps", "wd", "bits", "companded", "backend", "sgd-lr", "momentum",
+        "dampening", "nesterov-no-momentum", "nesterov-dampening", "nesterov-type", "sgd-bits", "sgdw-wd",
+        "lion-beta1", "lion-betas-len", "lion-wd-nan", "lion-format"])
+def test_bad_hyperparameters(cls, kwargs, match):
     with pytest.raises(ValueError, match=match):
-        FlashAdamW([_param()], **kwargs)
+        cls([_param()], **kwargs)
 
 
 @pytest.mark.parametrize("make, match", [

@@ -14,8 +14,7 @@ import torch
 from harness import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "launch"))
-import bench_scaling  # noqa: E402
+from launch import bench_scaling
 
 TINY = ["--model", "tiny", "--cpu", "--batch", "1", "--seq", "32"]
 

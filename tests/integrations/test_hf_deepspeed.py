@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,9 +14,8 @@ from flashdist import FlashAdamW
 from flashdist._compat import HAS_DEEPSPEED
 from flashdist.integrations import deepspeed as fds
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "distributed"))
-from harness import run_ranks  # noqa: E402
-from _tiny_llama import tiny_llama  # noqa: E402 (tests/integrations/_tiny_llama.py)
+from harness import run_ranks
+from _tiny_llama import tiny_llama  # tests/integrations/_tiny_llama.py
 
 needs_stack = pytest.mark.skipif(
     not HAS_DEEPSPEED or any(importlib.util.find_spec(m) is None for m in ("accelerate", "transformers")),

@@ -12,9 +12,7 @@ libraries' own code."""
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +20,6 @@ import torch
 pytest.importorskip("transformers", reason="transformers is not installed")
 pytest.importorskip("accelerate", reason="accelerate is not installed")
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "distributed"))
 from harness import run_ranks  # noqa: E402
 from _tiny_llama import tiny_llama  # noqa: E402 (tests/integrations/_tiny_llama.py)
 

@@ -5,15 +5,11 @@ world size and at another one."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from torch import nn
 
 pytest.importorskip("torchtitan", reason="the torchtitan integration is tested against torchtitan itself")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 
 from harness import run_ranks  # noqa: E402
 from torchtitan.components.optimizer import ParamGroupConfig  # noqa: E402
