@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from ..quant import rho as R
 from torch.distributed.checkpoint.api import CheckpointException
 
-from .dcp import CheckpointError, SafeFileSystemReader, SafeLoadPlanner, _short, resolve
+from .dcp import CheckpointError, SafeFileSystemReader, SafeLoadPlanner, resolve, short_error
 from .output import Fetch, Spec, atomic_output, check_destination, write_dcp, write_safetensors, write_torch
 from .state import FORMAT_VERSION, FORMATS, dequantize_moment, quantize_moment
 
@@ -159,7 +159,7 @@ def read_dcp(path: str | os.PathLike, keys: list[str] | None = None, *, metadata
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as e:  # DCP wraps read failures (missing/truncated shard files)
-        raise CheckpointError(f"flashdist: could not read checkpoint {where}: {_short(e)}") from e
+        raise CheckpointError(f"flashdist: could not read checkpoint {where}: {short_error(e)}") from e
     return nested
 
 

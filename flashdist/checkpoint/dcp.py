@@ -64,6 +64,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from ..optim.base import FlashOptimizer
+
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded into this model and optimizer (nothing was changed), or a save
@@ -324,9 +326,23 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _state(model, optimizer, extra) -> dict:
-    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer),
+def _state(model, optimizer, extra, optimizer_format: str | None = None) -> dict:
+    return {"model": get_model_state_dict(model), "optim": optimizer_state_dict(model, optimizer, optimizer_format),
             "extra": extra if extra is not None else {}}
+
+
+def optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer, format: str | None = None) -> dict:
+    """torch.distributed.checkpoint's ``get_optimizer_state_dict(model, optimizer)`` (state keyed by
+    parameter FQN, DTensors kept), with a flashdist optimizer's state in ``format`` ("portable" or
+    "compressed"; None: the optimizer's ``state_dict_format``). The optimizer's setting is left as it is.
+    Any other optimizer: its state dict as torch gives it (``format`` must then be None)."""
+    if not isinstance(optimizer, FlashOptimizer):
+        if format is not None:
+            raise ValueError(f"flashdist: optimizer_state_dict's format applies to flashdist optimizers; "
+                             f"{type(optimizer).__name__} has one format: pass format=None")
+        return get_optimizer_state_dict(model, optimizer)
+    with optimizer.state_dict_format_override(format or optimizer.state_dict_format):
+        return get_optimizer_state_dict(model, optimizer)
 
 
 def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -354,7 +370,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
         try:
             dcp.save(_state(model, optimizer, extra), storage_writer=_TiedWriter(tmp, save_id))
         except (Exception, CheckpointException) as e:  # DCP wraps per-rank failures in a BaseException
-            failure = f"flashdist: could not save checkpoint {path}: {_short(e)}"
+            failure = f"flashdist: could not save checkpoint {path}: {short_error(e)}"
         failures = _gather(failure)
         message = None
         if any(failures):
@@ -620,8 +636,8 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     metadata = reader.read_metadata()
     # Read the optimizer state in the format it was saved in, whatever this optimizer saves:
     # load_state_dict takes both
-    with _state_dict_format(optimizer, _saved_format(metadata)):
-        state = _clone(_state(model, optimizer, None))
+    fmt = (_saved_format(metadata) or "portable") if isinstance(optimizer, FlashOptimizer) else None
+    state = _clone(_state(model, optimizer, None, fmt))
     state["extra"] = _template_for_extra(metadata)
     want = {k: v for k, v in _flat_shapes(state).items() if not k.startswith("extra.")}
     have = {k: getattr(m, "size", None) for k, m in metadata.state_dict_metadata.items() if not k.startswith("extra.")}
@@ -645,7 +661,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     try:
         dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
     except (Exception, CheckpointException) as e:  # DCP wraps per-rank failures in a BaseException
-        raise CheckpointError(f"flashdist: could not read checkpoint {where}: {_short(e)}; the model and "
+        raise CheckpointError(f"flashdist: could not read checkpoint {where}: {short_error(e)}; the model and "
                               "optimizer were not changed") from e
     set_optimizer_state_dict(model, optimizer, state["optim"])  # validates everything before it copies
     set_model_state_dict(model, state["model"])
@@ -659,20 +675,6 @@ def _saved_format(metadata) -> str | None:
     if any(k.endswith("_codes") for k in keys):
         return "compressed"
     return None
-
-
-@contextlib.contextmanager
-def _state_dict_format(optimizer, fmt: str | None):
-    """A flashdist optimizer's state_dict() in format ``fmt`` inside the block (portable when None)."""
-    old = getattr(optimizer, "state_dict_format", None)
-    if old is None:  # not a flashdist optimizer
-        yield
-        return
-    optimizer.state_dict_format = fmt or "portable"
-    try:
-        yield
-    finally:
-        optimizer.state_dict_format = old
 
 
 _OPTIMIZERS_BY_MOMENTS = {("exp_avg", "exp_avg_sq"): "FlashAdamW/FlashAdam", ("exp_avg",): "FlashLion",
@@ -711,7 +713,9 @@ def _optimizer_hint(have, want) -> str:
     return ""
 
 
-def _short(e: BaseException) -> str:
+def short_error(e: BaseException) -> str:
+    """One line for an error message from ``e``: for DCP's ``CheckpointException``, the first failing
+    rank's own error rather than DCP's dump of every rank's traceback; without a doubled "flashdist: "."""
     if isinstance(e, CheckpointException):  # the first rank's own error, not DCP's traceback dump
         failures = [e.failures[rank] for rank in sorted(e.failures)]
         if failures:
