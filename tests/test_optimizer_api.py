@@ -132,6 +132,18 @@ def test_step_parameters_refuses_a_group_of_another_optimizer():
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
+def test_step_parameters_refuses_a_parameter_without_a_gradient_and_changes_nothing():
+    model = _model()
+    opt = FlashAdamW(model.parameters())
+    _backward(model)
+    model[2].bias.grad = None
+    before = {i: {"param": p.clone(), **_state(opt, p)} for i, p in enumerate(model.parameters())}
+    with pytest.raises(ValueError, match=r"params\[1\] \(shape \(3,\)\) without a gradient"):
+        opt.step_parameters(opt.param_groups[0], [model[2].weight, model[2].bias])
+    for i, p in enumerate(model.parameters()):
+        _assert_same_state(before[i], {"param": p.clone(), **_state(opt, p)})
+
+
 def test_check_group_names_the_bad_hyperparameter_or_changed_layout_and_changes_nothing():
     model = _model()
     opt = FlashAdamW(model.parameters(), lr=1e-2)

@@ -588,6 +588,11 @@ class FlashOptimizer(torch.optim.Optimizer):
         lists each iteration costs no more Python work than ``step()`` does."""
         if not any(g is group for g in self.param_groups):
             raise ValueError("flashdist: step_parameters takes one of this optimizer's param_groups as group")
+        given = list(grads) if grads is not None else list(map(_GRAD, params))
+        if any(map(operator.is_, given, itertools.repeat(None))):
+            index = next(i for i, g in enumerate(given) if g is None)
+            raise ValueError(f"flashdist: step_parameters got params[{index}] (shape {tuple(params[index].shape)}) "
+                             "without a gradient; pass only parameters whose gradient is set")
         self._step_params(group, params, grads)
 
     def _step_plan(self, group: dict, plan: "_Plan", params: list[torch.Tensor],
