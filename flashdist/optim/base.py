@@ -638,10 +638,11 @@ class FlashOptimizer(torch.optim.Optimizer):
         """torch's state dict in ``format``: "portable" (fp32 moments under torch.optim.AdamW's names, plus
         rho) or "compressed" (codes, scales, rho); see flashdist.checkpoint.state. Without ``format``: the
         format set by an enclosing :meth:`state_dict_format_override`, else ``state_dict_format`` (the
-        optimizer's setting, "portable" by default), which this never changes. Every trainable parameter has state in it, stepped or not (dcp.save needs
-        the same keys on every rank); frozen parameters never stepped have none, as in torch.optim. Hooks
-        run as in torch.optim: ``register_state_dict_pre_hook`` hooks before, ``register_state_dict_post_hook``
-        hooks on the dict that is returned (and may replace it)."""
+        optimizer's setting, "portable" by default), which this never changes. Every trainable parameter has
+        state in it, stepped or not (dcp.save needs the same keys on every rank); frozen parameters never
+        stepped have none, as in torch.optim. Hooks run as in torch.optim: ``register_state_dict_pre_hook``
+        hooks before, ``register_state_dict_post_hook`` hooks on the dict that is returned (and may replace
+        it)."""
         from ..checkpoint.state import FORMATS, export_state_dict
 
         if format is None:
