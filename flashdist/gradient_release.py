@@ -83,6 +83,7 @@ import weakref
 import torch
 
 from . import distributed as D
+from .distributed.fsdp import fsdp_units
 from .optim.base import FlashOptimizer
 
 __all__ = ["GradientRelease", "enable_gradient_release"]
@@ -184,7 +185,7 @@ class GradientRelease:
         if not self._params:
             raise ValueError("flashdist: enable_gradient_release found no trainable parameter of the model "
                              "in the optimizer; build the optimizer from model.parameters()")
-        units = D.fsdp_units(model)
+        units = fsdp_units(model)
         self._unit_of = {pid: units.get(pid, _SINGLE) for pid in self._params}
         self._expected: dict[int, int] = {}  # FSDP2 group -> released parameters it reduces
         for unit in self._unit_of.values():

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from .fsdp import fsdp_compute_dtypes, fsdp_units
-
 try:  # torch >= 2.5 exposes DTensor publicly
     from torch.distributed.tensor import DTensor, Replicate, Shard
 except ImportError:  # pragma: no cover - torch built without distributed
@@ -122,3 +120,25 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
         return t.to(torch.int32).full_tensor().to(torch.int16)
     return t.full_tensor()
 
+
+def fsdp_compute_dtypes(module: torch.nn.Module) -> dict[int, torch.dtype]:
+    """``id(parameter) -> dtype`` that FSDP2 computes with, for every parameter ``fully_shard`` manages in
+    ``module``: its ``MixedPrecisionPolicy.param_dtype`` when set, else the parameter's own dtype. Empty for
+    a module without FSDP2. Reads FSDP2's per-module state (no public accessor exists in torch 2.13)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return {}
+    out: dict[int, torch.dtype] = {}
+    for submodule in module.modules():
+        if not isinstance(submodule, FSDPModule):
+            continue
+        state = submodule._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:  # older torch: at most one group per module
+            groups = [g for g in (getattr(state, "_fsdp_param_group", None),) if g is not None]
+        for group in groups:
+            for fsdp_param in group.fsdp_params:
+                param = fsdp_param.sharded_param
+                out[id(param)] = group.mp_policy.param_dtype or param.dtype
+    return out

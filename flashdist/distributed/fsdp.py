@@ -1,8 +1,8 @@
-"""What flashdist reads from FSDP2 (``fully_shard``) beyond DTensor: its parameter groups.
+"""Which FSDP2 parameter group (one ``fully_shard`` call, one reduce-scatter) holds each parameter.
 
-FSDP2 keeps them in per-module state that torch 2.13 exposes through no public accessor
-(``FSDPModule._get_fsdp_state()._fsdp_param_groups``, ``_fsdp_param_group`` before torch 2.12); every read
-of those private names is in this file.
+FSDP2 keeps its groups in per-module state that torch 2.13 exposes through no public accessor
+(``FSDPModule._get_fsdp_state()._fsdp_param_groups``, ``_fsdp_param_group`` before torch 2.12). Gradient
+release reads them here; ``flashdist.distributed.fsdp_compute_dtypes`` reads their mixed-precision policy.
 """
 
 from __future__ import annotations
@@ -26,19 +26,6 @@ def _param_groups(fsdp_module: torch.nn.Module) -> list:
         one = state._fsdp_param_group
         groups = [one] if one is not None else []
     return groups
-
-
-def fsdp_compute_dtypes(module: torch.nn.Module) -> dict[int, torch.dtype]:
-    """``id(parameter) -> dtype`` that FSDP2 computes with, for every parameter ``fully_shard`` manages in
-    ``module``: its ``MixedPrecisionPolicy.param_dtype`` when set, else the parameter's own dtype. Empty for
-    a module without FSDP2."""
-    out: dict[int, torch.dtype] = {}
-    for submodule in _fsdp_modules(module):
-        for group in _param_groups(submodule):
-            for fsdp_param in group.fsdp_params:
-                param = fsdp_param.sharded_param
-                out[id(param)] = group.mp_policy.param_dtype or param.dtype
-    return out
 
 
 def fsdp_units(model: torch.nn.Module) -> dict[int, int]:

@@ -45,6 +45,14 @@ _FORMAT_OVERRIDES: contextvars.ContextVar[tuple[tuple[int, str], ...]] = context
     "flashdist_state_dict_format_overrides", default=())
 
 
+def _check_format(value: Any, name: str) -> None:
+    """One of the state-dict formats, or a ValueError naming ``name``."""
+    from ..checkpoint.state import FORMATS
+
+    if value not in FORMATS:
+        raise ValueError(f"flashdist: {name} must be one of {FORMATS}, got {value!r}")
+
+
 class PrecisionWarning(UserWarning):
     """fp32 parameters handed to a flashdist optimizer in a setting where the model likely computes in bf16."""
 
@@ -113,13 +121,11 @@ class FlashOptimizer(torch.optim.Optimizer):
     state dict of that optimizer without a ``step`` then loads as one step taken."""
 
     def __init__(self, params, defaults: dict, *, backend: str = "auto", state_dict_format: str = "portable"):
-        from ..checkpoint.state import FORMATS
         from ..functional.backend import BACKENDS
 
         if backend not in BACKENDS:
             raise ValueError(f"flashdist: backend must be one of {BACKENDS}, got {backend!r}")
-        if state_dict_format not in FORMATS:
-            raise ValueError(f"flashdist: state_dict_format must be one of {FORMATS}, got {state_dict_format!r}")
+        _check_format(state_dict_format, "state_dict_format")
         self.backend = backend
         self.state_dict_format = state_dict_format
         self.skipped = None  # int32 counter of skipped (non-finite) groups, on the parameters' device
@@ -643,12 +649,12 @@ class FlashOptimizer(torch.optim.Optimizer):
         stepped have none, as in torch.optim. Hooks run as in torch.optim: ``register_state_dict_pre_hook``
         hooks before, ``register_state_dict_post_hook`` hooks on the dict that is returned (and may replace
         it)."""
-        from ..checkpoint.state import FORMATS, export_state_dict
+        from ..checkpoint.state import export_state_dict
 
         if format is None:
             format = next((f for i, f in _FORMAT_OVERRIDES.get() if i == id(self)), self.state_dict_format)
-        elif format not in FORMATS:
-            raise ValueError(f"flashdist: state_dict's format must be one of {FORMATS}, got {format!r}")
+        else:
+            _check_format(format, "state_dict's format")
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
         self._ensure_trainable_state()
@@ -681,11 +687,7 @@ class FlashOptimizer(torch.optim.Optimizer):
         optimizer's ``state_dict_format`` stays as it is, and the override holds for the calling thread (or
         asyncio task) only: a checkpoint saved from another thread meanwhile keeps the optimizer's format.
         flashdist.checkpoint.dcp.load reads a checkpoint in the format it was saved in this way."""
-        from ..checkpoint.state import FORMATS
-
-        if format not in FORMATS:
-            raise ValueError(f"flashdist: state_dict_format_override's format must be one of {FORMATS}, "
-                             f"got {format!r}")
+        _check_format(format, "state_dict_format_override's format")
         token = _FORMAT_OVERRIDES.set(((id(self), format),) + _FORMAT_OVERRIDES.get())
         try:
             yield self
