@@ -283,13 +283,13 @@ def test_format_override_holds_for_this_optimizer_and_this_thread_only():
 def test_optimizer_state_dict_of_the_checkpoint_layer_takes_a_format():
     model = _model()
     opt = FlashAdamW(model.parameters())
-    by_fqn = optimizer_state_dict(model, opt, "compressed")
+    by_fqn = optimizer_state_dict(model, opt, format="compressed")
     assert set(by_fqn["state"]) == {n for n, _ in model.named_parameters()}
     assert "exp_avg_codes" in _state_keys(by_fqn) and opt.state_dict_format == "portable"
     assert "exp_avg" in _state_keys(optimizer_state_dict(model, opt))
     plain = torch.optim.AdamW(model.parameters())
     with pytest.raises(ValueError, match="format applies to flashdist optimizers"):
-        optimizer_state_dict(model, plain, "compressed")
+        optimizer_state_dict(model, plain, format="compressed")
 
 
 def test_loading_a_compressed_checkpoint_never_changes_the_optimizers_format(tmp_path):

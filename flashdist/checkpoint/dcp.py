@@ -327,11 +327,13 @@ def _barrier() -> None:
 
 
 def _state(model, optimizer, extra, optimizer_format: str | None = None) -> dict:
-    return {"model": get_model_state_dict(model), "optim": optimizer_state_dict(model, optimizer, optimizer_format),
+    return {"model": get_model_state_dict(model),
+            "optim": optimizer_state_dict(model, optimizer, format=optimizer_format),
             "extra": extra if extra is not None else {}}
 
 
-def optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer, format: str | None = None) -> dict:
+def optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+                         format: str | None = None) -> dict:
     """torch.distributed.checkpoint's ``get_optimizer_state_dict(model, optimizer)`` (state keyed by
     parameter FQN, DTensors kept), with a flashdist optimizer's state in ``format`` ("portable" or
     "compressed"; None: the optimizer's ``state_dict_format``). The optimizer's setting is left as it is.
