@@ -78,16 +78,19 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 
 import torch
 
 from . import distributed as D
+from .distributed.fsdp import fsdp_units
 from .optim.base import FlashOptimizer
 
 __all__ = ["GradientRelease", "enable_gradient_release"]
 
 _CLIP_FUNCTIONS = ("clip_grad_norm_", "clip_grad_value_")
 _active: list["GradientRelease"] = []
+_handle_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> its active handle
 _originals: dict[str, object] = {}
 
 
@@ -156,7 +159,7 @@ class GradientRelease:
         if not isinstance(optimizer, FlashOptimizer):
             raise TypeError(f"flashdist: enable_gradient_release needs a flashdist optimizer (FlashAdamW, "
                             f"FlashAdam, ...), got {type(optimizer).__name__}")
-        if getattr(optimizer, "_gradient_release", None) is not None:
+        if _handle_of.get(optimizer) is not None:
             raise RuntimeError("flashdist: gradient release is already enabled for this optimizer; call "
                                "remove() on its handle before enabling it again")
         if (not isinstance(bucket_mb, (int, float)) or isinstance(bucket_mb, bool) or not bucket_mb >= 0
@@ -182,7 +185,7 @@ class GradientRelease:
         if not self._params:
             raise ValueError("flashdist: enable_gradient_release found no trainable parameter of the model "
                              "in the optimizer; build the optimizer from model.parameters()")
-        units = _fsdp_units(model)
+        units = fsdp_units(model)
         self._unit_of = {pid: units.get(pid, _SINGLE) for pid in self._params}
         self._expected: dict[int, int] = {}  # FSDP2 group -> released parameters it reduces
         for unit in self._unit_of.values():
@@ -202,14 +205,14 @@ class GradientRelease:
         self.optimizer_calls = 0
         # Plans cached by earlier ordinary steps bind the parameters' step counters to their own lists;
         # release steps other lists, so start (and end, in remove()) from fresh plans.
-        optimizer._invalidate_plans()
+        optimizer.clear_plans()
         self._handles = [p.register_post_accumulate_grad_hook(self._on_gradient)
                          for p, _, _ in self._params.values()]
         self._handles.append(optimizer.register_step_pre_hook(self._on_optimizer_step))
         # GradScaler.step() then hands its scale to our step() (as grad_scale / found_inf attributes)
         # instead of unscaling the gradients that release has already consumed; _on_optimizer_step refuses.
         optimizer._step_supports_amp_scaling = True
-        optimizer._gradient_release = self
+        _handle_of[optimizer] = self
         _install_clip_guards(self)
 
     @property
@@ -231,9 +234,9 @@ class GradientRelease:
         _remove_clip_guards(self)
         opt = self._optimizer
         if was_active:
-            opt._invalidate_plans()
-        if getattr(opt, "_gradient_release", None) is self:
-            opt._gradient_release = None
+            opt.clear_plans()
+        if _handle_of.get(opt) is self:
+            del _handle_of[opt]
             vars(opt).pop("_step_supports_amp_scaling", None)
 
     def __enter__(self) -> GradientRelease:
@@ -398,8 +401,8 @@ class GradientRelease:
             with torch.no_grad(), context:
                 for index, params in params_by_group:
                     group = opt.param_groups[index]
-                    opt._check_hyperparameters(group)
-                    opt._step_params(group, params)
+                    opt.check_group(group)
+                    opt.step_parameters(group, params)
                     self.optimizer_calls += 1
                     for p in params:
                         p.grad = None
@@ -446,57 +449,6 @@ def _refuse_late_reducing_wrappers(model: torch.nn.Module) -> None:
             where = f"'{name}'" if name else "the model"
             raise TypeError(f"flashdist: {where} is wrapped in {type(module).__name__}, which reduces gradients "
                             "after release would have stepped them; shard with FSDP2 (fully_shard) instead")
-
-
-# ----- which FSDP2 unit reduces each parameter ---------------------------------------------------------
-
-
-def _fsdp_units(model: torch.nn.Module) -> dict[int, int]:
-    """``id(param) -> unit`` for every parameter that an FSDP2 parameter group (one ``fully_shard`` call,
-    one reduce-scatter) manages; units are numbered from 0. Parameters outside FSDP2 are absent.
-
-    FSDP2's own record (``state._fsdp_param_groups``, ``_fsdp_param_group`` before torch 2.12) is the
-    authority; where it is missing the module structure gives the same answer (a parameter belongs to the
-    innermost ``fully_shard`` module above it). A wrong answer would only delay steps, never change them:
-    every pending parameter is stepped by the end of backward at the latest."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch built without distributed
-        return {}
-    fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    if not fsdp_modules:
-        return {}
-    unit_of: dict[int, int] = {}
-    try:
-        groups, seen = [], set()
-        for module in fsdp_modules:
-            state = module._get_fsdp_state()
-            found = getattr(state, "_fsdp_param_groups", None)
-            if found is None:
-                one = state._fsdp_param_group
-                found = [one] if one is not None else []
-            for pg in found:
-                if id(pg) not in seen:
-                    seen.add(id(pg))
-                    groups.append(pg)
-        for unit, pg in enumerate(groups):
-            for fsdp_param in pg.fsdp_params:
-                unit_of[id(fsdp_param.sharded_param)] = unit
-        return unit_of
-    except (AttributeError, AssertionError, TypeError):  # private API moved: derive it from the modules
-        unit_of.clear()
-    index = {id(m): i for i, m in enumerate(fsdp_modules)}
-
-    def walk(module: torch.nn.Module, unit: int | None) -> None:
-        unit = index.get(id(module), unit)
-        if unit is not None:
-            for p in module.parameters(recurse=False):
-                unit_of.setdefault(id(p), unit)
-        for child in module.children():
-            walk(child, unit)
-
-    walk(model, None)
-    return unit_of
 
 
 def enable_gradient_release(model: torch.nn.Module, optimizer: FlashOptimizer, *,

@@ -65,6 +65,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ..quant.moment import QuantizedMoment
+from ..optim.base import FlashOptimizer
 
 
 class CheckpointError(ValueError):
@@ -326,9 +327,25 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _state(model, optimizer, extra) -> dict:
-    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer),
+def _state(model, optimizer, extra, optimizer_format: str | None = None) -> dict:
+    return {"model": get_model_state_dict(model),
+            "optim": optimizer_state_dict(model, optimizer, format=optimizer_format),
             "extra": extra if extra is not None else {}}
+
+
+def optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+                         format: str | None = None) -> dict:
+    """torch.distributed.checkpoint's ``get_optimizer_state_dict(model, optimizer)`` (state keyed by
+    parameter FQN, DTensors kept), with a flashdist optimizer's state in ``format`` ("portable" or
+    "compressed"; None: the optimizer's ``state_dict_format``). The optimizer's setting is left as it is.
+    Any other optimizer: its state dict as torch gives it (``format`` must then be None)."""
+    if not isinstance(optimizer, FlashOptimizer):
+        if format is not None:
+            raise ValueError(f"flashdist: optimizer_state_dict's format applies to flashdist optimizers; "
+                             f"{type(optimizer).__name__} has one format: pass format=None")
+        return get_optimizer_state_dict(model, optimizer)
+    with optimizer.state_dict_format_override(format or optimizer.state_dict_format):
+        return get_optimizer_state_dict(model, optimizer)
 
 
 def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -622,8 +639,8 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     metadata = reader.read_metadata()
     # Read the optimizer state in the format it was saved in, whatever this optimizer saves:
     # load_state_dict takes both
-    with _state_dict_format(optimizer, _saved_format(metadata)):
-        state = _clone(_state(model, optimizer, None))
+    fmt = (_saved_format(metadata) or "portable") if isinstance(optimizer, FlashOptimizer) else None
+    state = _clone(_state(model, optimizer, None, fmt))
     state["extra"] = _template_for_extra(metadata)
     want = {k: v for k, v in _flat_shapes(state).items() if not k.startswith("extra.")}
     have = {k: getattr(m, "size", None) for k, m in metadata.state_dict_metadata.items() if not k.startswith("extra.")}
@@ -661,20 +678,6 @@ def _saved_format(metadata) -> str | None:
     if QuantizedMoment.any_codes(keys):
         return "compressed"
     return None
-
-
-@contextlib.contextmanager
-def _state_dict_format(optimizer, fmt: str | None):
-    """A flashdist optimizer's state_dict() in format ``fmt`` inside the block (portable when None)."""
-    old = getattr(optimizer, "state_dict_format", None)
-    if old is None:  # not a flashdist optimizer
-        yield
-        return
-    optimizer.state_dict_format = fmt or "portable"
-    try:
-        yield
-    finally:
-        optimizer.state_dict_format = old
 
 
 _OPTIMIZERS_BY_MOMENTS = {("exp_avg", "exp_avg_sq"): "FlashAdamW/FlashAdam", ("exp_avg",): "FlashLion",

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from ..optim.layout import check_master_weight_bits
 from ..quant import rho as R
 from .dcp import CheckpointError
 from ..quant.moment import QuantizedMoment
@@ -256,8 +257,7 @@ def read_deepspeed(path: str | os.PathLike, tag: str | None = None, *, master_we
     if bits is None:
         found = {g.get("master_weight_bits") for g in groups}
         bits = found.pop() if len(found) == 1 else 24
-    if bits not in (None, 24, 32):
-        raise CheckpointError(f"flashdist: master_weight_bits must be 24 or 32, got {bits!r}")
+    check_master_weight_bits(bits, error=CheckpointError)
     model: dict[str, torch.Tensor] = {}
     state: dict[str, dict] = {}
     names = [name for group_shapes in shapes for name in group_shapes]

@@ -62,6 +62,7 @@ from typing import Any
 
 import torch
 
+from ..optim.layout import check_master_weight_bits
 from ..quant import rho as R
 from .dcp import CheckpointError
 from .state import FORMAT_VERSION
@@ -342,8 +343,7 @@ def read_flashoptim(src: str | os.PathLike | dict, model_state: dict | None = No
                                   f"flashdist: {path} is a directory; " + _HINT)
         where, obj = str(path), _load(path)
     model, optim = _split_input(obj, model_state, where)
-    if master_weight_bits not in (None, 24, 32):
-        raise CheckpointError(f"flashdist: master_weight_bits must be 24 or 32, got {master_weight_bits!r}")
+    check_master_weight_bits(master_weight_bits, error=CheckpointError)
     names = _names(model, optim, param_names, where)
     saved = optim["state"]
     out_model = dict(model)

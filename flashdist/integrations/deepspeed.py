@@ -456,7 +456,7 @@ def _restore_universal_masters(engine, folder: str) -> None:
     else:
         groups = opt.param_groups
     for group, master in zip(groups, masters):
-        opt._init_state(master, group)  # re-quantize the loaded float moments; create rho
+        opt.ensure_state(master, group)  # re-quantize the loaded float moments; create rho
     if not stage3:
         from deepspeed.utils import lazy_init_hp_params_optimizer_state
 

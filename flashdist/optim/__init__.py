@@ -2,7 +2,9 @@
 
 from .adam import FlashAdam, FlashAdamW
 from .base import FlashOptimizer, PrecisionWarning
+from .layout import LayoutOptions
 from .lion import FlashLion
 from .sgd import FlashSGD, FlashSGDW
 
-__all__ = ["FlashAdam", "FlashAdamW", "FlashLion", "FlashOptimizer", "FlashSGD", "FlashSGDW", "PrecisionWarning"]
+__all__ = ["FlashAdam", "FlashAdamW", "FlashLion", "FlashOptimizer", "FlashSGD", "FlashSGDW", "LayoutOptions",
+           "PrecisionWarning"]

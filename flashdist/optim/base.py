@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import itertools
 import math
 import operator
@@ -17,14 +19,13 @@ from .. import distributed as D
 from ..quant import rho as R
 from ..quant.moment import MomentLayout, QuantizedMoment
 from ..quant.moment import state_layout  # noqa: F401  (public here before it moved down to quant)
+from .layout import LAYOUT_OPTIONS, MASTER_WEIGHT_BITS, LayoutOptions  # noqa: F401  (MASTER_WEIGHT_BITS: public here before)
 from .params import param_name
 from .state_dict import FORMATS, export_state_dict, load_state_dict
 
 SUPPORTED_PARAM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _GRAD = operator.attrgetter("grad")
 _LAYOUT = operator.attrgetter("layout")
-MASTER_WEIGHT_BITS = (24, 32, None)
-LAYOUT_OPTIONS = ("master_weight_bits", "quantize_states", "companded", "flat_layout")
 
 
 _INTERNAL_FILES = (os.path.dirname(os.path.dirname(__file__)), os.path.dirname(torch.__file__))
@@ -40,6 +41,17 @@ def _caller_stacklevel() -> int:
 
 _EAGER_STEP = ("flashdist: the optimizer step runs eagerly (it is one fused launch per param group already); "
                "call torch.compile without fullgraph=True, or leave optimizer.step out of the compiled function")
+
+
+# (id(optimizer), format) pairs set by FlashOptimizer.state_dict_format_override in this thread or task
+_FORMAT_OVERRIDES: contextvars.ContextVar[tuple[tuple[int, str], ...]] = contextvars.ContextVar(
+    "flashdist_state_dict_format_overrides", default=())
+
+
+def _check_format(value: Any, name: str) -> None:
+    """One of the state-dict formats, or a ValueError naming ``name``."""
+    if value not in FORMATS:
+        raise ValueError(f"flashdist: {name} must be one of {FORMATS}, got {value!r}")
 
 
 class PrecisionWarning(UserWarning):
@@ -71,6 +83,10 @@ class FlashOptimizer(torch.optim.Optimizer):
     or override ``moments_of`` when a group's hyper-parameters decide them) and implement
     ``_check_hyperparameters`` and ``_step_bucket``.
 
+    Beyond torch.optim.Optimizer's API, the methods that checkpointing, gradient release and framework
+    integrations build on: :meth:`ensure_state`, :meth:`step_parameters`, :meth:`check_group`,
+    :meth:`clear_plans`, :meth:`layout_options`, ``state_dict(format=...)`` and :attr:`keeps_step_count`.
+
     State follows the parameters that are in ``param_groups`` now (frameworks swap them after construction:
     Accelerate's FSDP2 ``prepare`` puts sharded DTensors in place of the original tensors): a parameter seen
     for the first time gets its state (at the step, ``state_dict``, ``load_state_dict`` or
@@ -81,15 +97,16 @@ class FlashOptimizer(torch.optim.Optimizer):
     parameters with gradients by identity anyway, and by ``state_dict``."""
 
     _moments: tuple[str, ...] = ()
-    _torch_counts_steps = True  # the torch optimizer this one replaces keeps state["step"] (SGD does not)
+    keeps_step_count: bool = True
+    """Whether the torch optimizer this one replaces keeps ``state["step"]`` (torch.optim.SGD does not): a
+    state dict of that optimizer without a ``step`` then loads as one step taken."""
 
     def __init__(self, params, defaults: dict, *, backend: str = "auto", state_dict_format: str = "portable"):
         from ..functional.backend import BACKENDS
 
         if backend not in BACKENDS:
             raise ValueError(f"flashdist: backend must be one of {BACKENDS}, got {backend!r}")
-        if state_dict_format not in FORMATS:
-            raise ValueError(f"flashdist: state_dict_format must be one of {FORMATS}, got {state_dict_format!r}")
+        _check_format(state_dict_format, "state_dict_format")
         self.backend = backend
         self.state_dict_format = state_dict_format
         self.skipped = None  # int32 counter of skipped (non-finite) groups, on the parameters' device
@@ -103,7 +120,7 @@ class FlashOptimizer(torch.optim.Optimizer):
         self._plans: dict[tuple, _Plan] = {}
         self._plan_keys: dict[int, tuple] = {}  # id(param) -> key of the plan that holds its step counter
         self._dtensor_groups: set[int] = set()  # ids of param groups that hold DTensor parameters
-        self._layouts: dict[int, tuple] = {}  # id(group) -> its layout options when its state was made
+        self._layouts: dict[int, LayoutOptions] = {}  # id(group) -> its layout options when its state was made
         self._synced: list[tuple[dict, list, list]] = []  # (group, its params list, a copy) as last seen
         # ids of tensors seen in flat_layout groups: their state is never freed by sync_state, because
         # DeepSpeed ZeRO-3 puts each sub-group's partition into the group for its step and empties the group
@@ -120,30 +137,30 @@ class FlashOptimizer(torch.optim.Optimizer):
     def _check_hyperparameters(self, group: dict) -> None:
         raise NotImplementedError
 
-    def _check_layout_options(self, group: dict) -> None:
-        if group["master_weight_bits"] not in MASTER_WEIGHT_BITS:
-            raise ValueError(f"flashdist: master_weight_bits must be 24, 32 or None, got "
-                             f"{group['master_weight_bits']!r}")
-        for key in ("quantize_states", "companded"):
-            if not isinstance(group[key], bool):
-                raise ValueError(f"flashdist: {key} must be True or False, got {group[key]!r}")
-        if not isinstance(group.get("flat_layout", False), bool):
-            raise ValueError(f"flashdist: flat_layout must be True or False, got {group['flat_layout']!r}")
-
-    @staticmethod
-    def _layout_of(group: dict) -> tuple:
-        return tuple(group.get(key, False) for key in LAYOUT_OPTIONS)
-
-    def _check_group(self, group: dict) -> None:
-        """The checks every step runs on a group: its hyper-parameters, and layout options unchanged."""
+    def check_group(self, group: dict) -> None:
+        """Raise a ValueError naming the first hyper-parameter of ``group`` (a param-group dict, live or
+        about to be set) that this optimizer would refuse, or the layout option changed on a live group
+        since its state was made; return None when all is well. ``step()`` runs it on every group; call
+        it before stepping through :meth:`step_parameters`. Changes nothing."""
         self._check_hyperparameters(group)
         self._check_layout_unchanged(group)
 
+    def layout_options(self, group: dict) -> LayoutOptions:
+        """The layout options the state of ``group`` (one of ``param_groups``) is made with: fixed from the
+        group's construction on, whatever its dict says now."""
+        known = self._layouts.get(id(group))
+        if known is None:
+            if not any(g is group for g in self.param_groups):
+                raise KeyError("flashdist: layout_options takes one of this optimizer's param_groups")
+            self.sync_state()  # a group dict put into param_groups directly: recorded here
+            known = self._layouts[id(group)]
+        return known
+
     def _check_layout_unchanged(self, group: dict) -> None:
         known = self._layouts.get(id(group))
-        if known is not None and known != self._layout_of(group):  # (a group not seen yet: sync_state records it)
-            was = dict(zip(LAYOUT_OPTIONS, known))
-            now = dict(zip(LAYOUT_OPTIONS, self._layout_of(group)))
+        if known is not None and not known.matches(group):  # (a group not seen yet: sync_state records it)
+            was = known.as_dict()
+            now = {k: group.get(k, False) for k in LAYOUT_OPTIONS}
             changed = {k: (was[k], now[k]) for k in was if was[k] != now[k]}
             raise ValueError(f"flashdist: layout options of a param group changed after its state was made "
                              f"({', '.join(f'{k}: {a!r} -> {b!r}' for k, (a, b) in changed.items())}); they decide "
@@ -177,7 +194,7 @@ class FlashOptimizer(torch.optim.Optimizer):
         for k, v in self.defaults.items():
             candidate.setdefault(k, v)
         self._check_hyperparameters(candidate)
-        self._check_layout_options(candidate)
+        layout = LayoutOptions.from_group(candidate)
         for i, p in enumerate(params):
             self._check_param(candidate, i, p)
         self._check_overlaps([(g, i, q) for g in self.param_groups for i, q in enumerate(g["params"])]
@@ -188,7 +205,7 @@ class FlashOptimizer(torch.optim.Optimizer):
             self.param_groups.pop()
             raise ValueError(f"flashdist: a param group given {len(params)} parameters ended up with "
                              f"{len(group['params'])}; pass the parameters as a list")
-        self._layouts[id(group)] = self._layout_of(group)
+        self._layouts[id(group)] = layout
         if any(D.is_dtensor(p) for p in group["params"]):
             self._dtensor_groups.add(id(group))
         self._synced.append((group, group["params"], list(group["params"])))
@@ -316,6 +333,8 @@ class FlashOptimizer(torch.optim.Optimizer):
             self._check_not_flat_partition(group, i, p)
         if new:
             self._check_overlaps([(g, i, q) for g in self.param_groups for i, q in enumerate(g["params"])])
+        # a group dict put into param_groups directly is validated here, before anything changes
+        layouts = {id(g): self._layouts.get(id(g)) or LayoutOptions.from_group(g) for g in self.param_groups}
         live = {id(p) for group in self.param_groups for p in group["params"]}
         self._flat_ids.update(id(p) for group in self.param_groups if group.get("flat_layout", False)
                               for p in group["params"])
@@ -323,9 +342,7 @@ class FlashOptimizer(torch.optim.Optimizer):
             del self.state[p]
         self._invalidate_plans()
         self._dtensor_groups = {id(g) for g in self.param_groups if any(D.is_dtensor(p) for p in g["params"])}
-        for group in self.param_groups:
-            self._layouts.setdefault(id(group), self._layout_of(group))
-        self._layouts = {id(g): self._layouts[id(g)] for g in self.param_groups}
+        self._layouts = layouts
         for group in self.param_groups:
             if not group.get("flat_layout", False):
                 for p in group["params"]:
@@ -360,6 +377,24 @@ class FlashOptimizer(torch.optim.Optimizer):
                     if p.requires_grad and not self._state_ready(p, group):
                         self._init_state(p, group)
                         self._invalidate_plans()
+
+    def ensure_state(self, p: torch.Tensor, group: dict | None = None) -> None:
+        """Create whatever part of ``p``'s state its group's layout needs and ``p`` lacks: ``step``, the
+        moments (8-bit codes and scales, or fp32) and ``rho``; nothing when it is complete. State that a
+        loader wrote straight into ``optimizer.state`` is adopted: a plain-number ``step`` becomes a tensor,
+        float moments where codes belong are quantized (DeepSpeed's universal checkpoints load that way).
+
+        ``group``: the param group whose layout applies, one of ``param_groups``; by default the one that
+        holds ``p``. Pass it for a tensor the group holds only during its step (DeepSpeed ZeRO-3's flat
+        partitions). Cached step plans that held ``p``'s old state tensors are dropped."""
+        if group is None:
+            group = self._group_of(p)
+        elif not any(g is group for g in self.param_groups):
+            raise ValueError("flashdist: ensure_state takes one of this optimizer's param_groups as group")
+        before = {k: id(v) for k, v in self.state.get(p, {}).items()}
+        self._init_state(p, group)
+        if {k: id(v) for k, v in self.state[p].items()} != before:
+            self._invalidate_plans()
 
     def _init_state(self, p: torch.Tensor, group: dict) -> None:
         """Create the missing parts of ``p``'s state. Called for every trainable parameter at construction and
@@ -437,7 +472,7 @@ class FlashOptimizer(torch.optim.Optimizer):
         layout (sparse) and, for DTensor parameters, the gradient's placements are checked."""
         active = []
         for group in self.param_groups:
-            self._check_group(group)
+            self.check_group(group)
             params = group["params"]
             grads = list(map(_GRAD, params))
             if all(map(operator.is_not, grads, itertools.repeat(None))):
@@ -517,6 +552,27 @@ class FlashOptimizer(torch.optim.Optimizer):
             self._plans.pop(key, None)
             raise
 
+    @torch.no_grad()
+    def step_parameters(self, group: dict, params: list[torch.Tensor],
+                        grads: list[torch.Tensor] | None = None) -> None:
+        """Step ``params``, parameters of ``group`` (one of ``param_groups``) that all hold a gradient, as
+        ``step()`` would step them; parameters left out are not touched. ``grads``: their ``.grad`` tensors
+        in the same order, when the caller has that list already. Gradient release steps each batch of
+        parameters whose gradients are final this way.
+
+        Unlike ``step()`` it runs no step hooks and no :meth:`check_group` (call it first: the group's
+        hyper-parameters may have changed since the last step, e.g. by a learning-rate scheduler), and takes
+        no closure. The cached plan of the fused step is kept per list of parameters: stepping the same
+        lists each iteration costs no more Python work than ``step()`` does."""
+        if not any(g is group for g in self.param_groups):
+            raise ValueError("flashdist: step_parameters takes one of this optimizer's param_groups as group")
+        given = list(grads) if grads is not None else list(map(_GRAD, params))
+        if any(map(operator.is_, given, itertools.repeat(None))):
+            index = next(i for i, g in enumerate(given) if g is None)
+            raise ValueError(f"flashdist: step_parameters got params[{index}] (shape {tuple(params[index].shape)}) "
+                             "without a gradient; pass only parameters whose gradient is set")
+        self._step_params(group, params, grads)
+
     def _step_plan(self, group: dict, plan: "_Plan", params: list[torch.Tensor],
                    grads: list[torch.Tensor] | None) -> None:
         if plan.step is None:  # parameters at different step counts: bucket by count (rare)
@@ -542,6 +598,13 @@ class FlashOptimizer(torch.optim.Optimizer):
                      skipped: torch.Tensor) -> None:
         raise NotImplementedError
 
+    def clear_plans(self) -> None:
+        """Forget the cached plans of the fused step (the per-parameter bookkeeping, built again by the next
+        step that needs it). The optimizer clears them itself whenever its parameters or their state change
+        through its methods; call it after stepping through :meth:`step_parameters` with other lists of
+        parameters than ``step()`` uses, or after replacing a state tensor in ``optimizer.state`` by hand."""
+        self._invalidate_plans()
+
     def _invalidate_plans(self) -> None:
         self._plans.clear()
         self._plan_keys.clear()
@@ -549,17 +612,23 @@ class FlashOptimizer(torch.optim.Optimizer):
     # ----- state dict ----------------------------------------------------------------------------------
 
     @torch._disable_dynamo
-    def state_dict(self) -> dict:
-        """torch's state dict in this optimizer's ``state_dict_format``: "portable" (default; fp32 moments
-        under torch.optim.AdamW's names, plus rho) or "compressed" (codes, scales, rho). See
-        flashdist.optim.state_dict. Every trainable parameter has state in it, stepped or not (dcp.save needs
-        the same keys on every rank); frozen parameters never stepped have none, as in torch.optim. Hooks
-        run as in torch.optim: ``register_state_dict_pre_hook`` hooks before, ``register_state_dict_post_hook``
-        hooks on the dict that is returned (and may replace it)."""
+    def state_dict(self, *, format: str | None = None) -> dict:
+        """torch's state dict in ``format``: "portable" (fp32 moments under torch.optim.AdamW's names, plus
+        rho) or "compressed" (codes, scales, rho); see flashdist.optim.state_dict. Without ``format``: the
+        format set by an enclosing :meth:`state_dict_format_override`, else ``state_dict_format`` (the
+        optimizer's setting, "portable" by default), which this never changes. Every trainable parameter has
+        state in it, stepped or not (dcp.save needs the same keys on every rank); frozen parameters never
+        stepped have none, as in torch.optim. Hooks run as in torch.optim: ``register_state_dict_pre_hook``
+        hooks before, ``register_state_dict_post_hook`` hooks on the dict that is returned (and may replace
+        it)."""
+        if format is None:
+            format = next((f for i, f in _FORMAT_OVERRIDES.get() if i == id(self)), self.state_dict_format)
+        else:
+            _check_format(format, "state_dict's format")
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
         self._ensure_trainable_state()
-        state_dict = export_state_dict(self, self._packed_state_dict(), self.state_dict_format)
+        state_dict = export_state_dict(self, self._packed_state_dict(), format)
         for hook in self._optimizer_state_dict_post_hooks.values():
             result = hook(self, state_dict)
             if result is not None:
@@ -580,6 +649,20 @@ class FlashOptimizer(torch.optim.Optimizer):
             groups.append(packed)
         state = {(index[id(k)] if isinstance(k, torch.Tensor) else k): v for k, v in self.state.items()}
         return {"state": state, "param_groups": groups}
+
+    @contextlib.contextmanager
+    def state_dict_format_override(self, format: str):
+        """Within this block, ``state_dict()`` calls on this optimizer that pass no ``format`` (as
+        torch.distributed.checkpoint's ``get_optimizer_state_dict`` calls it) return ``format``. The
+        optimizer's ``state_dict_format`` stays as it is, and the override holds for the calling thread (or
+        asyncio task) only: a checkpoint saved from another thread meanwhile keeps the optimizer's format.
+        flashdist.checkpoint.dcp.load reads a checkpoint in the format it was saved in this way."""
+        _check_format(format, "state_dict_format_override's format")
+        token = _FORMAT_OVERRIDES.set(((id(self), format),) + _FORMAT_OVERRIDES.get())
+        try:
+            yield self
+        finally:
+            _FORMAT_OVERRIDES.reset(token)
 
     @torch._disable_dynamo
     def load_state_dict(self, state_dict: dict) -> None:

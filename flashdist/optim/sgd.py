@@ -35,7 +35,7 @@ class FlashSGD(FlashOptimizer):
     """
 
     _moments = ("momentum_buffer",)
-    _torch_counts_steps = False
+    keeps_step_count = False
     _decoupled = False
 
     def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,

@@ -19,11 +19,12 @@ import torch
 
 from .. import distributed as D
 from ..quant.moment import QuantizedMoment, dequantize_moment, quantize_moment
+from .layout import LAYOUT_OPTIONS
 from .params import param_name
 
 FORMAT_VERSION = 1
 FORMATS = ("portable", "compressed")
-LAYOUT_KEYS = ("master_weight_bits", "quantize_states", "companded", "flat_layout")
+LAYOUT_KEYS = LAYOUT_OPTIONS
 _META_KEYS = ("flashdist_format", "flashdist_version")
 _KEPT_GROUP_KEYS = ("params", "param_names") + _META_KEYS + LAYOUT_KEYS  # not taken from a loaded group
 
@@ -101,7 +102,7 @@ def _plan_param(opt, group, p, name, saved: dict) -> list:
     extra = keys - compressed_keys - portable_keys - {"step", "rho"}
     _check(not extra, f"state of {name} has unexpected keys {sorted(extra)} (expected {sorted(mine)}); "
                       "was it saved by another optimizer (e.g. AdamW with amsgrad)?")
-    if "step" not in saved and not opt._torch_counts_steps and keys & portable_keys:
+    if "step" not in saved and not opt.keeps_step_count and keys & portable_keys:
         # torch.optim.SGD keeps no step count; a saved momentum buffer means at least one step was taken
         saved = {**saved, "step": 1.0}
     _check("step" in saved, f"state of {name} has no 'step'")
@@ -169,13 +170,13 @@ def load_state_dict(opt, sd: dict) -> None:
                        f"{key}={group[key]!r}; build the optimizer with the same setting")
         for i, (pid, p) in enumerate(zip(sgroup["params"], group["params"])):
             if pid in saved:
-                opt._init_state(p, group)  # flat_layout groups create their state lazily
+                opt.ensure_state(p, group)  # flat_layout groups create their state lazily
                 plan.extend((op, group) for op in _plan_param(opt, group, p, param_name(group, i, p), saved[pid]))
             index += 1
     # The hyper-parameters the groups will have after the load (torch's load_state_dict takes the saved
     # ones), checked too: e.g. FlashSGD refuses a momentum switched on or off under the state it holds.
     for group, sgroup in zip(opt.param_groups, groups):
-        opt._check_hyperparameters({**group, **{k: v for k, v in sgroup.items() if k not in _KEPT_GROUP_KEYS}})
+        opt.check_group({**group, **{k: v for k, v in sgroup.items() if k not in _KEPT_GROUP_KEYS}})
     # Everything checked: apply.
     for (kind, dest, value, mine), group in plan:
         if kind == "copy":

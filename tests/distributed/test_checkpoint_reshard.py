@@ -129,6 +129,27 @@ def test_reshard_is_exact(tmp_path, fmt, save_world, load_worlds):
         _assert_same(final, after, f"{fmt} {save_world}->{world} resumed")
 
 
+def _resume_other_format_job(rank, world, path, fmt):
+    """Load into an optimizer that saves in ``fmt``; what its state_dict pre-hooks saw of its setting."""
+    model, opt = _build(fmt, _distributed())
+    seen = []
+    opt.register_state_dict_pre_hook(lambda o: seen.append(o.state_dict_format))
+    checkpoint.load(path, model, opt)
+    return _gather(model, opt), seen, opt.state_dict_format
+
+
+def test_load_in_the_saved_format_leaves_the_optimizers_format_alone(tmp_path):
+    """A compressed checkpoint loads into an optimizer set to save portable state (and back), exactly, under
+    FSDP2 on 2 ranks: the load reads the saved format through torch's get_optimizer_state_dict without
+    changing the optimizer's state_dict_format."""
+    for saved_fmt, fmt in (("compressed", "portable"), ("portable", "compressed")):
+        path = str(tmp_path / saved_fmt)
+        saved = _run(_save_job, 2, path, saved_fmt)
+        loaded, seen, after = _run(_resume_other_format_job, 2, path, fmt)
+        _assert_same(saved, loaded, f"{saved_fmt} checkpoint into a {fmt} optimizer")
+        assert seen and set(seen) == {fmt} and after == fmt, (seen, after)
+
+
 @pytest.mark.parametrize("fmt", ["compressed", "portable"])
 @pytest.mark.parametrize("name", ["sgd-nesterov", "lion"])
 def test_family_reshard_is_exact(tmp_path, fmt, name):

@@ -73,7 +73,7 @@ def _train_gated(model, optimizer, *, release: bool, rank: int = 0, steps: int =
         if release:
             assert all(p.grad is None for p in model.parameters()), "release left a gradient behind"
         else:
-            optimizer._invalidate_plans()
+            optimizer.clear_plans()
         optimizer.step()
         optimizer.zero_grad()
     if handle is not None:
@@ -81,10 +81,10 @@ def _train_gated(model, optimizer, *, release: bool, rank: int = 0, steps: int =
 
 
 def spy_calls(optimizer) -> list[list[str]]:
-    """Record the names of the parameters of every non-empty ``_step_params`` call (the batched optimizer
+    """Record the names of the parameters of every non-empty ``step_parameters`` call (the batched optimizer
     call) and, after each name list, whether every other trainable parameter held no gradient then."""
     calls: list = []
-    original = optimizer._step_params
+    original = optimizer.step_parameters
     names = {id(p): n for g in optimizer.param_groups for n, p in zip(g["param_names"], g["params"])}
     every = [p for g in optimizer.param_groups for p in g["params"]]
 
@@ -95,7 +95,7 @@ def spy_calls(optimizer) -> list[list[str]]:
             calls.append((sorted(names[id(p)] for p in params), held))
         return original(group, params, *args, **kwargs)
 
-    optimizer._step_params = spy
+    optimizer.step_parameters = spy
     return calls
 
 
@@ -131,7 +131,7 @@ def test_failed_batched_step_leaves_the_rest_to_optimizer_step(pair):
     result is the ordinary step's."""
     (model, optimizer), (ref, ref_optimizer) = pair
     handle = enable_gradient_release(model, optimizer)
-    original = optimizer._step_params
+    original = optimizer.step_parameters
     calls = []
 
     def fail_second(group, params, *args, **kwargs):
@@ -140,11 +140,11 @@ def test_failed_batched_step_leaves_the_rest_to_optimizer_step(pair):
             raise RuntimeError("injected failure")
         return original(group, params, *args, **kwargs)
 
-    optimizer._step_params = fail_second
+    optimizer.step_parameters = fail_second
     with pytest.raises(RuntimeError, match="injected failure"):
         _loss(model, 0).backward()
     assert sum(p.grad is not None for p in model.parameters()) == calls[1]  # the second group kept its grads
-    optimizer._step_params = original
+    optimizer.step_parameters = original
     optimizer.step()
     assert all(p.grad is None for p in model.parameters())
     handle.remove()
@@ -357,7 +357,7 @@ def _fsdp2_release(rank: int, world_size: int, mesh_shape: tuple[int, ...]):
     assert sorted(names for names, _ in calls) == sorted(STEPS * [["head.bias", "head.weight"], ["cube", "few"],
                                                                  ["gain", "uneven.bias", "uneven.weight"]]), calls
     assert all(not held for names, held in calls if names[0] == "head.bias"), "the head group is stepped first"
-    del optimizer._step_params
+    del optimizer.step_parameters
     _train(ref, ref_optimizer, release=False, rank=rank)
     assert_bitwise_equal(snapshot(model, optimizer), snapshot(ref, ref_optimizer), "FSDP2 release vs ordinary")
 
@@ -429,7 +429,7 @@ def _stack_release_vs_ordinary(mesh, rank: int, bucket_mb: float, check_calls, l
         optimizer.zero_grad()
     per_step = handle.optimizer_calls / STEPS
     handle.remove()
-    del optimizer._step_params
+    del optimizer.step_parameters
     _train(ref, ref_optimizer, release=False, rank=rank)
     assert_bitwise_equal(snapshot(model, optimizer), snapshot(ref, ref_optimizer), label)
     return per_step
