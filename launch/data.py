@@ -25,6 +25,7 @@ import shutil
 import sysconfig
 import tempfile
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -78,6 +79,13 @@ def listing_digest(listing: list[tuple[str, Path, int]]) -> str:
     return h.hexdigest()
 
 
+def _read(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes() + b"\0"
+    except OSError:
+        return None
+
+
 def build_corpus(cache_dir: str | os.PathLike, roots: list[tuple[str, Path]] | None = None) -> Path:
     """The directory holding train.bin, val.bin and manifest.json for the current sources, built when it is not
     in ``cache_dir`` yet (streamed file by file, never whole in memory). A finished build is renamed into place
@@ -95,17 +103,18 @@ def build_corpus(cache_dir: str | os.PathLike, roots: list[tuple[str, Path]] | N
     try:
         counts = {"train": [0, 0], "val": [0, 0]}  # files, bytes
         sha = {"train": hashlib.sha256(), "val": hashlib.sha256()}
-        with open(tmp / "train.bin", "wb") as ftrain, open(tmp / "val.bin", "wb") as fval:
-            for key, path, _ in listing:
-                split = "val" if is_validation(key) else "train"
-                try:
-                    data = path.read_bytes() + b"\0"
-                except OSError:  # unreadable: counted by neither side, the digest still names the listing
-                    continue
-                (fval if split == "val" else ftrain).write(data)
-                sha[split].update(data)
-                counts[split][0] += 1
-                counts[split][1] += len(data)
+        with open(tmp / "train.bin", "wb") as ftrain, open(tmp / "val.bin", "wb") as fval, \
+                ThreadPoolExecutor(8) as pool:  # tens of thousands of small files: reads overlap, order is kept
+            for start in range(0, len(listing), 1024):
+                chunk = listing[start:start + 1024]
+                for (key, _, _), data in zip(chunk, pool.map(_read, [path for _, path, _ in chunk])):
+                    if data is None:  # unreadable: counted by neither side, the digest still names the listing
+                        continue
+                    split = "val" if is_validation(key) else "train"
+                    (fval if split == "val" else ftrain).write(data)
+                    sha[split].update(data)
+                    counts[split][0] += 1
+                    counts[split][1] += len(data)
         manifest = {
             "description": "Python sources (*.py) of the installed packages and standard library, as bytes; "
                            "each file under its own package's license, used only as training bytes",

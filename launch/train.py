@@ -405,6 +405,8 @@ def main(argv=None) -> dict:
     report = None
     t0, tokens = time.perf_counter(), 0
     end = min(args.steps, args.stop_at or args.steps)
+    if args.init_from and start == 0:  # the curve starts at the weights it fine-tunes
+        log.append({"step": 0, "tokens": 0, "val_loss": evaluate(model, val, args, run)})
     log_file = None
     if run.rank == 0:  # the curve is on disk as it grows: a run killed by a time limit leaves what it reached
         log_file = open(out / "log.jsonl", "w")
@@ -463,7 +465,7 @@ def main(argv=None) -> dict:
         "companded": not args.no_companding, "grad_release": args.grad_release, "seed": args.seed,
         "world_size": run.world, "mesh": list(args.mesh) if run.distributed else None, "device": run.device.type, "params": n_params, "steps": end,
         "partial": end < args.steps, "tokens": end * tokens_per_step,
-        "resumed_from": start, "final_train_loss": log[-1]["loss"] if log else None, "final_val_loss": last_val,
+        "resumed_from": start, "final_train_loss": log[-1].get("loss") if log else None, "final_val_loss": last_val,
         "tokens_per_s": tokens / elapsed if elapsed else None, "peak_mem_gib": run.memory_gib(),
         "bytes_per_param": report["bytes_per_param"] if report else None, "memory_report": report,
         "checkpoint": str(ckpt) if ckpt else None, "corpus": corpus, "torch": torch.__version__,
@@ -474,7 +476,7 @@ def main(argv=None) -> dict:
         summary["plot"] = str(png) if plot(log, png, f"{args.optimizer} ({run.world} ranks)") else None
         rows = [("optimizer", args.optimizer + ("" if args.optimizer == "adamw" else f" ({args.master_weight_bits}-bit)")),
                 ("ranks x device", f"{run.world} x {run.device.type}"), ("parameters", f"{n_params:,}"),
-                ("steps", f"{start} -> {end}"), ("final train loss", f"{summary['final_train_loss']:.4f}"),
+                ("steps", f"{start} -> {end}"), ("final train loss", f"{summary['final_train_loss'] or float('nan'):.4f}"),
                 ("final val loss", f"{last_val:.4f}"),
                 ("bytes/param held (measured, rank 0)", f"{summary['bytes_per_param']:.3f}"),
                 ("throughput", f"{summary['tokens_per_s']:,.0f} tok/s"), ("checkpoint", summary["checkpoint"]),
