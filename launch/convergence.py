@@ -184,26 +184,36 @@ def read_run(run: dict) -> dict:
 
 def phase_stats(results: list[dict]) -> dict:
     """Per-variant validation loss at the last evaluation every run of the phase reached (so partial runs compare
-    at equal tokens), its mean and seed spread, and the gap to AdamW in units of the pooled seed sd."""
+    at equal tokens), its mean and seed spread, the gap to AdamW (paired by seed: the mean of variant minus AdamW
+    over the seeds both ran) in % and in units of the pooled seed sd, and the gain from the starting weights."""
     curves = [dict(r["val_curve"]) for r in results if r["val_curve"]]
     common = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
     at = common[-1] if common else None
     by_variant: dict[str, list[float]] = {}
+    gains: dict[str, list[float]] = {}  # from the starting weights (the rho phase evaluates them at 0 tokens)
     for r in results:
         if at is not None and r["val_curve"]:
-            by_variant.setdefault(r["variant"], []).append(dict(r["val_curve"])[at])
+            curve = dict(r["val_curve"])
+            by_variant.setdefault(r["variant"], []).append(curve[at])
+            if 0 in curve:
+                gains.setdefault(r["variant"], []).append(curve[0] - curve[at])
     # pooled within-variant sd over the variants with two seeds or more: the seed-to-seed noise of one run
     dev = [(v - statistics.mean(vals)) ** 2 for vals in by_variant.values() if len(vals) > 1 for v in vals]
     dof = sum(len(vals) - 1 for vals in by_variant.values() if len(vals) > 1)
     seed_sd = (sum(dev) / dof) ** 0.5 if dof else None
-    base = statistics.mean(by_variant[ADAMW]) if ADAMW in by_variant else None
+    adamw = {r["seed"]: dict(r["val_curve"])[at] for r in results if r["variant"] == ADAMW and r["val_curve"]}
+    base = statistics.mean(adamw.values()) if adamw else None
     rows = []
     for name, vals in by_variant.items():
         mean = statistics.mean(vals)
-        gap = None if base is None else mean - base
+        # paired by seed (same initialisation and data order): a one-seed ablation meets AdamW's run of that seed
+        pairs = [dict(r["val_curve"])[at] - adamw[r["seed"]] for r in results
+                 if r["variant"] == name and r["val_curve"] and r["seed"] in adamw]
+        gap = statistics.mean(pairs) if pairs else None
         rows.append({"variant": name, "val_losses": vals, "mean": mean, "range": max(vals) - min(vals),
                      "gap": gap, "gap_pct": None if gap is None else 100 * gap / base,
-                     "gap_in_seed_sd": None if gap is None or not seed_sd else gap / seed_sd})
+                     "gap_in_seed_sd": None if gap is None or not seed_sd else gap / seed_sd,
+                     "gain_from_start": statistics.mean(gains[name]) if name in gains else None})
     return {"at_tokens": at, "seed_sd": seed_sd, "rows": rows}
 
 
@@ -214,10 +224,12 @@ def _fmt(x, spec):
 def table(stats: dict) -> list[str]:
     lines = [f"validation loss (nats/byte) at {stats['at_tokens'] or 0:,} tokens per run; pooled seed sd "
              f"{_fmt(stats['seed_sd'], '.4f')}", "",
-             "| variant | val loss per seed | mean | range | vs AdamW | gap / seed sd |", "|---|---|---|---|---|---|"]
+             "| variant | val loss per seed | mean | range | vs AdamW | gap / seed sd | gain from the start |",
+             "|---|---|---|---|---|---|---|"]
     for r in stats["rows"]:
         lines.append(f"| {r['variant']} | {' / '.join(f'{v:.4f}' for v in r['val_losses'])} | {r['mean']:.4f} | "
-                     f"{r['range']:.4f} | {_fmt(r['gap_pct'], '+.2f')}% | {_fmt(r['gap_in_seed_sd'], '+.1f')} |")
+                     f"{r['range']:.4f} | {_fmt(r['gap_pct'], '+.2f')}% | {_fmt(r['gap_in_seed_sd'], '+.1f')} | "
+                     f"{_fmt(r['gain_from_start'], '.4f')} |")
     return lines
 
 

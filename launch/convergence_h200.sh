@@ -12,6 +12,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:-partial}
+shift $(( $# > 0 ? 1 : 0 ))  # the rest goes to convergence.py (later flags win)
 : "${OUT:?set OUT to the folder that receives the results}"
 PY=${PYTHON:-python3}
 RUNS=${RUNS:-runs/convergence-$MODE}
@@ -22,9 +23,9 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 case $MODE in
   partial) "$PY" launch/convergence.py --config gpt2-small --out "$RUNS" --time-budget "$BUDGET" \
-             --steps 240 --rho-steps 120 --rho-share 0.38 --compile off ;;
+             --steps 240 --rho-steps 120 --rho-share 0.38 --compile off "$@" ;;
   full) "$PY" launch/convergence.py --config gpt2-small --out "$RUNS" --time-budget "$BUDGET" \
-          --steps 3200 --rho-steps 1000 --rho-share 0 --ckpt ;;
+          --steps 3200 --rho-steps 1000 --rho-share 0 --ckpt "$@" ;;
   *) echo "convergence_h200.sh: unknown mode '$MODE': use partial or full" >&2; exit 2 ;;
 esac
 rc=$?

@@ -425,7 +425,7 @@ def main(argv=None) -> dict:
         if report is None or step == end - 1:
             report = flashdist.memory_report(opt)  # with the gradients still held (none under release)
         evaluating = (step + 1) % args.eval_every == 0 or step + 1 == end
-        before = bf16_weights(model) if evaluating else None
+        before = bf16_weights(model) if evaluating and release is None else None  # release: already stepped
         opt.step()
         opt.zero_grad(set_to_none=True)
         sched.step()
@@ -434,7 +434,8 @@ def main(argv=None) -> dict:
                "lr": sched.get_last_lr()[0]}
         if evaluating:
             row["val_loss"] = evaluate(model, val, args, run)
-            row["bf16_moved"] = moved_fraction(before, model, run)
+            if before is not None:
+                row["bf16_moved"] = moved_fraction(before, model, run)
         log.append(row)
         if log_file:
             log_file.write(json.dumps(row) + "\n")
