@@ -139,6 +139,7 @@ def launch(runs: list[dict], args, gpus: int, deadline: float | None) -> None:
     """Run every unfinished run of a phase side by side; stop them at ``deadline`` (their --time-limit a little
     before it, a signal at it)."""
     procs = []
+    started = time.time()
     for i, run in enumerate(r for r in runs if not finished(r)):
         run["dir"].mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -161,7 +162,10 @@ def launch(runs: list[dict], args, gpus: int, deadline: float | None) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGTERM)  # its own session: the torchrun agent and its worker
             proc.wait()
-            print(f"stopped {run['variant']} seed {run['seed']} at the time budget", flush=True)
+            wrote = (run["dir"] / "summary.json").exists() and (run["dir"] / "summary.json").stat().st_mtime > started
+            print(f"stopped {run['variant']} seed {run['seed']} at the time budget"
+                  + (" while it exited (its summary is written)" if wrote else ""), flush=True)
+            continue
         if proc.returncode:
             print(f"{run['variant']} seed {run['seed']} exited with {proc.returncode}: see {run['dir'] / 'stdout.log'}",
                   flush=True)
@@ -188,26 +192,29 @@ def phase_stats(results: list[dict]) -> dict:
     over the seeds both ran) in % and in units of the pooled seed sd, and the gain from the starting weights."""
     curves = [dict(r["val_curve"]) for r in results if r["val_curve"]]
     common = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
-    at = common[-1] if common else None
+    at = common[-1] if common else None  # None: no evaluation in common, each run's last one is used
+
+    def value(r: dict) -> float:
+        return dict(r["val_curve"])[at] if at is not None else r["val_curve"][-1][1]
+
     by_variant: dict[str, list[float]] = {}
     gains: dict[str, list[float]] = {}  # from the starting weights (the rho phase evaluates them at 0 tokens)
     for r in results:
-        if at is not None and r["val_curve"]:
-            curve = dict(r["val_curve"])
-            by_variant.setdefault(r["variant"], []).append(curve[at])
-            if 0 in curve:
-                gains.setdefault(r["variant"], []).append(curve[0] - curve[at])
+        if r["val_curve"]:
+            by_variant.setdefault(r["variant"], []).append(value(r))
+            if r["val_curve"][0][0] == 0:
+                gains.setdefault(r["variant"], []).append(r["val_curve"][0][1] - value(r))
     # pooled within-variant sd over the variants with two seeds or more: the seed-to-seed noise of one run
     dev = [(v - statistics.mean(vals)) ** 2 for vals in by_variant.values() if len(vals) > 1 for v in vals]
     dof = sum(len(vals) - 1 for vals in by_variant.values() if len(vals) > 1)
     seed_sd = (sum(dev) / dof) ** 0.5 if dof else None
-    adamw = {r["seed"]: dict(r["val_curve"])[at] for r in results if r["variant"] == ADAMW and r["val_curve"]}
+    adamw = {r["seed"]: value(r) for r in results if r["variant"] == ADAMW and r["val_curve"]}
     base = statistics.mean(adamw.values()) if adamw else None
     rows = []
     for name, vals in by_variant.items():
         mean = statistics.mean(vals)
         # paired by seed (same initialisation and data order): a one-seed ablation meets AdamW's run of that seed
-        pairs = [dict(r["val_curve"])[at] - adamw[r["seed"]] for r in results
+        pairs = [value(r) - adamw[r["seed"]] for r in results
                  if r["variant"] == name and r["val_curve"] and r["seed"] in adamw]
         gap = statistics.mean(pairs) if pairs else None
         rows.append({"variant": name, "val_losses": vals, "mean": mean, "range": max(vals) - min(vals),
@@ -222,7 +229,9 @@ def _fmt(x, spec):
 
 
 def table(stats: dict) -> list[str]:
-    lines = [f"validation loss (nats/byte) at {stats['at_tokens'] or 0:,} tokens per run; pooled seed sd "
+    where = (f"at {stats['at_tokens']:,} tokens per run" if stats["at_tokens"] is not None else
+             "at each run's last evaluation (the runs share none: compare with care)")
+    lines = [f"validation loss (nats/byte) {where}; pooled seed sd "
              f"{_fmt(stats['seed_sd'], '.4f')}", "",
              "| variant | val loss per seed | mean | range | vs AdamW | gap / seed sd | gain from the start |",
              "|---|---|---|---|---|---|---|"]

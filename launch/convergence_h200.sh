@@ -20,7 +20,7 @@ BUDGET=${BUDGET:-470}  # seconds for convergence.py; the rest of 9 minutes is st
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 case $MODE in
   partial) "$PY" launch/convergence.py --config gpt2-small --out "$RUNS" --time-budget "$BUDGET" \
              --steps 240 --rho-steps 120 --rho-share 0.38 --compile off "$@" ;;

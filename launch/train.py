@@ -19,7 +19,12 @@ is FlashAdamW on bf16 parameters, ``flash_sgd`` FlashSGD (momentum 0.9, L2 decay
 ``flash_lion`` FlashLion, both on bf16 parameters too; ``adamw`` is torch.optim.AdamW with fp32 master
 weights (fp32 parameters, bf16 compute through FSDP2's MixedPrecisionPolicy). ``--lr`` and
 ``--weight-decay`` default to values that suit each optimizer (DEFAULTS below). Writes ``summary.json``,
-``log.jsonl`` and ``loss.png`` into ``--out-dir``.
+``log.jsonl`` (one row a step, written as the run goes) and ``loss.png`` into ``--out-dir``.
+
+The corpus (launch/data.py) is the installed packages' Python sources, built once into ``--corpus-dir`` and
+memory-mapped; ``--corpus-mb`` reads only the first files instead. ``--time-limit`` ends a run early (the
+summary says ``"partial": true``); ``--save-weights`` / ``--init-from`` hand fp32 weights from one run to the
+next (launch/convergence.py's fine-tuning phase).
 """
 
 from __future__ import annotations

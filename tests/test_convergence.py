@@ -108,3 +108,35 @@ def test_cpu_convergence_shows_rho_recovering_what_plain_bf16_loses(tmp_path):
     # again with the same arguments: finished runs are not run again
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "started" not in proc.stdout
+
+
+def test_bad_flags_are_refused_with_one_line(tmp_path, capsys):
+    import train
+
+    for argv, message in [(["--init-from", str(tmp_path / "missing.safetensors")], "no such file"),
+                          (["--time-limit", "0"], "--time-limit must be a positive")]:
+        with pytest.raises(SystemExit):
+            train.parse_args(argv)
+        assert message in capsys.readouterr().err
+    for argv, message in [(["--variants", "AdamW"], "--variants: unknown ['AdamW']"),
+                          (["--time-budget", "-1"], "--time-budget must be"), (["--rho-share", "1"], "--rho-share")]:
+        with pytest.raises(SystemExit):
+            convergence.parse_args(argv)
+        assert message in capsys.readouterr().err
+
+
+def test_runs_are_compared_at_the_tokens_all_of_them_reached():
+    """A run cut short counts up to its last common evaluation; gaps are paired by seed."""
+    def run(variant, seed, curve):
+        return {"variant": variant, "seed": seed, "val_curve": curve}
+
+    results = [run(convergence.ADAMW, 0, [(10, 3.0), (20, 2.5), (30, 2.0)]),
+               run(convergence.ADAMW, 1, [(10, 3.2), (20, 2.7), (30, 2.2)]),
+               run(convergence.NO_RHO, 0, [(10, 3.1), (20, 2.6)])]  # partial
+    stats = convergence.phase_stats(results)
+    assert stats["at_tokens"] == 20
+    rows = {r["variant"]: r for r in stats["rows"]}
+    assert rows[convergence.ADAMW]["mean"] == pytest.approx(2.6)
+    assert rows[convergence.NO_RHO]["gap"] == pytest.approx(0.1)  # against AdamW's seed 0, not its mean
+    assert stats["seed_sd"] == pytest.approx(0.1 * 2**0.5)
+    assert rows[convergence.NO_RHO]["gap_in_seed_sd"] == pytest.approx(0.1 / (0.1 * 2**0.5))
