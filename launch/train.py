@@ -437,10 +437,10 @@ def main(argv=None) -> dict:
         tokens += tokens_per_step
         row = {"step": step + 1, "tokens": (step + 1) * tokens_per_step, "loss": run.mean(loss.item()),
                "lr": sched.get_last_lr()[0]}
+        if before is not None:  # before evaluating: its forward leaves the FSDP2 root's parameters unsharded
+            row["bf16_moved"] = moved_fraction(before, model, run)
         if evaluating:
             row["val_loss"] = evaluate(model, val, args, run)
-            if before is not None:
-                row["bf16_moved"] = moved_fraction(before, model, run)
         log.append(row)
         if log_file:
             log_file.write(json.dumps(row) + "\n")
