@@ -20,7 +20,7 @@ several time-limited commands); finished runs are not run again.
 
 Writes OUT/convergence.json (every run's status and curve, per-variant statistics), OUT/convergence.md (the
 tables), OUT/convergence.png and OUT/rho.png (validation curves with seed bands), OUT/corpus.json (what was
-trained on). --summarize only rebuilds these from the run directories.
+trained on). --summarize only rebuilds these from the run directories (give it the arguments of the run).
 """
 
 from __future__ import annotations
