@@ -51,9 +51,10 @@ RHO_VARIANTS = (ADAMW, FLASH24, NO_RHO)
 # Shapes. gpt2-small: GPT-2 small's 12 layers, d_model 768, 12 heads and 1024 context, with a 256-byte vocabulary
 # instead of 50257 BPE tokens, so 86 M parameters instead of 124 M (the embedding table is what shrinks).
 CONFIGS = {
+    # 16 x 1024 bytes a step: about 8 GB of activations a run, so 7 runs fit on one 141 GB card with room to spare
     "gpt2-small": {"model": ["--d-model", "768", "--n-layer", "12", "--n-head", "12", "--seq-len", "1024",
-                             "--batch-size", "32", "--eval-batches", "16"],
-                   "lr": 1e-3, "steps": 240, "eval_every": 40, "rho_lr": 3e-5, "rho_steps": 120, "rho_eval_every": 30},
+                             "--batch-size", "16", "--eval-batches", "32"],
+                   "lr": 1e-3, "steps": 480, "eval_every": 80, "rho_lr": 3e-5, "rho_steps": 240, "rho_eval_every": 60},
     "tiny": {"model": ["--d-model", "64", "--n-layer", "2", "--n-head", "2", "--seq-len", "64", "--batch-size", "16",
                        "--eval-batches", "8", "--corpus-mb", "4"],
              "lr": 3e-3, "steps": 150, "eval_every": 25, "rho_lr": 3e-5, "rho_steps": 100, "rho_eval_every": 20},
@@ -146,7 +147,9 @@ def launch(runs: list[dict], args, gpus: int, deadline: float | None) -> None:
         env["CUDA_VISIBLE_DEVICES"] = str(i // args.per_gpu % gpus) if gpus else ""
         argv = [*run["argv"], "--out-dir", str(run["dir"])]
         if args.ckpt:
-            argv += ["--ckpt-dir", str(run["dir"] / "ckpt"), "--ckpt-every", "100", "--auto-resume"]
+            # a tenth of the run apart (each run also saves when its time limit stops it)
+            argv += ["--ckpt-dir", str(run["dir"] / "ckpt"), "--ckpt-every", str(max(100, run["steps"] // 10)),
+                     "--auto-resume"]
         if deadline is not None:
             # the margin covers the last evaluation, a checkpoint and writing the weights
             argv += ["--time-limit", f"{max(1.0, deadline - time.time() - 25):.0f}"]

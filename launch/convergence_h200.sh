@@ -19,13 +19,14 @@ RUNS=${RUNS:-runs/convergence-$MODE}
 BUDGET=${BUDGET:-470}  # seconds for convergence.py; the rest of 9 minutes is start-up and packing
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}  # 7 processes share the card
 mkdir -p "$OUT"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 case $MODE in
   partial) "$PY" launch/convergence.py --config gpt2-small --out "$RUNS" --time-budget "$BUDGET" \
-             --steps 240 --rho-steps 120 --rho-share 0.38 --compile off "$@" ;;
+             --steps 480 --rho-steps 240 --rho-share 0.38 --compile off "$@" ;;
   full) "$PY" launch/convergence.py --config gpt2-small --out "$RUNS" --time-budget "$BUDGET" \
-          --steps 3200 --rho-steps 1000 --rho-share 0 --ckpt "$@" ;;
+          --steps 6400 --rho-steps 2000 --rho-share 0 --ckpt "$@" ;;
   *) echo "convergence_h200.sh: unknown mode '$MODE': use partial or full" >&2; exit 2 ;;
 esac
 rc=$?
