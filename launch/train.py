@@ -19,7 +19,12 @@ is FlashAdamW on bf16 parameters, ``flash_sgd`` FlashSGD (momentum 0.9, L2 decay
 ``flash_lion`` FlashLion, both on bf16 parameters too; ``adamw`` is torch.optim.AdamW with fp32 master
 weights (fp32 parameters, bf16 compute through FSDP2's MixedPrecisionPolicy). ``--lr`` and
 ``--weight-decay`` default to values that suit each optimizer (DEFAULTS below). Writes ``summary.json``,
-``log.jsonl`` and ``loss.png`` into ``--out-dir``.
+``log.jsonl`` (one row a step, written as the run goes) and ``loss.png`` into ``--out-dir``.
+
+The corpus (launch/data.py) is the installed packages' Python sources, built once into ``--corpus-dir`` and
+memory-mapped; ``--corpus-mb`` reads only the first files instead. ``--time-limit`` ends a run early (the
+summary says ``"partial": true``); ``--save-weights`` / ``--init-from`` hand fp32 weights from one run to the
+next (launch/convergence.py's fine-tuning phase).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import torch.distributed as dist
 
 import flashdist
 from flashdist import checkpoint
+from flashdist import distributed as D
 
 if __package__:  # python -m launch.train
     from .data import VOCAB, batch, load_corpus
@@ -44,6 +50,8 @@ if __package__:  # python -m launch.train
 else:  # run as a file (python or torchrun launch/train.py): its own folder is on sys.path
     from data import VOCAB, batch, load_corpus
     from model import GPT, GPTConfig
+
+STARTED = time.perf_counter()  # --time-limit counts from here: imports and the corpus build included
 
 # --optimizer -> default (lr, weight decay). Lion's sign update moves every coordinate by lr: a 3x smaller lr than
 # AdamW's and a 3x larger decay (the same lr * weight_decay). SGD's update is lr times a gradient-sized momentum
@@ -80,6 +88,19 @@ def parse_args(argv=None):
     ap.add_argument("--n-layer", type=int, default=4)
     ap.add_argument("--n-head", type=int, default=4)
     ap.add_argument("--corpus-mb", type=float, default=None, help="cap the training bytes (default: all)")
+    ap.add_argument("--corpus-dir", default="runs/corpus",
+                    help="where the full corpus is built once and memory-mapped from (launch/data.py)")
+    ap.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
+                    help="torch.compile each transformer block; auto: on CUDA only (a compile error falls back "
+                         "to eager with a warning)")
+    ap.add_argument("--time-limit", type=float, default=None,
+                    help="seconds from start: stop (checkpointing when --ckpt-dir is set) once training has run "
+                         "this long; the summary marks the run partial")
+    ap.add_argument("--init-from", default=None,
+                    help="start from these weights (a safetensors file written by --save-weights), rounded to "
+                         "bf16 for every optimizer so that all variants start from the same point")
+    ap.add_argument("--save-weights", default=None,
+                    help="at the end, write the fp32 (master) weights to this safetensors file")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--eval-every", type=int, default=50)
@@ -122,6 +143,10 @@ def parse_args(argv=None):
             ap.error(f"--{name} must be a positive integer, got {getattr(args, name)}")
     if args.optimizer == "adamw" and (args.grad_release or args.no_companding or args.master_weight_bits != "24"):
         ap.error("--grad-release, --no-companding and --master-weight-bits are options of the flash optimizers")
+    if args.time_limit is not None and args.time_limit <= 0:
+        ap.error(f"--time-limit must be a positive number of seconds, got {args.time_limit}")
+    if args.init_from and not Path(args.init_from).is_file():
+        ap.error(f"--init-from {args.init_from}: no such file (write one with --save-weights)")
     if args.momentum is not None and args.optimizer != "flash_sgd":
         ap.error("--momentum is a flash_sgd option")
     args.momentum = 0.9 if args.momentum is None else args.momentum
@@ -219,9 +244,22 @@ class Run:
 def build(args, run: Run):
     cfg = GPTConfig(vocab=VOCAB, seq_len=args.seq_len, d_model=args.d_model, n_layer=args.n_layer, n_head=args.n_head)
     torch.manual_seed(args.seed)
-    model = GPT(cfg).to(run.device)
+    model = GPT(cfg)
+    if args.init_from:
+        from safetensors.torch import load_file
+
+        # through bf16 for every optimizer: the fp32-master run starts from the very values the bf16 runs hold
+        weights = {k: v.to(torch.bfloat16).float() for k, v in load_file(args.init_from).items()}
+        model.load_state_dict(weights)
+    model = model.to(run.device)
     if args.optimizer != "adamw":
         model = model.to(torch.bfloat16)
+    if args.compile == "on" or (args.compile == "auto" and run.cuda):
+        from torch._dynamo import config as dynamo_config
+
+        dynamo_config.suppress_errors = True  # a block that fails to compile runs eagerly
+        for block in model.blocks:  # before fully_shard, as torchtitan does: one compiled graph per block
+            block.compile(fullgraph=True)
     if run.distributed and not args.no_fsdp:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -299,6 +337,38 @@ def plot(log: list[dict], path: Path, title: str) -> bool:
     return True
 
 
+@torch.no_grad()
+def bf16_weights(model) -> list[torch.Tensor]:
+    """Each parameter's local shard as bf16 (the values the model computes with)."""
+    return [D.local(p).to(torch.bfloat16, copy=True) for p in model.parameters()]
+
+
+@torch.no_grad()
+def moved_fraction(before: list[torch.Tensor], model, run: Run) -> float:
+    """The share of weights whose bf16 value changed in the step since ``before``: without rho, an update
+    below half a bf16 spacing is lost and this share falls towards 0."""
+    counts = torch.zeros(2, dtype=torch.float64, device=run.device)
+    for old, p in zip(before, model.parameters()):
+        counts[0] += (D.local(p).to(torch.bfloat16) != old).sum()
+        counts[1] += old.numel()
+    if run.distributed:
+        dist.all_reduce(counts)
+    return (counts[0] / counts[1]).item()
+
+
+def save_weights(model, opt, path: str, run: Run) -> None:
+    """The fp32 weights (flash optimizers: bf16 parameter + rho) as one safetensors file, written by rank 0."""
+    if not isinstance(opt, flashdist.FlashOptimizer):
+        weights = {n: D.full_tensor(p.detach()).float().cpu() for n, p in model.named_parameters()}
+    else:
+        weights = checkpoint.export_fp32_state_dict(model, opt)
+    if run.rank == 0:
+        from safetensors.torch import save_file
+
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in weights.items()}, path)
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     run = Run(args.threads)
@@ -310,7 +380,12 @@ def main(argv=None) -> dict:
     out = Path(args.out_dir or f"runs/{args.optimizer}-seed{args.seed}")
     if run.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-    train, val, corpus = load_corpus(int(args.corpus_mb * 2**20) if args.corpus_mb else None)
+    max_bytes = int(args.corpus_mb * 2**20) if args.corpus_mb else None
+    if max_bytes is None and run.distributed and int(os.environ.get("LOCAL_RANK", 0)) != 0:
+        dist.barrier()  # the node's first rank builds the corpus cache, the others then map it
+    train, val, corpus = load_corpus(max_bytes, args.corpus_dir)
+    if max_bytes is None and run.distributed and int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        dist.barrier()
     model, opt, sched = build(args, run)
     release = flashdist.enable_gradient_release(model, opt) if args.grad_release else None
     n_params = sum(p.numel() for p in model.parameters())
@@ -331,12 +406,22 @@ def main(argv=None) -> dict:
         run.print(f"resumed from {ckpt} at step {start}")
     run.print(f"flashdist {flashdist.__version__} | torch {torch.__version__} | {run.world} rank(s) on "
               f"{run.device.type} | {n_params / 1e6:.2f} M params | corpus {corpus['train_bytes'] / 2**20:.1f} MiB "
-              f"train / {corpus['val_bytes'] / 2**20:.1f} MiB val from {corpus['root']}")
+              f"train / {corpus['val_bytes'] / 2**20:.1f} MiB val from {', '.join(corpus['roots'].values())}")
     tokens_per_step = args.batch_size * args.seq_len * run.world
     report = None
     t0, tokens = time.perf_counter(), 0
     end = min(args.steps, args.stop_at or args.steps)
+    if args.init_from and start == 0:  # the curve starts at the weights it fine-tunes
+        log.append({"step": 0, "tokens": 0, "val_loss": evaluate(model, val, args, run)})
+    log_file = None
+    if run.rank == 0:  # the curve is on disk as it grows: a run killed by a time limit leaves what it reached
+        log_file = open(out / "log.jsonl", "w")
+        log_file.write("".join(json.dumps(r) + "\n" for r in log))
+        log_file.flush()
     for step in range(start, end):
+        if args.time_limit and end > step + 1 and run.agree(time.perf_counter() - STARTED > args.time_limit):
+            run.print(f"--time-limit {args.time_limit:g} s reached: step {step + 1} of {args.steps} is the last")
+            end = step + 1  # evaluated and checkpointed as the last step
         g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + (0 if args.same_batch else run.rank))
         x, y = batch(train, args.batch_size, args.seq_len, g)
         loss = model(x.to(run.device), y.to(run.device))
@@ -345,14 +430,22 @@ def main(argv=None) -> dict:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         if report is None or step == end - 1:
             report = flashdist.memory_report(opt)  # with the gradients still held (none under release)
+        evaluating = (step + 1) % args.eval_every == 0 or step + 1 == end
+        before = bf16_weights(model) if evaluating and release is None else None  # release: already stepped
         opt.step()
         opt.zero_grad(set_to_none=True)
         sched.step()
         tokens += tokens_per_step
-        row = {"step": step + 1, "loss": run.mean(loss.item()), "lr": sched.get_last_lr()[0]}
-        if (step + 1) % args.eval_every == 0 or step + 1 == end:
+        row = {"step": step + 1, "tokens": (step + 1) * tokens_per_step, "loss": run.mean(loss.item()),
+               "lr": sched.get_last_lr()[0]}
+        if before is not None:  # before evaluating: its forward leaves the FSDP2 root's parameters unsharded
+            row["bf16_moved"] = moved_fraction(before, model, run)
+        if evaluating:
             row["val_loss"] = evaluate(model, val, args, run)
         log.append(row)
+        if log_file:
+            log_file.write(json.dumps(row) + "\n")
+            log_file.flush()
         if (step + 1) % args.log_every == 0 or "val_loss" in row:
             dt = time.perf_counter() - t0
             run.print(f"step {step + 1:5d} | loss {row['loss']:.4f}"
@@ -363,27 +456,34 @@ def main(argv=None) -> dict:
             checkpoint.save(ckpt, model, opt, extra={"step": step + 1, "scheduler": sched.state_dict(),
                                                      "log": json.dumps(log)})
             run.print(f"saved {ckpt} at step {step + 1}")
+        if step + 1 == end:
+            break
     elapsed = time.perf_counter() - t0
+    if log_file:
+        log_file.close()
     if release is not None:
         release.remove()
+    if args.save_weights:
+        save_weights(model, opt, args.save_weights, run)
+        run.print(f"saved the weights to {args.save_weights}")
     last_val = next((r["val_loss"] for r in reversed(log) if "val_loss" in r), float("nan"))
     summary = {
         "optimizer": args.optimizer, "master_weight_bits": args.master_weight_bits,
         "companded": not args.no_companding, "grad_release": args.grad_release, "seed": args.seed,
         "world_size": run.world, "mesh": list(args.mesh) if run.distributed else None, "device": run.device.type, "params": n_params, "steps": end,
-        "resumed_from": start, "final_train_loss": log[-1]["loss"] if log else None, "final_val_loss": last_val,
+        "partial": end < args.steps, "tokens": end * tokens_per_step,
+        "resumed_from": start, "final_train_loss": log[-1].get("loss") if log else None, "final_val_loss": last_val,
         "tokens_per_s": tokens / elapsed if elapsed else None, "peak_mem_gib": run.memory_gib(),
         "bytes_per_param": report["bytes_per_param"] if report else None, "memory_report": report,
         "checkpoint": str(ckpt) if ckpt else None, "corpus": corpus, "torch": torch.__version__,
     }
     if run.rank == 0:
-        (out / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
         png = out / "loss.png"
         summary["plot"] = str(png) if plot(log, png, f"{args.optimizer} ({run.world} ranks)") else None
         rows = [("optimizer", args.optimizer + ("" if args.optimizer == "adamw" else f" ({args.master_weight_bits}-bit)")),
                 ("ranks x device", f"{run.world} x {run.device.type}"), ("parameters", f"{n_params:,}"),
-                ("steps", f"{start} -> {end}"), ("final train loss", f"{summary['final_train_loss']:.4f}"),
+                ("steps", f"{start} -> {end}"), ("final train loss", f"{summary['final_train_loss'] or float('nan'):.4f}"),
                 ("final val loss", f"{last_val:.4f}"),
                 ("bytes/param held (measured, rank 0)", f"{summary['bytes_per_param']:.3f}"),
                 ("throughput", f"{summary['tokens_per_s']:,.0f} tok/s"), ("checkpoint", summary["checkpoint"]),

@@ -49,6 +49,7 @@ def test_train_checkpoint_resume_continues_the_curve(tmp_path):
     # the resumed run continues exactly where the uninterrupted one went: same data, exact checkpoint
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
     assert a[-1]["val_loss"] == b[-1]["val_loss"]
+    assert 0 < a[-1]["bf16_moved"] <= 1  # counted over both ranks' shards
 
 
 def test_adamw_and_release_variants_run(tmp_path):
