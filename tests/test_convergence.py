@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from launch import convergence, data
 
@@ -110,7 +109,7 @@ def test_cpu_convergence_shows_rho_recovering_what_plain_bf16_loses(tmp_path):
 
 
 def test_bad_flags_are_refused_with_one_line(tmp_path, capsys):
-    import train
+    from launch import train
 
     for argv, message in [(["--init-from", str(tmp_path / "missing.safetensors")], "no such file"),
                           (["--time-limit", "0"], "--time-limit must be a positive")]:
