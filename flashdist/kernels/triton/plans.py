@@ -102,6 +102,11 @@ class Plan:
         return sum(len(bucket.small) for bucket in self.buckets)
 
     @property
+    def table_launches(self) -> int:
+        """Table launches of this plan (one per bucket holding small tensors)."""
+        return sum(bucket.items > 0 for bucket in self.buckets)
+
+    @property
     def own_launches(self) -> int:
         """Tensors stepped by a launch of their own (``LaunchConfig.large_numel`` elements or more)."""
         return sum(len(bucket.large) for bucket in self.buckets)

@@ -57,31 +57,34 @@ def step_block(
     GROUPS: tl.constexpr,  # groups of 32 slots in this block
 ):
     RHO_SHIFT = 15 - RHO_LOG2  # fp32 grid steps per rho step at a bf16 param, as a shift
-    # ALGO's scalars by name, from their slots (kernels/scalars.py: AdamScalars, SGDScalars, LionScalars)
+    # ALGO's scalars by name, from their slots (kernels/scalars.py: AdamScalars, SGDScalars, LionScalars).
+    # Annotated, so that the interpreter keeps each one a host float as it keeps the arguments (it makes the
+    # value of a plain assignment a tensor of its own, fp64 for an fp32 subnormal); compiled, both are the
+    # fp32 argument itself.
     if ALGO == ADAM_ALGO:
-        beta1 = sc0
-        beta2 = sc1
-        one_minus_beta1 = sc2
-        one_minus_beta2 = sc3
-        eps = sc4
-        weight_decay = sc5
-        decay = sc6
-        step_size = sc7
-        inv_bc2_sqrt = sc8
+        beta1: tl.float32 = sc0
+        beta2: tl.float32 = sc1
+        one_minus_beta1: tl.float32 = sc2
+        one_minus_beta2: tl.float32 = sc3
+        eps: tl.float32 = sc4
+        weight_decay: tl.float32 = sc5
+        decay: tl.float32 = sc6
+        step_size: tl.float32 = sc7
+        inv_bc2_sqrt: tl.float32 = sc8
     elif ALGO == SGD_ALGO:
-        momentum_decay = sc0  # factor of the stored buffer: momentum, 0 at the first step
-        momentum = sc1  # Nesterov's look-ahead factor
-        momentum_gain = sc2  # factor of the gradient: 1 - dampening, 1 at the first step
-        weight_decay = sc5
-        decay = sc6
-        lr = sc7
+        momentum_decay: tl.float32 = sc0  # factor of the stored buffer: momentum, 0 at the first step
+        momentum: tl.float32 = sc1  # Nesterov's look-ahead factor
+        momentum_gain: tl.float32 = sc2  # factor of the gradient: 1 - dampening, 1 at the first step
+        weight_decay: tl.float32 = sc5
+        decay: tl.float32 = sc6
+        lr: tl.float32 = sc7
     else:  # Lion (always decoupled weight decay)
-        beta1 = sc0
-        beta2 = sc1
-        one_minus_beta1 = sc2
-        one_minus_beta2 = sc3
-        decay = sc6
-        lr = sc7
+        beta1: tl.float32 = sc0
+        beta2: tl.float32 = sc1
+        one_minus_beta1: tl.float32 = sc2
+        one_minus_beta2: tl.float32 = sc3
+        decay: tl.float32 = sc6
+        lr: tl.float32 = sc7
     # Typed pointers. bf16 data (params, grads, scales) moves as int16 bits.
     if P_KIND == 0:
         p_ptr = p_addr.to(tl.int64).to(tl.pointer_type(tl.int16))
