@@ -220,7 +220,7 @@ def step_block(
             # reference._adam_update: m scaled by codes.pow2_normalizer of the group's absmax, values below
             # 2^-48 taken as 0, divided, times step_size / s; the quotients lie in [2^-125, 2^124] (or are 0)
             # when FAST_UPDATE, where div_normalized needs no range check or branch. (The approximate variant
-            # scales too, to stay the reference's function up to its division; that costs it about 5%.)
+            # scales too, to stay the reference's function up to its division; docs/benchmarks.md has its cost.)
             absmax, a, e, s = group_normalizer(m)
             scaled = m * s[:, None]
             scaled = tl.where(tl.abs(scaled) < UPDATE_FLUSH, 0.0, scaled)
