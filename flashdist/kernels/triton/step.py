@@ -61,30 +61,25 @@ def step_block(
     # Annotated, so that the interpreter keeps each one a host float as it keeps the arguments (it makes the
     # value of a plain assignment a tensor of its own, fp64 for an fp32 subnormal); compiled, both are the
     # fp32 argument itself.
-    if ALGO == ADAM_ALGO:
-        beta1: tl.float32 = sc0
-        beta2: tl.float32 = sc1
-        one_minus_beta1: tl.float32 = sc2
-        one_minus_beta2: tl.float32 = sc3
-        eps: tl.float32 = sc4
-        weight_decay: tl.float32 = sc5
-        decay: tl.float32 = sc6
-        step_size: tl.float32 = sc7
-        inv_bc2_sqrt: tl.float32 = sc8
-    elif ALGO == SGD_ALGO:
+    decay: tl.float32 = sc6  # 1 - lr * weight_decay (decoupled weight decay)
+    if ALGO == SGD_ALGO:
         momentum_decay: tl.float32 = sc0  # factor of the stored buffer: momentum, 0 at the first step
         momentum: tl.float32 = sc1  # Nesterov's look-ahead factor
         momentum_gain: tl.float32 = sc2  # factor of the gradient: 1 - dampening, 1 at the first step
         weight_decay: tl.float32 = sc5
-        decay: tl.float32 = sc6
         lr: tl.float32 = sc7
-    else:  # Lion (always decoupled weight decay)
+    else:  # Adam and Lion
         beta1: tl.float32 = sc0
         beta2: tl.float32 = sc1
         one_minus_beta1: tl.float32 = sc2
         one_minus_beta2: tl.float32 = sc3
-        decay: tl.float32 = sc6
-        lr: tl.float32 = sc7
+        if ALGO == ADAM_ALGO:
+            eps: tl.float32 = sc4
+            weight_decay: tl.float32 = sc5
+            step_size: tl.float32 = sc7  # lr / (1 - beta1^t)
+            inv_bc2_sqrt: tl.float32 = sc8  # 1 / sqrt(1 - beta2^t)
+        else:  # Lion: weight decay always decoupled
+            lr: tl.float32 = sc7
     # Typed pointers. bf16 data (params, grads, scales) moves as int16 bits.
     if P_KIND == 0:
         p_ptr = p_addr.to(tl.int64).to(tl.pointer_type(tl.int16))
