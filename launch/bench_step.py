@@ -21,8 +21,8 @@ Rows:
 - the rest of the family: flashdist FlashSGD (momentum 0.9) and FlashLion, 24-bit, one 8-bit moment,
   next to torch.optim.SGD(momentum=0.9, fused=True) with fp32 and bf16 parameters.
 
-``--sweep`` also times the kernel-only step, both variants, under a few launch configurations (the module
-constants of flashdist.kernels.triton.fused): groups per block, blocks per program, warps, the L2 prefetch,
+``--sweep`` also times the kernel-only step, both variants, under a few launch configurations
+(``flashdist.kernels.triton.LaunchConfig``): groups per block, blocks per program, warps, the L2 prefetch,
 large-tensor threshold.
 """
 
@@ -40,7 +40,7 @@ import torch
 
 import flashdist  # noqa: E402
 from flashdist.functional.adam import flash_adam  # noqa: E402
-from flashdist.kernels.triton import fused as K  # noqa: E402
+from flashdist.kernels.triton import DEFAULT, using  # noqa: E402
 from flashdist.quant import codes as Q  # noqa: E402
 
 WARMUP, ITERS = 5, 20
@@ -120,7 +120,7 @@ class KernelOnly:
     fp32-moment 1-d tensors), as the optimizer makes them, minus its bookkeeping."""
 
     def __init__(self, params, exact: bool = True):
-        self.exact = exact
+        self.config = DEFAULT.replace(exact=exact)  # the launch configuration of its steps
         self.calls = []
         for quantized in (True, False):
             ps = [p for p in params if (Q.quantized_layout(p.shape) is not None) == quantized]
@@ -144,12 +144,13 @@ class KernelOnly:
         self.t = 0
 
     def step(self):
-        K.EXACT = self.exact
         self.t += 1
-        for a in self.calls:
-            flash_adam(a["params"], a["grads"], a["exp_avgs"], a["exp_avg_sqs"], a["exp_avg_scales"],
-                       a["exp_avg_sq_scales"], a["rhos"], cols=a["cols"], lr=LR, beta1=0.9, beta2=0.999, eps=1e-8,
-                       weight_decay=0.01, step=self.t, decoupled=True, skipped=self.skipped, backend="triton")
+        with using(self.config):
+            for a in self.calls:
+                flash_adam(a["params"], a["grads"], a["exp_avgs"], a["exp_avg_sqs"], a["exp_avg_scales"],
+                           a["exp_avg_sq_scales"], a["rhos"], cols=a["cols"], lr=LR, beta1=0.9, beta2=0.999,
+                           eps=1e-8, weight_decay=0.01, step=self.t, decoupled=True, skipped=self.skipped,
+                           backend="triton")
 
     def host_ms(self, iters=50) -> float:
         """Host time of one step with the launch plans cached (no synchronisation inside)."""
@@ -163,14 +164,14 @@ class KernelOnly:
 
 
 class WithVariant:
-    """An optimizer whose steps run the kernel variant ``exact`` (the module setting is read at launch)."""
+    """An optimizer whose steps run the kernel variant ``exact``."""
 
     def __init__(self, opt, exact: bool):
-        self.opt, self.exact = opt, exact
+        self.opt, self.config = opt, DEFAULT.replace(exact=exact)
 
     def step(self):
-        K.EXACT = self.exact
-        self.opt.step()
+        with using(self.config):
+            self.opt.step()
 
 
 def flashoptim_factory():
@@ -240,68 +241,61 @@ def run_case(name, dtype, factory, nbytes, note, workload, shapes, bw):
     return row
 
 
-# Launch configurations of the kernel-only sweep: overrides of the module constants of
-# flashdist.kernels.triton.fused (the rest keep their defaults). A block is TABLE_GROUPS (LARGE_GROUPS for a
-# per-tensor launch) groups of 32 values; a program walks TABLE_BLOCKS (LARGE_BLOCKS) blocks.
+# Launch configurations of the kernel-only sweep: fields of flashdist.kernels.triton.LaunchConfig changed
+# from DEFAULT. A block is table_groups (large_groups for a per-tensor launch) groups of 32 values; a program
+# walks table_blocks (large_blocks) blocks.
 def _layout(groups, warps, blocks, **more):
-    return dict(TABLE_GROUPS=groups, LARGE_GROUPS=groups, NUM_WARPS=warps, TABLE_BLOCKS=blocks, LARGE_BLOCKS=blocks,
+    return dict(table_groups=groups, large_groups=groups, num_warps=warps, table_blocks=blocks, large_blocks=blocks,
                 **more)
 
 
 SWEEP = {
     "default": {},
-    "no prefetch": dict(PREFETCH=False),
-    "prefetch 2 blocks ahead": dict(PREFETCH_AHEAD=2),
-    "prefetch into L1": dict(PREFETCH_LEVEL=1),
-    "prefetch into L1, 2 blocks ahead": dict(PREFETCH_LEVEL=1, PREFETCH_AHEAD=2),
-    "approx at the compiler's registers": dict(APPROX_MAX_REGISTERS=None),
-    "at most 96 registers": dict(MAX_REGISTERS=96),
-    "at most 88 registers": dict(MAX_REGISTERS=88),
-    "at most 80 registers": dict(MAX_REGISTERS=80),
-    "at most 72 registers": dict(MAX_REGISTERS=72),
-    "at most 64 registers": dict(MAX_REGISTERS=64),
-    "prefetch into L1, at most 80 registers": dict(PREFETCH_LEVEL=1, MAX_REGISTERS=80),
-    "prefetch into L1, at most 72 registers": dict(PREFETCH_LEVEL=1, MAX_REGISTERS=72),
-    "16 groups, 1 warp, 16 blocks, at most 72 registers": _layout(16, 1, 16, MAX_REGISTERS=72),
+    "no prefetch": dict(prefetch=False),
+    "prefetch 2 blocks ahead": dict(prefetch_ahead=2),
+    "prefetch into L1": dict(prefetch_level=1),
+    "prefetch into L1, 2 blocks ahead": dict(prefetch_level=1, prefetch_ahead=2),
+    "approx at the compiler's registers": dict(approx_max_registers=None),
+    "at most 96 registers": dict(max_registers=96),
+    "at most 88 registers": dict(max_registers=88),
+    "at most 80 registers": dict(max_registers=80),
+    "at most 72 registers": dict(max_registers=72),
+    "at most 64 registers": dict(max_registers=64),
+    "prefetch into L1, at most 80 registers": dict(prefetch_level=1, max_registers=80),
+    "prefetch into L1, at most 72 registers": dict(prefetch_level=1, max_registers=72),
+    "16 groups, 1 warp, 16 blocks, at most 72 registers": _layout(16, 1, 16, max_registers=72),
     "8 groups, 1 warp, 16 blocks": _layout(8, 1, 16),
     "8 groups, 1 warp, 64 blocks": _layout(8, 1, 64),
     "4 groups, 1 warp, 64 blocks": _layout(4, 1, 64),
     "16 groups, 1 warp, 16 blocks": _layout(16, 1, 16),
     "16 groups, 2 warps, 8 blocks": _layout(16, 2, 8),
     "32 groups, 4 warps, 8 blocks": _layout(32, 4, 8),
-    "32 groups, 4 warps, 8 blocks, no prefetch": _layout(32, 4, 8, PREFETCH=False),
-    "own launch from 2^22 values": dict(LARGE_NUMEL=1 << 22),
+    "32 groups, 4 warps, 8 blocks, no prefetch": _layout(32, 4, 8, prefetch=False),
+    "own launch from 2^22 values": dict(large_numel=1 << 22),
 }
 
 
 def run_sweep(bw, workloads, configs=tuple(SWEEP)):
-    names = sorted({name for config in SWEEP.values() for name in config})
-    saved = {name: getattr(K, name) for name in names}
     rows = []
-    try:
-        for workload in workloads:
-            shapes = WORKLOADS[workload]()
-            params = make_params(shapes, torch.bfloat16)
-            moved = flashdist_bytes(shapes)
-            for exact in (True, False):
-                kernel = KernelOnly(params, exact)
-                for label, config in ((label, SWEEP[label]) for label in configs):
-                    for name, value in dict(saved, **config).items():
-                        setattr(K, name, value)
-                    row = dict(workload=workload, exact=exact, config=label, **config)
-                    try:
-                        ms = time_cuda(kernel.step)[0]
-                        row.update(ms=ms, of_floor=moved / bw / (ms / 1e3))
-                    except Exception as e:  # a configuration that cannot run here is reported, not fatal
-                        row["error"] = f"{type(e).__name__}: {e}"[:300]
-                    rows.append(row)
-                    print(json.dumps(rows[-1]), flush=True)
-            params = kernel = None
-            gc.collect()
-            torch.cuda.empty_cache()
-    finally:
-        for name, value in saved.items():
-            setattr(K, name, value)
+    for workload in workloads:
+        shapes = WORKLOADS[workload]()
+        params = make_params(shapes, torch.bfloat16)
+        moved = flashdist_bytes(shapes)
+        for exact in (True, False):
+            kernel = KernelOnly(params, exact)
+            for label, config in ((label, SWEEP[label]) for label in configs):
+                row = dict(workload=workload, exact=exact, config=label, **config)
+                try:
+                    kernel.config = DEFAULT.replace(exact=exact, **config)
+                    ms = time_cuda(kernel.step)[0]
+                    row.update(ms=ms, of_floor=moved / bw / (ms / 1e3))
+                except Exception as e:  # a configuration that cannot run here is reported, not fatal
+                    row["error"] = f"{type(e).__name__}: {e}"[:300]
+                rows.append(row)
+                print(json.dumps(rows[-1]), flush=True)
+        params = kernel = None
+        gc.collect()
+        torch.cuda.empty_cache()
     return rows
 
 

@@ -4,7 +4,7 @@
     python launch/kernel_sass.py --arch 90 --json out.json
 
 Triton compiles for a target given by compute capability, and its wheel ships ptxas and cuobjdump, so the
-table launch of flashdist/kernels/triton/fused.py is compiled here for sm_90 (H100/H200) in every update
+table launch of flashdist/kernels/triton/programs.py is compiled here for sm_90 (H100/H200) in every update
 (Adam, SGD, Lion) and layout, and its SASS is counted: static instructions of the kernel (the per-element
 work of one block is about that divided by the values each thread holds: 8 at 8 groups of 32 per block
 and 1 warp) and registers per thread (occupancy: 65,536 registers per SM). This catches a kernel that no longer
@@ -25,8 +25,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-SCALARS = ("beta1", "beta2", "one_minus_beta1", "one_minus_beta2", "eps", "weight_decay", "decay", "step_size",
-           "inv_bc2_sqrt")
+from flashdist.kernels.scalars import KERNEL_SLOTS
+
+SCALARS = tuple(f"sc{k}" for k in range(KERNEL_SLOTS))  # the kernel's fp32 scalar arguments
 ALGOS = {"adam": 0, "sgd": 1, "lion": 2}
 
 
@@ -39,24 +40,28 @@ def specialisations():
     yield "sgd-no-momentum-exact", dict(ALGO=1, HAS_M=False, QUANTIZED=False, EXACT=True, COMPILED=True)
 
 
-def compile_one(overrides: dict, arch: int = 90, groups: int | None = None) -> dict:
+def compile_one(overrides: dict, arch: int = 90, groups: int | None = None, config=None) -> dict:
+    """Compile the table kernel with ``overrides`` of its constexprs under launch configuration ``config``
+    (default: ``flashdist.kernels.triton.DEFAULT``; its ``exact`` is the specialisation's EXACT)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    import flashdist.kernels.triton.fused as K
+    from flashdist.kernels.triton import DEFAULT, programs
+    from flashdist.kernels.triton.prefetch import prefetch_slots
 
+    config = config or DEFAULT
     consts = dict(P_KIND=0, G_KIND=0, RHO_KIND=1, QUANTIZED=True, ALIGNED=True, ALIGN16=True, COMPANDED=True,
                   DECOUPLED=True, COUNT_SKIPPED=True, ALGO=0, HAS_M=True, NESTEROV=False, EXACT=True,
-                  COMPILED=True, FAST_UPDATE=True, RHO_LOG2=7, GROUPS=groups or K.TABLE_GROUPS,
-                  AHEAD=K.PREFETCH_AHEAD, LEVEL=K.PREFETCH_LEVEL)
+                  COMPILED=True, FAST_UPDATE=True, RHO_LOG2=7, GROUPS=groups or config.table_groups,
+                  AHEAD=config.prefetch_ahead, LEVEL=config.prefetch_level)
     consts.update(overrides)
-    consts["PREFETCH"] = K._prefetch_slots(consts, consts["GROUPS"])  # as a launch on the GPU sets it
+    config = config.replace(exact=consts["EXACT"])
+    consts["PREFETCH"] = prefetch_slots(consts, consts["GROUPS"], config)  # as a launch on the GPU sets it
     signature = {"work_ptr": "*i32", "tensors_ptr": "*i64", "table_ptr": "*fp32", "skipped_ptr": "*i32",
                  **dict.fromkeys(SCALARS, "fp32"), **dict.fromkeys(consts, "constexpr")}
-    compiled = triton.compile(ASTSource(K._table_kernel, signature, constexprs=consts),
-                              target=GPUTarget("cuda", arch, 32),
-                              options=K.compile_options(consts["EXACT"], consts["QUANTIZED"]))
+    compiled = triton.compile(ASTSource(programs.table_kernel, signature, constexprs=consts),
+                              target=GPUTarget("cuda", arch, 32), options=config.compile_options(consts["QUANTIZED"]))
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])

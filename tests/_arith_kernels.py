@@ -1,10 +1,13 @@
-"""Triton kernels around ``fused._div_normalized`` and ``fused._sqrt_rn`` alone, for tests/test_gpu.py
+"""Triton kernels around ``bits.div_normalized`` and ``bits.sqrt_rn`` alone, for tests/test_gpu.py
 (imported there when a test runs, so that collecting the tests imports no triton)."""
 
 import triton
 import triton.language as tl
 
-from flashdist.kernels.triton import fused
+from flashdist.kernels.triton import DEFAULT, bits
+
+# the compiler options of the optimizer's exact launches (one warp, no FMA contraction)
+OPTIONS = DEFAULT.replace(exact=True).compile_options()
 
 
 @triton.jit
@@ -13,14 +16,14 @@ def divide_kernel(n_ptr, d_ptr, out_ptr, numel, BLOCK: tl.constexpr):
     inside = i < numel
     n = tl.load(n_ptr + i, mask=inside, other=0.0)
     d = tl.load(d_ptr + i, mask=inside, other=1.0)
-    tl.store(out_ptr + i, fused._div_normalized(n, d, True), mask=inside)
+    tl.store(out_ptr + i, bits.div_normalized(n, d, True), mask=inside)
 
 
 def divide(n, d):
-    """``_div_normalized(n, d)`` elementwise for fp32 CUDA tensors."""
+    """``div_normalized(n, d)`` elementwise for fp32 CUDA tensors."""
     out = n.new_empty(n.shape)
     block = 1024
-    divide_kernel[(triton.cdiv(n.numel(), block),)](n, d, out, n.numel(), BLOCK=block, **fused.compile_options())
+    divide_kernel[(triton.cdiv(n.numel(), block),)](n, d, out, n.numel(), BLOCK=block, **OPTIONS)
     return out
 
 
@@ -29,13 +32,13 @@ def sqrt_kernel(v_ptr, out_ptr, numel, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = i < numel
     v = tl.load(v_ptr + i, mask=inside, other=1.0)
-    tl.store(out_ptr + i, fused._sqrt_rn(v, True), mask=inside)
+    tl.store(out_ptr + i, bits.sqrt_rn(v, True), mask=inside)
 
 
 def sqrt(v, block=256):
-    """``_sqrt_rn(v)`` elementwise for an fp32 CUDA tensor, in programs of ``block`` values (one warp each,
+    """``sqrt_rn(v)`` elementwise for an fp32 CUDA tensor, in programs of ``block`` values (one warp each,
     as the optimizer's): each block takes the fast path or, when it holds a value outside its range, the
     per-value one."""
     out = v.new_empty(v.shape)
-    sqrt_kernel[(triton.cdiv(v.numel(), block),)](v, out, v.numel(), BLOCK=block, **fused.compile_options())
+    sqrt_kernel[(triton.cdiv(v.numel(), block),)](v, out, v.numel(), BLOCK=block, **OPTIONS)
     return out

@@ -42,14 +42,38 @@ APPROX_ULPS = 16  # fp32 ulps of |update| (bounded by |before| + |after|) allowe
 EXACT: dict[str, list[int]] = {}  # "variant: tensor kind" -> [equal values, values], over the whole module
 
 
-def _kernels():
+class _Launch:
+    """The kernel's launchers under one launch configuration, and the plans cached for it."""
+
+    def __init__(self, config):
+        import flashdist.kernels.triton.fused as K
+
+        self.config, self._k = config, K
+
+    def adam_step_multi(self, *args, **kwargs):
+        self._k.adam_step_multi(*args, config=self.config, **kwargs)
+
+    def sgd_step_multi(self, *args, **kwargs):
+        self._k.sgd_step_multi(*args, config=self.config, **kwargs)
+
+    def lion_step_multi(self, *args, **kwargs):
+        self._k.lion_step_multi(*args, config=self.config, **kwargs)
+
+    def plans(self):
+        from flashdist.kernels.triton import cached_plans
+
+        return cached_plans(self.config)
+
+
+def _kernels(**config) -> _Launch:
+    """The launchers under the default launch configuration with ``config``'s fields changed."""
     from triton.runtime.jit import JITFunction
 
-    import flashdist.kernels.triton.fused as K
+    from flashdist.kernels.triton import DEFAULT, programs
 
-    if not isinstance(K._table_kernel, JITFunction):
+    if not isinstance(programs.table_kernel, JITFunction):
         pytest.skip("TRITON_INTERPRET is set in this process: run the GPU tests in a process of their own")
-    return K
+    return _Launch(DEFAULT.replace(**config))
 
 
 def _cols(shape):
@@ -170,10 +194,8 @@ CASES = [(r, lay, d, True) for r, lay, d in itertools.product(PARAM_DTYPES, LAYO
 
 
 @pytest.mark.parametrize("rho_dtype,layout,decoupled,exact", [pytest.param(*c, id=_case_id(*c)) for c in CASES])
-def test_kernel_matches_cuda_reference(monkeypatch, rho_dtype, layout, decoupled, exact):
-    K = _kernels()
-    monkeypatch.setattr(K, "LARGE_NUMEL", 1 << 20)  # the two largest shapes take the per-tensor launch
-    monkeypatch.setattr(K, "EXACT", exact)
+def test_kernel_matches_cuda_reference(rho_dtype, layout, decoupled, exact):
+    K = _kernels(large_numel=1 << 20, exact=exact)  # the two largest shapes take the per-tensor launch
     quantized, companded = LAYOUTS[layout]
     gen = torch.Generator(device="cuda").manual_seed(0)
     tensors = []
@@ -211,7 +233,7 @@ def test_kernel_matches_cuda_reference(monkeypatch, rho_dtype, layout, decoupled
 
 
 def test_normalized_division_is_ieee():
-    """The companding's division (``fused._div_normalized``: CUDA's fast path without its range check) gives
+    """The companding's division (``bits.div_normalized``: CUDA's fast path without its range check) gives
     the IEEE quotient for every divisor in [2^-30, 8) wherever the quotient is at least 2^-64: every mantissa
     of the divisor at several exponents, against quotients near the companding's rounding boundaries
     (k + 1/2) and random ones, compared with CUDA torch's division (``div.rn``)."""
@@ -242,7 +264,7 @@ def test_normalized_division_is_ieee():
 
 
 def test_block_square_root_is_ieee():
-    """``fused._sqrt_rn``: a block whose values all lie in [2^-101, fp32's largest] computes CUDA's fast path
+    """``bits.sqrt_rn``: a block whose values all lie in [2^-101, fp32's largest] computes CUDA's fast path
     alone. Every fp32 value of that range (1.9 G), then blocks that also hold 0, subnormals, values just
     below the range, inf and NaN (the per-value path), against CUDA torch's ``sqrt``, bit for bit."""
     _kernels()
@@ -265,7 +287,7 @@ def test_block_square_root_is_ieee():
 
 def test_normalized_division_on_the_update_range_is_ieee():
     """Adam's update divides scaled first moments (0, or magnitudes in [2^-48, 4)) by denominators in
-    [eps, 2^76] with ``fused._div_normalized`` when eps >= 2^-122 (``FAST_UPDATE``): quotients in [2^-125,
+    [eps, 2^76] with ``bits.div_normalized`` when eps >= 2^-122 (``FAST_UPDATE``): quotients in [2^-125,
     2^124]. Random numerators and divisors over those ranges, signed, and zeros, against CUDA torch's
     division, bit for bit."""
     _kernels()
@@ -300,7 +322,7 @@ def _dump_counts():
 def test_kernel_keeps_block_values_out_of_shared_memory():
     """With this machine's triton, no value of a block changes layout through shared memory, in any
     specialisation of launch/kernel_sass.py (triton 3.6 did so for the codes-table lookup's layout until the
-    lookup became ``fused._gather``: 24 shared-memory instructions and two barriers per block, 8% more
+    lookup became ``bits.gather``: 24 shared-memory instructions and two barriers per block, 8% more
     instructions per value)."""
     _kernels()
     from launch import kernel_sass
@@ -318,14 +340,12 @@ def test_report_exact_fraction():
     print("\nkernel vs CUDA reference\n" + "\n".join(lines))
 
 
-def test_repeated_step_reuses_tables(monkeypatch):
-    K = _kernels()
-    builds = []
-    build = K._build_plan
-    monkeypatch.setattr(K, "_build_plan", lambda *a: builds.append(1) or build(*a))
-    monkeypatch.setattr(K, "_PLANS", type(K._PLANS)())
-    monkeypatch.setattr(K, "LARGE_NUMEL", 1 << 20)
-    monkeypatch.setattr(K, "EXACT", True)
+def test_repeated_step_reuses_tables():
+    from flashdist.kernels.triton import clear_plans
+
+    K = _kernels(large_numel=1 << 20, exact=True)
+    clear_plans()
+    builds = []  # every plan a step used, once
     gen = torch.Generator(device="cuda").manual_seed(1)
     states, cols, grads = [], [], []
     for shape in [(64, 64), (7, 33), (1024, 1024), (33,)]:
@@ -337,15 +357,17 @@ def test_repeated_step_reuses_tables(monkeypatch):
         scalars = AdamScalars.make(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=step,
                                    decoupled=True)
         _call(K, states, grads, cols, scalars, True, None)
+        if not any(K.plans()[0] is built for built in builds):
+            builds.append(K.plans()[0])
     assert len(builds) == 1, "a repeated step with the same tensors must not rebuild its tables"
-    (plan,) = K._PLANS
-    assert sum(len(b.large) for b in plan.buckets) == 1 and sum(b.items > 0 for b in plan.buckets) == 2
+    (plan,) = K.plans()
+    assert (plan.own_launches, plan.table_launches, plan.table_tensors) == (1, 2, 3)
     grads[0] = grads[0].clone()  # a new gradient buffer (table launch) and another (own launch): the same
     grads[2] = grads[2].clone()  # plan, whose gradient addresses are rewritten; the step must read them
     refs = [{k: v.clone() for k, v in states[i].items()} for i in (0, 2)]
     scalars = AdamScalars.make(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=4, decoupled=True)
     _call(K, states, grads, cols, scalars, True, None)
-    assert len(builds) == 1
+    assert K.plans() == (plan,)
     for i, ref in zip((0, 2), refs):
         reference.adam_step_(ref["p"], grads[i], ref["m"], ref["v"], ref["ms"], ref["vs"], ref["rho"], cols=cols[i],
                              scalars=scalars, companded=True, skipped=None)
@@ -385,12 +407,10 @@ FAMILY_CASES = [pytest.param(a, r, lay, exact, id=f"{'exact' if exact else 'appr
 
 
 @pytest.mark.parametrize("algo,rho_dtype,layout,exact", FAMILY_CASES)
-def test_family_kernel_matches_cuda_reference(monkeypatch, algo, rho_dtype, layout, exact):
+def test_family_kernel_matches_cuda_reference(algo, rho_dtype, layout, exact):
     """Exact: bitwise. Approximate: only the companding division of the new momentum is approximate, so
     fp32 momenta, parameters and rho stay bitwise and codes move by at most one step."""
-    K = _kernels()
-    monkeypatch.setattr(K, "LARGE_NUMEL", 1 << 20)
-    monkeypatch.setattr(K, "EXACT", exact)
+    K = _kernels(large_numel=1 << 20, exact=exact)
     quantized, companded = LAYOUTS[layout]
     has_m = algo != "sgd-no-momentum"
     gen = torch.Generator(device="cuda").manual_seed(2)
@@ -549,14 +569,13 @@ def _all_finite(state) -> bool:
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("rho_dtype", [None, torch.int8], ids=["no-rho", "int8"])
 @pytest.mark.parametrize("exact", [True, False], ids=["exact", "approx"])
-def test_overflowing_gradients_stay_finite_on_gpu(monkeypatch, algo, layout, rho_dtype, exact):
+def test_overflowing_gradients_stay_finite_on_gpu(algo, layout, rho_dtype, exact):
     """Gradients up to the largest finite bf16 / fp16 / fp32 values, in one element and in whole tensors,
     then normal steps: every parameter, rho and moment finite after each step, the same groups skipped as
     the CUDA reference, and (exact variant) every value bitwise the reference's."""
     if algo == "sgd-no-momentum" and layout != "fp32-moments":
         pytest.skip("SGD without momentum keeps no moments to lay out")
-    K = _kernels()
-    monkeypatch.setattr(K, "EXACT", exact)
+    K = _kernels(exact=exact)
     quantized, companded = LAYOUTS[layout]
     gen = torch.Generator(device="cuda").manual_seed(5)
     tensors = []

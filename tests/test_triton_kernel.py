@@ -30,6 +30,7 @@ import torch
 if "triton" not in sys.modules and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import dataclasses  # noqa: E402
 import itertools  # noqa: E402
 import subprocess  # noqa: E402
 import zlib  # noqa: E402
@@ -37,16 +38,20 @@ import zlib  # noqa: E402
 import pytest  # noqa: E402
 
 triton = pytest.importorskip("triton")
+tl = triton.language
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 import flashdist.kernels.triton.fused as K  # noqa: E402
+from flashdist.kernels.triton import DEFAULT, LaunchConfig, cached_plans, clear_plans, using  # noqa: E402
+from flashdist.kernels.triton import programs, rho_bits  # noqa: E402
+from flashdist.kernels.triton.bits import SPLIT_LIMIT  # noqa: E402
 from flashdist.kernels import reference  # noqa: E402
-from flashdist.kernels.scalars import AdamScalars, LionScalars, SGDScalars  # noqa: E402
+from flashdist.kernels.scalars import KERNEL_SLOTS, AdamScalars, LionScalars, SGDScalars  # noqa: E402
 from flashdist.quant import codes as Q  # noqa: E402
 from flashdist.quant import rho as R  # noqa: E402
 
-IN_PROCESS = isinstance(triton.language.max, InterpretedFunction) and isinstance(K._table_kernel,
+IN_PROCESS = isinstance(triton.language.max, InterpretedFunction) and isinstance(programs.table_kernel,
                                                                                  InterpretedFunction)
 interpreted = pytest.mark.skipif(not IN_PROCESS, reason="triton runs compiled in this process: these tests run "
                                  "in a child process (test_in_interpreter_process)")
@@ -72,14 +77,35 @@ PARAM_DTYPES = {None: (torch.bfloat16, torch.float16, torch.float32),  # rho -> 
 LAYOUTS = {"q-companded": (True, True), "q-linear": (True, False), "fp32-moments": (False, True)}
 
 
+class Launch:
+    """The kernel's launchers under one launch configuration, and the plans cached for it."""
+
+    def __init__(self, config: LaunchConfig):
+        self.config = config
+
+    def adam_step_multi(self, *args, **kwargs):
+        K.adam_step_multi(*args, config=self.config, **kwargs)
+
+    def sgd_step_multi(self, *args, **kwargs):
+        K.sgd_step_multi(*args, config=self.config, **kwargs)
+
+    def lion_step_multi(self, *args, **kwargs):
+        K.lion_step_multi(*args, config=self.config, **kwargs)
+
+    def plans(self):
+        return cached_plans(self.config)
+
+
+# 64 groups per block and 2 blocks per program: a tensor of the table launch spans several programs, the last
+# one partial
+SMALL_BLOCKS = DEFAULT.replace(table_groups=64, table_blocks=2)
+
+
 @pytest.fixture
-def kernels(monkeypatch):
-    """The kernel module with a fresh plan cache, 64 groups per block and 2 blocks per program (so that a
-    tensor of the table launch spans several programs, the last one partial)."""
-    monkeypatch.setattr(K, "_PLANS", type(K._PLANS)())
-    monkeypatch.setattr(K, "TABLE_GROUPS", 64)
-    monkeypatch.setattr(K, "TABLE_BLOCKS", 2)
-    return K
+def kernels():
+    """The launchers under SMALL_BLOCKS, with no plan cached."""
+    clear_plans()
+    return Launch(SMALL_BLOCKS)
 
 
 def _cols(shape) -> int:
@@ -255,49 +281,45 @@ def test_mixed_grad_dtypes(kernels, quantized):
 
 
 @interpreted
-def test_module_block_sizes(monkeypatch):
-    """The module's own TABLE_GROUPS: many programs per tensor, a partial last block."""
-    monkeypatch.setattr(K, "_PLANS", type(K._PLANS)())
+def test_module_block_sizes():
+    """The default configuration's block sizes: many programs per tensor, a partial last block."""
+    clear_plans()
     gen = torch.Generator().manual_seed(2)
     cases = [Case(s, torch.bfloat16, torch.bfloat16, torch.int8, True, gen) for s in [(64, 64), (4097,), (7, 33)]]
     _run(K, cases, steps=2, decoupled=True, companded=True, gen=gen)
+    assert len(cached_plans(DEFAULT)) == 1  # a launch given no configuration uses the current one
     cases = [Case(s, torch.bfloat16, torch.bfloat16, torch.int8, False, gen) for s in [(4097,), (33,)]]
     _run(K, cases, steps=2, decoupled=True, companded=True, gen=gen)
 
 
 @interpreted
-def test_approximate_variant_is_ieee_here(kernels, monkeypatch):
-    """``EXACT = False`` takes Triton's ``/`` and ``tl.sqrt``, which the interpreter computes with numpy's
+def test_approximate_variant_is_ieee_here(kernels):
+    """``exact=False`` takes Triton's ``/`` and ``tl.sqrt``, which the interpreter computes with numpy's
     IEEE operations (libdevice's fast division, the GPU's choice, cannot run here): still bitwise."""
-    monkeypatch.setattr(K, "EXACT", False)
+    approx = Launch(kernels.config.replace(exact=False))
     gen = torch.Generator().manual_seed(8)
     for quantized in (True, False):
         cases = [Case(s, torch.bfloat16, torch.bfloat16, torch.int8, quantized, gen) for s in [(7, 33), (64, 64)]]
-        _run(K, cases, steps=2, decoupled=True, companded=True, gen=gen)
+        _run(approx, cases, steps=2, decoupled=True, companded=True, gen=gen)
 
 
 @interpreted
 @pytest.mark.parametrize("quantized", [True, False], ids=["q-companded", "fp32-moments"])
-def test_large_tensor_path(kernels, monkeypatch, quantized):
-    """Tensors at or above LARGE_NUMEL get launches of their own (threshold lowered to keep this cheap)."""
-    monkeypatch.setattr(K, "LARGE_NUMEL", 200)
-    monkeypatch.setattr(K, "LARGE_GROUPS", 16)
+def test_large_tensor_path(kernels, quantized):
+    """Tensors at or above large_numel get launches of their own (threshold lowered to keep this cheap)."""
+    large = Launch(kernels.config.replace(large_numel=200, large_groups=16))
     gen = torch.Generator().manual_seed(3)
     shapes = [(64, 64), (7, 33), (4097,), (31,), (5, 1), (3, 5, 7)]  # the first three are large
     cases = [Case(s, torch.bfloat16, torch.bfloat16, torch.int16, quantized, gen) for s in shapes]
-    _run(K, cases, steps=2, decoupled=False, companded=True, gen=gen)
-    plan = K._PLANS[0]  # the plan of the last step
-    large = sum(len(b.large) for b in plan.buckets)
-    in_tables = sum(int(b.tensors.shape[0]) for b in plan.buckets if b.tensors is not None)
-    assert (large, in_tables) == (3, 3)
+    _run(large, cases, steps=2, decoupled=False, companded=True, gen=gen)
+    plan = large.plans()[0]  # the plan of the last step
+    assert (plan.own_launches, plan.table_tensors) == (3, 3)
 
 
 @interpreted
-def test_plan_cache_reused_and_refreshed(kernels, monkeypatch):
+def test_plan_cache_reused_and_refreshed(kernels):
     """Each step is compared bit for bit with the reference, so a plan pointing at a stale tensor fails."""
-    builds = []
-    build = K._build_plan
-    monkeypatch.setattr(K, "_build_plan", lambda *a: builds.append(1) or build(*a))
+    builds = []  # every plan a step used, once (held here, so that no two are the same object)
     gen = torch.Generator().manual_seed(4)
     cases = [Case(s, torch.bfloat16, torch.bfloat16, torch.int8, True, gen) for s in [(7, 33), (33,)]]
     grads = [c.new_grad(gen) for c in cases]
@@ -305,8 +327,11 @@ def test_plan_cache_reused_and_refreshed(kernels, monkeypatch):
     def step(t):
         scalars = AdamScalars.make(lr=3e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=t,
                                    decoupled=True)
-        _step_both(K, cases, grads, scalars, True, True)
+        _step_both(kernels, cases, grads, scalars, True, True)
         _assert_equal(cases, f"step {t}")
+        plan = kernels.plans()[0]  # the plan of this step
+        if not any(plan is built for built in builds):
+            builds.append(plan)
 
     step(1)
     step(2)
@@ -339,21 +364,79 @@ def test_plan_cache_reused_and_refreshed(kernels, monkeypatch):
 def test_plan_dropped_when_a_state_tensor_is_freed(kernels):
     gen = torch.Generator().manual_seed(6)
     cases = [Case((7, 33), torch.bfloat16, torch.bfloat16, torch.int8, True, gen)]
-    _run(K, cases, steps=1, decoupled=True, companded=True, gen=gen)
-    assert len(K._PLANS) == 1
+    _run(kernels, cases, steps=1, decoupled=True, companded=True, gen=gen)
+    assert len(kernels.plans()) == 1
     del cases[0].kernel["v"]  # the optimizer dropped this state: its id may now name another tensor
-    assert len(K._PLANS) == 0
+    assert len(kernels.plans()) == 0
 
 
 @interpreted
-def test_plan_cache_is_bounded(kernels, monkeypatch):
-    monkeypatch.setattr(K, "PLAN_CACHE_SIZE", 2)
+def test_plan_cache_is_bounded(kernels):
+    bounded = Launch(kernels.config.replace(plan_cache_size=2))
     gen = torch.Generator().manual_seed(5)
     alive = []  # distinct storages for the three calls: three different keys
     for _ in range(3):
         alive.append([Case((5, 1), torch.float32, torch.float32, None, False, gen)])
-        _run(K, alive[-1], steps=1, decoupled=True, companded=True, gen=gen)
-    assert len(K._PLANS) == 2
+        _run(bounded, alive[-1], steps=1, decoupled=True, companded=True, gen=gen)
+    assert len(bounded.plans()) == 2
+
+
+@interpreted
+def test_clear_plans_and_one_cache_per_config(kernels):
+    """``clear_plans`` drops every cached plan, and the next step builds its plan again (still bitwise);
+    plans are cached per launch configuration, and ``using`` sets the one of launches given none."""
+    gen = torch.Generator().manual_seed(9)
+    cases = [Case((7, 33), torch.bfloat16, torch.bfloat16, torch.int8, True, gen)]
+    _run(kernels, cases, steps=1, decoupled=True, companded=True, gen=gen)
+    (before,) = kernels.plans()
+    other = kernels.config.replace(table_blocks=3)
+    with using(other):
+        _run(K, cases, steps=1, decoupled=True, companded=True, gen=gen)
+    assert len(cached_plans(other)) == 1 and kernels.plans() == (before,)
+    clear_plans()
+    assert cached_plans(other) == () and kernels.plans() == ()
+    _run(kernels, cases, steps=1, decoupled=True, companded=True, gen=gen)
+    (after,) = kernels.plans()
+    assert after is not before
+
+
+@pytest.mark.parametrize("field, value", [("table_groups", 48), ("large_groups", 0), ("num_warps", 3),
+                                          ("table_blocks", 0), ("large_numel", -1), ("prefetch_ahead", 1.5),
+                                          ("plan_cache_size", True), ("max_registers", 0), ("prefetch_level", 3),
+                                          ("exact", 1)])
+def test_launch_config_refuses_bad_values(field, value):
+    with pytest.raises(ValueError, match=rf"LaunchConfig\.{field} must be"):
+        DEFAULT.replace(**{field: value})
+
+
+def test_launch_config_is_immutable_and_module_settings_are_refused():
+    with pytest.raises(AttributeError):
+        DEFAULT.exact = False  # type: ignore[misc]
+    assert K.TABLE_GROUPS == DEFAULT.table_groups and K.EXACT == DEFAULT.exact  # the old names still read
+    with pytest.raises(AttributeError, match="LaunchConfig\\(table_groups=...\\)"):
+        K.TABLE_GROUPS = 64
+    assert K.TABLE_GROUPS == DEFAULT.table_groups
+    with pytest.raises(TypeError, match="config must be a LaunchConfig"):
+        p = torch.zeros(4)
+        K.sgd_step_multi([p], [p.clone()], None, None, None, cols=None, companded=True, skipped=None,
+                         scalars=SGDScalars.make(lr=0.1, momentum=0.0, dampening=0.0, weight_decay=0.0,
+                                                 nesterov=False, step=1, decoupled=False), config={"exact": True})
+
+
+@pytest.mark.parametrize("cls", [AdamScalars, SGDScalars, LionScalars], ids=["adam", "sgd", "lion"])
+def test_scalars_fill_the_kernel_slots_by_name(cls):
+    """Each update's scalars name the kernel slot of every field the kernel reads, and only their own fields."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    assert len(cls.KERNEL_FIELDS) == KERNEL_SLOTS
+    assert {name for name in cls.KERNEL_FIELDS if name is not None} <= fields
+    made = {AdamScalars: dict(lr=1e-3, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, step=2, decoupled=True),
+            SGDScalars: dict(lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.1, nesterov=True, step=2,
+                             decoupled=True),
+            LionScalars: dict(lr=1e-4, beta1=0.9, beta2=0.99, weight_decay=0.1)}[cls]
+    sc = cls.make(**made)
+    args = sc.kernel_args()
+    assert [a for a, name in zip(args, cls.KERNEL_FIELDS) if name is None] == [0.0] * cls.KERNEL_FIELDS.count(None)
+    assert all(args[k] == getattr(sc, name) for k, name in enumerate(cls.KERNEL_FIELDS) if name is not None)
 
 
 @interpreted
@@ -393,12 +476,12 @@ def _rho_probe(p_ptr, rho_ptr, theta_ptr, merged_ptr, low_ptr, split_rho_ptr, FP
     rho = tl.load(rho_ptr + offs).to(tl.int32)
     theta = tl.load(theta_ptr + offs)
     if FP16:
-        tl.store(merged_ptr + offs, K._merge_fp16(tl.load(p_ptr + offs).to(tl.float32), rho, RHO_LOG2))
-        low, r = K._split_fp16(theta, RHO_LOG2)
+        tl.store(merged_ptr + offs, rho_bits.merge_fp16(tl.load(p_ptr + offs).to(tl.float32), rho, RHO_LOG2))
+        low, r = rho_bits.split_fp16(theta, RHO_LOG2)
         tl.store(low_ptr + offs, low.to(tl.float16).to(tl.int16, bitcast=True))
     else:
-        tl.store(merged_ptr + offs, K._merge_bf16(tl.load(p_ptr + offs).to(tl.int32), rho, 15 - RHO_LOG2))
-        w, y, _ = K._split_bf16(theta, theta, RHO_LOG2, False)
+        tl.store(merged_ptr + offs, rho_bits.merge_bf16(tl.load(p_ptr + offs).to(tl.int32), rho, 15 - RHO_LOG2))
+        w, y, _ = rho_bits.split_bf16(theta, theta, RHO_LOG2, False)
         tl.store(low_ptr + offs, (w >> 16).to(tl.int16))
         if RHO_LOG2 == 7:
             r = (y >> 8).to(tl.int8).to(tl.int32)
@@ -439,8 +522,8 @@ def test_rho_split_and_merge_every_value(param_dtype, rho_dtype):
     block = 1 << 16  # few, large programs: the interpreter's cost is per operation of a program
     if param_dtype == torch.bfloat16:
         # The bf16 split and merge take a general path for a whole block that holds a value past
-        # fused._SPLIT_LIMIT (merge: of its one-add sum). Those values go last, so that both paths run.
-        limit = int(K._SPLIT_LIMIT.value)
+        # SPLIT_LIMIT (merge: of its one-add sum). Those values go last, so that both paths run.
+        limit = int(SPLIT_LIMIT.value)
         bits = p.view(torch.int16).int() << 16
         sign = bits >> 31
         past = ((bits + (((rho.int() << (15 - steps.bit_length() + 1)) ^ sign) - sign)) & 0x7FFFFFFF) >= limit
@@ -585,9 +668,9 @@ def test_stateless_plan_is_not_reused_for_another_tensor_at_the_same_address(ker
     big = storage[:4096].view(64, 64)
     kernels.sgd_step_multi([big], [torch.ones(64, 64)], None, None, None, cols=None, scalars=scalars,
                            companded=True, skipped=None)
-    assert len(kernels._PLANS) == 1
+    assert len(kernels.plans()) == 1
     del big
-    assert len(kernels._PLANS) == 0  # the parameter is gone: so is its plan
+    assert len(kernels.plans()) == 0  # the parameter is gone: so is its plan
     small = storage[:64].view(8, 8)  # the same address, 64 elements
     storage[64:] = 5.0
     kernels.sgd_step_multi([small], [torch.ones(8, 8)], None, None, None, cols=None, scalars=scalars,

@@ -90,7 +90,7 @@ def _adam_update(m: torch.Tensor, denom: torch.Tensor, cols: int, step_size: flo
     under- or overflows, except that first moments more than about 2^48 times below their group's largest
     do not move the parameter (the next step stores them as code 0 anyway: the codes resolve about 1/254 of
     the absmax). What it buys: the kernel's divisions then stay in the range where CUDA's fast path is
-    IEEE's (``fused._div_normalized``), with no range check or branch around each."""
+    IEEE's (``triton.bits.div_normalized``), with no range check or branch around each."""
     mg = Q.grouped(m, cols)
     s = Q.pow2_normalizer(Q.nonzero_or_one(Q.group_absmax(mg)))
     scaled = mg * s

@@ -1,7 +1,9 @@
 """Per-step scalars of the updates (Adam, SGD, Lion), computed once on the host and rounded to fp32.
 
 The eager reference and the Triton kernel both receive exactly these fp32 values, so their arithmetic
-starts from the same bits.
+starts from the same bits. The kernel takes ``KERNEL_SLOTS`` fp32 scalar arguments whatever the update; each
+class's ``KERNEL_FIELDS`` names the field in each slot (None: unused, passed as 0), and the kernel reads them
+back by these names (flashdist/kernels/triton/step.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,16 @@ from ..quant.codes import f32
 
 
 _PLAIN = frozenset((float, int, bool))
+
+KERNEL_SLOTS = 9
+
+
+class _KernelArgs:
+    KERNEL_FIELDS: tuple[str | None, ...] = ()
+
+    def kernel_args(self) -> tuple[float, ...]:
+        """The kernel's fp32 scalar arguments: slot ``k`` holds the field ``KERNEL_FIELDS[k]`` (0.0 if None)."""
+        return tuple(0.0 if name is None else getattr(self, name) for name in self.KERNEL_FIELDS)
 
 
 def _cached(make):
@@ -41,7 +53,7 @@ def _cached(make):
 
 
 @dataclass(frozen=True)
-class AdamScalars:
+class AdamScalars(_KernelArgs):
     beta1: float
     beta2: float
     one_minus_beta1: float
@@ -52,6 +64,9 @@ class AdamScalars:
     step_size: float  # lr / (1 - beta1^t)
     inv_bias_correction2_sqrt: float  # 1 / sqrt(1 - beta2^t): the step multiplies sqrt(v) by it
     decoupled: bool
+
+    KERNEL_FIELDS = ("beta1", "beta2", "one_minus_beta1", "one_minus_beta2", "eps", "weight_decay", "decay",
+                     "step_size", "inv_bias_correction2_sqrt")
 
     @classmethod
     @_cached
@@ -70,7 +85,7 @@ class AdamScalars:
 
 
 @dataclass(frozen=True)
-class SGDScalars:
+class SGDScalars(_KernelArgs):
     """SGD with momentum, as ``torch.optim.SGD``: ``buf = momentum * buf + (1 - dampening) * g``, except at
     the first step, where the buffer starts as the gradient itself (``momentum_decay`` 0, ``momentum_gain``
     1); the step moves by ``buf`` or, with Nesterov, by ``g + momentum * buf``."""
@@ -83,6 +98,8 @@ class SGDScalars:
     lr: float
     decoupled: bool
     nesterov: bool
+
+    KERNEL_FIELDS = ("momentum_decay", "momentum", "momentum_gain", None, None, "weight_decay", "decay", "lr", None)
 
     @classmethod
     @_cached
@@ -98,7 +115,7 @@ class SGDScalars:
 
 
 @dataclass(frozen=True)
-class LionScalars:
+class LionScalars(_KernelArgs):
     """Lion (Chen et al., 2023): ``theta -= lr * sign(beta1 * m + (1 - beta1) * g)``, then
     ``m = beta2 * m + (1 - beta2) * g``; weight decay decoupled (``decay = 1 - lr * weight_decay``)."""
 
@@ -108,6 +125,8 @@ class LionScalars:
     one_minus_beta2: float
     decay: float
     lr: float
+
+    KERNEL_FIELDS = ("beta1", "beta2", "one_minus_beta1", "one_minus_beta2", None, None, "decay", "lr", None)
 
     @classmethod
     @_cached

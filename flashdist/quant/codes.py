@@ -26,7 +26,7 @@ The fp32 arithmetic, written so that the fused kernel does the same operations w
   two ``s`` that brings ``A`` into [1, 2) (``pow2_normalizer``): ``(m * (254 s)) / (A s + |m| s)``.
   Scaling by a power of two is exact, so this is the same quotient wherever nothing under- or overflows;
   it keeps every divisor in [1, 8) (``A`` below 2^-119: at least 2^-30), where the kernel's division needs no
-  range check (``fused._div_normalized``), and ``254 m`` cannot overflow;
+  range check (``bits.div_normalized`` of the Triton kernel), and ``254 m`` cannot overflow;
 - linear ``m`` and both ``v`` codes: ``code = round(x * (K / A))`` with K = 127 or 255: ONE division per
   group, a multiplication per value. ``K / A`` overflows fp32 for A below ~2^-121 (subnormal moments), so
   groups whose absmax is below ``TINY = 2^-64`` are first lifted by 2^64 (``(x * 2^64) * (K / (A * 2^64))``);
