@@ -70,7 +70,7 @@ def export_state_dict(opt, sd: dict, fmt: str) -> dict:
         names = opt.moments_of(group)
         if fmt == "compressed" or not names or f"{names[0]}_codes" not in entry:
             continue
-        cols = state_layout(D.global_shape(p), group.get("flat_layout", False))[1]
+        cols = D.local_layout(p, state_layout(D.global_shape(p), group.get("flat_layout", False)))[1]
         for name in names:
             codes, scales = entry.pop(f"{name}_codes"), entry.pop(f"{name}_scales")
             values = dequantize_moment(name, D.local(codes), D.local(scales), cols, group["companded"])
@@ -203,7 +203,8 @@ def load_state_dict(opt, sd: dict) -> None:
             name, state = dest, mine
             codes, scales = D.local(state[f"{name}_codes"]), D.local(state[f"{name}_scales"])
             local_values = _local_for(value, state[f"{name}_codes"]).to(codes.device, torch.float32)
-            cols = state_layout(tuple(state[f"{name}_codes"].shape), group.get("flat_layout", False))[1]
+            layout = state_layout(tuple(state[f"{name}_codes"].shape), group.get("flat_layout", False))
+            cols = D.local_layout(state[f"{name}_codes"], layout)[1]
             new_codes, new_scales = quantize_moment(name, local_values, cols, group["companded"])
             codes.copy_(new_codes)
             scales.copy_(new_scales)

@@ -232,7 +232,7 @@ class FlashOptimizer(torch.optim.Optimizer):
         if not D.local(p).is_contiguous():
             raise ValueError(f"flashdist: {name} is not contiguous (strides {D.local(p).stride()}); the fused "
                              "step works on contiguous storage: make it contiguous before building the optimizer")
-        D.check_placements(p, name)
+        D.check_placements(p, name, group["quantize_states"])
         if group.get("flat_layout", False) and D.is_dtensor(p):
             raise ValueError(f"flashdist: {name} is a DTensor in a flat_layout group; flat_layout is for DeepSpeed's "
                              "flat 1-D partitions (plain tensors). FSDP2 parameters use the row-aligned layout: "
@@ -410,13 +410,14 @@ class FlashOptimizer(torch.optim.Optimizer):
             if f"{name}_codes" not in state:
                 code_dtype = torch.uint8 if name.endswith("_sq") else torch.int8
                 state[f"{name}_codes"] = D.state_like(p, torch.zeros_like(lp, dtype=code_dtype), shape)
-                local_rows = 1 if group.get("flat_layout", False) else lp.shape[0]
-                scales = torch.zeros((local_rows, ngroups), dtype=torch.bfloat16, device=lp.device)
+                local_rows, _, local_groups = D.local_layout(p, layout)
+                scales = torch.zeros((local_rows, local_groups), dtype=torch.bfloat16, device=lp.device)
                 state[f"{name}_scales"] = D.state_like(p, scales, (rows, ngroups))
             if loaded is not None:
                 from ..checkpoint.state import quantize_moment
 
-                codes, scales = quantize_moment(name, D.local(loaded).to(lp.device, torch.float32), cols,
+                codes, scales = quantize_moment(name, D.local(loaded).to(lp.device, torch.float32),
+                                                D.local_layout(p, layout)[1],
                                                 group["companded"])
                 D.local(state[f"{name}_codes"]).copy_(codes)
                 D.local(state[f"{name}_scales"]).copy_(scales)
@@ -684,7 +685,8 @@ class _Bucket:
             self.scales.append([D.local(s[f"{name}_scales"]) for s in states] if self.quantized else None)
         self.rhos = [D.local(s["rho"]) for s in states] if "rho" in states[0] else None
         flat = group.get("flat_layout", False)
-        self.cols = [state_layout(D.global_shape(p), flat)[1] for p in params] if self.quantized else None
+        self.cols = ([D.local_layout(p, state_layout(D.global_shape(p), flat))[1] for p in params]
+                     if self.quantized else None)
         self.dtensor = any(D.is_dtensor(p) for p in params)
 
     def subset(self, index: list[int]) -> "_Bucket":

@@ -1,0 +1,282 @@
+"""Tensor parallelism: FSDP2 x TP (x expert parallel) meshes keep the sharding promise.
+
+A Llama-style block (attention q/k/v/o, MLP gate/up/down, two RMSNorms) under ColwiseParallel,
+RowwiseParallel and SequenceParallel, FSDP2 over the dp mesh dim on top, and a 3-D mixture-of-experts weight
+sharded on its experts dim, on 4 gloo ranks at (dp, tp) = (2, 2), (1, 4), (4, 1). Given the same global
+gradients, a step is bit-identical to one process (parameters, master weights, rho, codes, scales as whole
+tensors), shards are uneven and some empty. A DCP checkpoint saved at (2, 2) loads at (1, 4), (4, 1) and in one
+process bit for bit, in both state-dict formats. The placement rule itself is checked without processes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from harness import run_ranks
+from sharding_cases import NoCollectives, assert_bitwise_equal, check_state_layout, single_threaded, snapshot
+from torch import nn
+
+from flashdist import FlashAdamW, checkpoint
+from flashdist.distributed.placements import placement_problem
+
+STEPS = 3
+DIM, HIDDEN = 48, 127  # HIDDEN: gate/up rows and down's row of 127 values, uneven on 2 and 4 ranks
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wq = nn.Linear(DIM, 128, bias=False)
+        self.wk = nn.Linear(DIM, 36, bias=False)
+        self.wv = nn.Linear(DIM, 30, bias=False)  # 30 rows: 8, 8, 8, 6 on 4 tensor-parallel ranks
+        self.wo = nn.Linear(128, DIM, bias=False)  # RowwiseParallel: 32 or 64 of each row of 128 per rank
+
+
+class FeedForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Linear(DIM, HIDDEN, bias=False)
+        self.w3 = nn.Linear(DIM, HIDDEN, bias=False)
+        self.w2 = nn.Linear(HIDDEN, DIM, bias=False)  # RowwiseParallel: pieces of 64 + 63, or 32, 32, 32, 31
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(DIM)
+        self.attention = Attention()
+        self.ffn_norm = nn.RMSNorm(DIM)
+        self.feed_forward = FeedForward()
+        self.experts = nn.Parameter(torch.randn(6, 40, 24) * 0.1)  # (experts, out, in): 6 experts on 4 ranks
+
+
+def make_block() -> Block:
+    torch.manual_seed(0)
+    return Block().to(torch.bfloat16)
+
+
+TP_PLAN = {"attention_norm": "sequence", "attention.wq": "colwise", "attention.wk": "colwise",
+           "attention.wv": "colwise", "attention.wo": "rowwise", "ffn_norm": "sequence",
+           "feed_forward.w1": "colwise", "feed_forward.w3": "colwise", "feed_forward.w2": "rowwise"}
+
+
+def parallelize(model: Block, mesh) -> Block:
+    """torchtitan's recipe: tensor parallelism inside the tp mesh dim, the experts sharded on the tp dim too
+    (expert parallelism), then FSDP2 over the dp mesh dim (which makes the dim-0 shards _StridedShard)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
+                                                   parallelize_module)
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence": SequenceParallel}
+    parallelize_module(model, mesh["tp"], {name: styles[style]() for name, style in TP_PLAN.items()})
+    model.experts = nn.Parameter(distribute_tensor(model.experts.data, mesh["tp"], [Shard(0)], src_data_rank=None))
+    fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
+def make_optimizer(model: nn.Module, fmt: str = "compressed") -> FlashAdamW:
+    return FlashAdamW(model.named_parameters(), lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1, backend="reference",
+                      state_dict_format=fmt)
+
+
+def global_grads(step: int) -> dict[str, torch.Tensor]:
+    """The same global gradients in every process, rows over four decades; a NaN at step 1 in a row piece of
+    a RowwiseParallel weight (its group must be skipped on whichever rank holds it)."""
+    gen = torch.Generator().manual_seed(100 + step)
+    grads = {}
+    for name, p in sorted(make_block().named_parameters()):
+        g = torch.randn(tuple(p.shape), generator=gen)
+        rows = torch.randint(-3, 1, (p.shape[0],), generator=gen).float()
+        grads[name] = (g * (10.0 ** rows).view(-1, *([1] * (p.ndim - 1)))).to(torch.bfloat16)
+    if step == 1:
+        grads["attention.wo.weight"][3, 70] = float("nan")
+    return grads
+
+
+def set_grads(model: nn.Module, grads: dict[str, torch.Tensor]) -> None:
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for name, p in model.named_parameters():
+        g = grads[name]
+        p.grad = distribute_tensor(g, p.device_mesh, p.placements, src_data_rank=None) \
+            if isinstance(p, DTensor) else g.clone()
+
+
+def train(model, optimizer, steps: int = STEPS, check_no_collectives: bool = False) -> None:
+    for step in range(steps):
+        set_grads(model, global_grads(step))
+        with NoCollectives() as seen:
+            optimizer.step()
+        if check_no_collectives:
+            assert not seen.collectives and not seen.dtensor_ops, (seen.collectives, seen.dtensor_ops)
+
+
+@single_threaded
+def single_process(steps: int = STEPS) -> tuple[dict[str, torch.Tensor], int]:
+    model = make_block()
+    optimizer = make_optimizer(model)
+    train(model, optimizer, steps)
+    return snapshot(model, optimizer), int(optimizer.skipped)
+
+
+def _mesh(mesh_shape):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp"))
+
+
+def _placements_seen(model) -> set[str]:
+    return {f"{type(pl).__name__}({pl.dim})" for p in model.parameters() for pl in p.placements
+            if hasattr(pl, "dim")}
+
+
+def _mesh_run(rank, world_size, mesh_shape, folder, save):
+    """The step at this mesh against one process; then save (at (2, 2)) or load the (2, 2) checkpoint."""
+    import torch.distributed as dist
+
+    mesh = _mesh(mesh_shape)
+    model = parallelize(make_block(), mesh)
+    optimizer = make_optimizer(model)
+    check_state_layout(model, optimizer)
+    train(model, optimizer, check_no_collectives=True)
+    check_state_layout(model, optimizer)
+    skipped = optimizer.skipped.clone()
+    dist.all_reduce(skipped)  # each rank counts the skipped groups of its pieces; no piece is replicated
+    out = {"step": snapshot(model, optimizer), "skipped": int(skipped), "placements": _placements_seen(model)}
+    for fmt in ("compressed", "portable"):
+        path = f"{folder}/{fmt}"
+        model = parallelize(make_block(), mesh)
+        optimizer = make_optimizer(model, fmt)
+        if save:
+            train(model, optimizer)
+            checkpoint.save(path, model, optimizer)
+        else:
+            checkpoint.load(path, model, optimizer)
+        out[fmt] = snapshot(model, optimizer)
+    return out if rank == 0 else None
+
+
+@pytest.fixture(scope="module")
+def saved_at_2x2(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("tp-checkpoint"))
+    return folder, run_ranks(_mesh_run, 4, (2, 2), folder, True, timeout=240)[0]
+
+
+def _check_run(result, label):
+    want, want_skipped = single_process()
+    assert_bitwise_equal(result["step"], want, f"step at {label}")
+    assert result["skipped"] == want_skipped > 0, (label, result["skipped"], want_skipped)
+    for fmt in ("compressed", "portable"):
+        assert_bitwise_equal(result[fmt], want, f"{fmt} checkpoint loaded at {label}")
+
+
+def test_2x2_step_and_save_are_bit_identical(saved_at_2x2):
+    _, result = saved_at_2x2
+    assert {"_StridedShard(0)", "Shard(0)", "Shard(1)"} <= result["placements"], result["placements"]
+    _check_run(result, "(dp, tp) = (2, 2)")
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 4), (4, 1)], ids=["tp4", "dp4"])
+def test_step_and_load_from_2x2_are_bit_identical(saved_at_2x2, mesh_shape):
+    folder, _ = saved_at_2x2
+    result = run_ranks(_mesh_run, 4, mesh_shape, folder, False, timeout=240)[0]
+    _check_run(result, f"(dp, tp) = {mesh_shape}")
+
+
+@pytest.mark.parametrize("fmt", ["compressed", "portable"])
+def test_2x2_checkpoint_loads_in_one_process(saved_at_2x2, fmt):
+    folder, _ = saved_at_2x2
+    model = make_block()
+    optimizer = make_optimizer(model, fmt)
+    checkpoint.load(f"{folder}/{fmt}", model, optimizer)
+    assert_bitwise_equal(snapshot(model, optimizer), single_process()[0], f"{fmt} checkpoint loaded in one process")
+
+
+# ----- the placement rule, without processes ----------------------------------------------------------------
+
+
+def _shard(d):
+    from torch.distributed.tensor import Shard
+
+    return Shard(d)
+
+
+@pytest.mark.parametrize("shape, mesh_shape, placements, accepted", [
+    ((48, 128), (4,), ("S1",), True),  # RowwiseParallel, 32 values of each row per rank
+    ((48, 127), (4,), ("S1",), True),  # 32, 32, 32, 31: the last piece ends at the row's end
+    ((48, 96), (4,), ("S1",), False),  # 24 values per rank: cuts groups
+    ((48, 96), (3,), ("S1",), True),
+    ((48, 128), (2, 2), ("S0", "S1"), True),  # FSDP2 x RowwiseParallel
+    ((48, 128), (2, 2), ("S1", "S1"), True),  # two mesh dims on one dim inside the row: 32 each
+    ((48, 128), (2, 4), ("S1", "S1"), False),  # ... 16 each
+    ((6, 40, 24), (2, 2), ("S0", "S0"), True),  # experts (expert parallel x FSDP2): whole rows
+    ((5, 3, 32), (2,), ("S1",), True),  # 3-D, pieces of 2 x 32 and 1 x 32: the scales shard the same way
+    ((5, 5, 64), (2,), ("S1",), False),  # groups 6 + 4, but the scales of 10 groups chunk 5 + 5
+    ((4, 3, 64), (2,), ("S2",), False),  # whole groups 0, 2, 4 on rank 0: no DTensor of the scales holds those
+    ((4, 3, 64), (2, 2), ("S1", "S2"), False),  # two dims inside the row
+    ((40,), (4,), ("S0",), True),  # 1-D: elementwise state
+], ids=lambda v: str(v).replace(" ", ""))
+def test_placement_rule(shape, mesh_shape, placements, accepted):
+    placements = tuple(_shard(int(p[1])) for p in placements)
+    problem = placement_problem(shape, mesh_shape, placements)
+    assert (problem is None) == accepted, problem
+    assert placement_problem(shape, mesh_shape, placements, grouped=False) is None  # fp32 moments: any shard
+
+
+def test_strided_shard_rule():
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    # FSDP2 over a RowwiseParallel dim-1 shard (shard_placement_fn=Shard(1)): 128 -> 64 -> 32 each, interleaved
+    assert placement_problem((8, 128), (2, 2), (_StridedShard(1, split_factor=2), Shard(1))) is None
+    assert placement_problem((8, 96), (2, 2), (_StridedShard(1, split_factor=2), Shard(1))) is not None
+    assert placement_problem((9, 40), (2, 2), (_StridedShard(0, split_factor=2), Shard(0))) is None
+
+
+# ----- refusals through the optimizer, on 4 ranks -----------------------------------------------------------
+
+
+def _refusals(rank, world_size):
+    from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
+    mesh = _mesh((1, 4))
+    errors = {}
+    model = nn.Sequential(nn.Linear(96, 8)).to(torch.bfloat16)
+    parallelize_module(model, mesh["tp"], {"0": RowwiseParallel()})
+    try:
+        make_optimizer(model)
+    except ValueError as e:
+        errors["rowwise-96"] = str(e)
+    FlashAdamW(model.parameters(), quantize_states=False, backend="reference")  # elementwise state: accepted
+
+    model = nn.Module()
+    model.weight = nn.Parameter(distribute_tensor(torch.zeros(4, 3, 128, dtype=torch.bfloat16), mesh["tp"],
+                                                  [Shard(2)], src_data_rank=None))
+    try:
+        make_optimizer(model)
+    except ValueError as e:
+        errors["shard2"] = str(e)
+
+    # a Partial gradient left by tensor parallelism keeps its error, and the step changes nothing
+    model = parallelize(make_block(), mesh)
+    optimizer = make_optimizer(model)
+    before = {n: p.to_local().clone() for n, p in model.named_parameters()}
+    set_grads(model, global_grads(0))
+    wo = model.attention.wo.weight
+    wo.grad = DTensor.from_local(wo.grad.to_local(), wo.device_mesh, [wo.placements[0], Partial()],
+                                 run_check=False, shape=wo.shape, stride=wo.stride())
+    try:
+        optimizer.step()
+    except RuntimeError as e:
+        errors["partial-grad"] = str(e)
+    assert all(torch.equal(p.to_local(), before[n]) for n, p in model.named_parameters()), "a refused step stepped"
+    return errors
+
+
+def test_refusals_name_the_parameter_and_the_fix():
+    errors = run_ranks(_refusals, 4, timeout=120)[0]
+    assert "'0.weight'" in errors["rowwise-96"] and "Shard(dim=1)" in errors["rowwise-96"], errors
+    assert "cut quantization groups" in errors["rowwise-96"] and "n in [1, 3]" in errors["rowwise-96"], errors
+    assert "'weight'" in errors["shard2"] and "not the DTensor shard of the scales" in errors["shard2"], errors
+    assert "'attention.wo.weight'" in errors["partial-grad"] and "Partial(sum)" in errors["partial-grad"], errors
