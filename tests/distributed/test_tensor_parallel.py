@@ -15,7 +15,8 @@ from harness import run_ranks
 from sharding_cases import NoCollectives, assert_bitwise_equal, check_state_layout, single_threaded, snapshot
 from torch import nn
 
-from flashdist import FlashAdamW, checkpoint
+from flashdist import FlashAdamW, checkpoint, export_fp32_state_dict, load_fp32_state_dict
+from flashdist import distributed as D
 from flashdist.distributed.placements import placement_problem
 
 STEPS = 3
@@ -153,6 +154,13 @@ def _mesh_run(rank, world_size, mesh_shape, folder, save):
         else:
             checkpoint.load(path, model, optimizer)
         out[fmt] = snapshot(model, optimizer)
+    # fp32 master weights: exported from the sharded model, and loaded back into a fresh one
+    exported = export_fp32_state_dict(model, optimizer, rank0_only=False)
+    fresh = parallelize(make_block(), mesh)
+    fresh_optimizer = make_optimizer(fresh)
+    load_fp32_state_dict(fresh, fresh_optimizer, exported)
+    out["fp32"] = exported
+    out["fp32-loaded"] = {name: D.full_tensor(fresh_optimizer.master_weight(p)) for name, p in fresh.named_parameters()}
     return out if rank == 0 else None
 
 
@@ -168,6 +176,17 @@ def _check_run(result, label):
     assert result["skipped"] == want_skipped > 0, (label, result["skipped"], want_skipped)
     for fmt in ("compressed", "portable"):
         assert_bitwise_equal(result[fmt], want, f"{fmt} checkpoint loaded at {label}")
+    reference = single_process_fp32()
+    assert_bitwise_equal(result["fp32"], reference, f"fp32 export at {label}")
+    assert_bitwise_equal(result["fp32-loaded"], reference, f"fp32 weights loaded at {label}")
+
+
+@single_threaded
+def single_process_fp32() -> dict[str, torch.Tensor]:
+    model = make_block()
+    optimizer = make_optimizer(model)
+    train(model, optimizer)
+    return export_fp32_state_dict(model, optimizer)
 
 
 def test_2x2_step_and_save_are_bit_identical(saved_at_2x2):
@@ -190,6 +209,24 @@ def test_2x2_checkpoint_loads_in_one_process(saved_at_2x2, fmt):
     optimizer = make_optimizer(model, fmt)
     checkpoint.load(f"{folder}/{fmt}", model, optimizer)
     assert_bitwise_equal(snapshot(model, optimizer), single_process()[0], f"{fmt} checkpoint loaded in one process")
+
+
+def test_cli_inspects_and_exports_a_2x2_checkpoint(saved_at_2x2, tmp_path, capsys):
+    import json
+
+    from flashdist.cli import main
+
+    safetensors = pytest.importorskip("safetensors.torch", reason="safetensors is part of the [test] extra")
+    folder, _ = saved_at_2x2
+    capsys.readouterr()
+    assert main(["inspect", f"{folder}/compressed", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["optimizer_format"] == "compressed", info
+    assert info["parameters"] == sum(p.numel() for p in make_block().parameters()), info
+    for fmt in ("compressed", "portable"):
+        assert main(["export", f"{folder}/{fmt}", str(tmp_path / f"{fmt}.safetensors")]) == 0
+        exported = safetensors.load_file(tmp_path / f"{fmt}.safetensors")
+        assert_bitwise_equal(exported, single_process_fp32(), f"flashdist export of the {fmt} (2, 2) checkpoint")
 
 
 # ----- the placement rule, without processes ----------------------------------------------------------------
