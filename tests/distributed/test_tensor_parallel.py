@@ -229,6 +229,86 @@ def test_cli_inspects_and_exports_a_2x2_checkpoint(saved_at_2x2, tmp_path, capsy
         assert_bitwise_equal(exported, single_process_fp32(), f"flashdist export of the {fmt} (2, 2) checkpoint")
 
 
+# ----- gradient release and clipping under FSDP2 x TP ------------------------------------------------------
+
+
+class MLP(nn.Module):
+    # 128 hidden features: even shards (TP's forward needs them; the step test above covers uneven ones)
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Linear(DIM, 128, bias=False)
+        self.w3 = nn.Linear(DIM, 128, bias=False)
+        self.w2 = nn.Linear(128, DIM, bias=False)
+
+    def forward(self, x):
+        return self.w2(nn.functional.silu(self.w1(x)) * self.w3(x))
+
+
+def _mlp(mesh):
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    model = MLP().to(torch.bfloat16)
+    if mesh is not None:
+        parallelize_module(model, mesh["tp"], {"w1": ColwiseParallel(), "w3": ColwiseParallel(),
+                                               "w2": RowwiseParallel()})
+        fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
+def _batch(step: int, dp_rank: int) -> torch.Tensor:
+    return torch.randn(4, DIM, generator=torch.Generator().manual_seed(10 * step + dp_rank)).to(torch.bfloat16)
+
+
+def _release_and_clip(rank, world_size):
+    from flashdist import enable_gradient_release
+
+    mesh = _mesh((2, 2))
+    dp_rank = mesh.get_local_rank("dp")
+    runs = {}
+    for release in (False, True):
+        model = _mlp(mesh)
+        optimizer = make_optimizer(model)
+        handle = enable_gradient_release(model, optimizer, bucket_mb=0) if release else None
+        for step in range(3):
+            model(_batch(step, dp_rank)).float().pow(2).mean().backward()  # under release: stepped by hooks
+            if release and step == 2:
+                try:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                except RuntimeError as e:
+                    runs["clip-under-release"] = str(e)
+            optimizer.step()
+            optimizer.zero_grad()
+        if release:
+            handle.remove()
+        runs[release] = snapshot(model, optimizer)
+    # clipping over the 2-D mesh: torch's clip_grad_norm_ reduces the DTensor norms over both mesh dims
+    model = _mlp(mesh)
+    optimizer = make_optimizer(model)
+    model(_batch(0, dp_rank)).float().pow(2).mean().backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    runs["norm"] = D.full_tensor(norm).float()
+    runs["clipped"] = {n: D.full_tensor(p.grad).float() for n, p in model.named_parameters()}
+    optimizer.step()
+    return runs if rank == 0 else None
+
+
+def test_gradient_release_and_clipping_under_fsdp2_x_tp():
+    runs = run_ranks(_release_and_clip, 4, timeout=180)[0]
+    assert_bitwise_equal(runs[True], runs[False], "gradient release vs ordinary steps at (dp, tp) = (2, 2)")
+    assert "clip_grad_norm_" in runs["clip-under-release"], runs["clip-under-release"]
+    # the same global gradient in one process: FSDP2 averages the two dp ranks' gradients
+    model = _mlp(None)
+    loss = sum(model(_batch(0, r)).float().pow(2).mean() for r in range(2)) / 2
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    # torch sums bf16 gradients per shard and in another order: agreement to bf16 precision, not bits
+    torch.testing.assert_close(runs["norm"], norm.float(), rtol=2e-2, atol=0)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(runs["clipped"][name], p.grad.float(), rtol=2e-2, atol=1e-6)
+
+
 # ----- the placement rule, without processes ----------------------------------------------------------------
 
 
