@@ -2,7 +2,10 @@
 
 FSDP2 (``fully_shard``) turns each parameter into a DTensor sharded on dim 0 (``Shard(0)`` over a 1-D
 mesh, or ``(Replicate(), Shard(0))`` for HSDP). Because quantization groups never cross a row, the step
-on each rank's local rows is exactly the step on those rows of the full tensor.
+on each rank's local rows is exactly the step on those rows of the full tensor. Tensor parallelism adds
+shards inside a row (``RowwiseParallel``'s ``Shard(1)``) and several sharded mesh dims; they are exact when
+every rank's piece of a row is whole groups (flashdist.distributed.placements holds that rule), and the step
+then sees each rank's local tensor as a shorter row (``local_layout``).
 """
 
 from __future__ import annotations
