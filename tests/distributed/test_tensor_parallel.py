@@ -19,6 +19,8 @@ from flashdist import FlashAdamW, checkpoint, export_fp32_state_dict, load_fp32_
 from flashdist import distributed as D
 from flashdist.distributed.placements import placement_problem
 
+pytestmark = pytest.mark.slow  # multi-process (the rule's own tests below take milliseconds)
+
 STEPS = 3
 DIM, HIDDEN = 48, 127  # HIDDEN: gate/up rows and down's row of 127 values, uneven on 2 and 4 ranks
 
@@ -397,3 +399,41 @@ def test_refusals_name_the_parameter_and_the_fix():
     assert "cut quantization groups" in errors["rowwise-96"] and "n in [1, 3]" in errors["rowwise-96"], errors
     assert "'weight'" in errors["shard2"] and "not the DTensor shard of the scales" in errors["shard2"], errors
     assert "'attention.wo.weight'" in errors["partial-grad"] and "Partial(sum)" in errors["partial-grad"], errors
+
+
+# ----- launch/train.py --tp ---------------------------------------------------------------------------------
+
+
+def _train_py(tmp_path, name: str, *extra: str) -> list[dict]:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    tiny = ["--d-model", "64", "--n-layer", "1", "--n-head", "2", "--seq-len", "32", "--batch-size", "2",
+            "--corpus-mb", "1", "--eval-every", "100", "--eval-batches", "1", "--log-every", "1", "--warmup", "1",
+            "--threads", "1", "--same-batch", "--compute-dtype", "fp32", "--ckpt-dir", str(tmp_path / "ck"),
+            "--ckpt-every", "2", "--out-dir", str(tmp_path / name)]
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            str(root / "launch" / "train.py"), *tiny, *extra]
+    done = subprocess.run(argv, env=env, cwd=root, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return [__import__("json").loads(line) for line in (tmp_path / name / "log.jsonl").read_text().splitlines()]
+
+
+def test_train_py_tp2_matches_fsdp2_and_resumes_under_fsdp2(tmp_path):
+    """--tp 2 (proj/down rows of 64 and 256 values: 32 and 128 per rank) trains like FSDP2 on the same
+    batches (not bit for bit: a row-parallel matmul adds its halves in another order), and its checkpoint
+    resumes under FSDP2."""
+    tp = _train_py(tmp_path, "tp", "--tp", "2", "--steps", "2")
+    (tmp_path / "ck").rename(tmp_path / "ck-tp")
+    fsdp = _train_py(tmp_path, "fsdp", "--steps", "2")
+    for a, b in zip(tp, fsdp):
+        assert abs(a["loss"] - b["loss"]) < 0.02 * b["loss"], (tp, fsdp)
+    (tmp_path / "ck").rename(tmp_path / "ck-fsdp")
+    (tmp_path / "ck-tp").rename(tmp_path / "ck")
+    resumed = _train_py(tmp_path, "resumed", "--steps", "3", "--resume")
+    assert [r["step"] for r in resumed] == [1, 2, 3] and resumed[:2] == tp
