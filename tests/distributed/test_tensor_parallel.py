@@ -50,6 +50,8 @@ class Block(nn.Module):
         self.ffn_norm = nn.RMSNorm(DIM)
         self.feed_forward = FeedForward()
         self.experts = nn.Parameter(torch.randn(6, 40, 24) * 0.1)  # (experts, out, in): 6 experts on 4 ranks
+        # sharded on dim 1 inside its rows of 7 x 32 values: pieces of 4 + 3 x 32 at tp 2, 2, 2, 2, 1 x 32 at tp 4
+        self.mixer = nn.Parameter(torch.randn(5, 7, 32) * 0.1)
 
 
 def make_block() -> Block:
@@ -73,6 +75,7 @@ def parallelize(model: Block, mesh) -> Block:
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence": SequenceParallel}
     parallelize_module(model, mesh["tp"], {name: styles[style]() for name, style in TP_PLAN.items()})
     model.experts = nn.Parameter(distribute_tensor(model.experts.data, mesh["tp"], [Shard(0)], src_data_rank=None))
+    model.mixer = nn.Parameter(distribute_tensor(model.mixer.data, mesh["tp"], [Shard(1)], src_data_rank=None))
     fully_shard(model, mesh=mesh["dp"])
     return model
 
@@ -334,9 +337,15 @@ def _shard(d):
     ((4, 3, 64), (2,), ("S2",), False),  # whole groups 0, 2, 4 on rank 0: no DTensor of the scales holds those
     ((4, 3, 64), (2, 2), ("S1", "S2"), False),  # two dims inside the row
     ((40,), (4,), ("S0",), True),  # 1-D: elementwise state
+    ((48, 128), (2, 2, 2), ("R", "S0", "S1"), True),  # HSDP x TP
+    ((48, 96), (2, 2, 2), ("R", "S0", "S1"), False),
+    ((5, 3, 32), (4,), ("S1",), True),  # pieces of 32, 32, 32 and an empty one; the scales chunk 1, 1, 1, 0
+    ((6, 40, 24), (2, 2), ("S1", "S0"), True),  # experts on ep, FSDP2 on dim 1: pieces of 20 x 24 = 15 groups
 ], ids=lambda v: str(v).replace(" ", ""))
 def test_placement_rule(shape, mesh_shape, placements, accepted):
-    placements = tuple(_shard(int(p[1])) for p in placements)
+    from torch.distributed.tensor import Replicate
+
+    placements = tuple(Replicate() if p == "R" else _shard(int(p[1])) for p in placements)
     problem = placement_problem(shape, mesh_shape, placements)
     assert (problem is None) == accepted, problem
     assert placement_problem(shape, mesh_shape, placements, grouped=False) is None  # fp32 moments: any shard
