@@ -28,7 +28,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard  # FSDP2 over tensor parallelism
 
-GROUP = 32  # flashdist.quant.codes.GROUP (not imported: quant imports the kernels, this module imports no kernel)
+from ..quant import GROUP
 _ALL_OFFSETS = 1  # torch's _StridedShardOffsetMode.ALL: every index the shard holds, not only the first
 
 
