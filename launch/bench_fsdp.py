@@ -29,19 +29,20 @@ import flashdist
 
 if __package__:  # python -m launch.bench_fsdp
     from .benchlib import run_or_record
-    from .llama import Llama, LlamaConfig
+    from .llama import Llama, LlamaConfig, tensor_parallel
 else:  # run as a file (python or torchrun launch/bench_fsdp.py): its own folder is on sys.path
     from benchlib import run_or_record
-    from llama import Llama, LlamaConfig
+    from llama import Llama, LlamaConfig, tensor_parallel
 
 CASES = ("adamw_fp32_master", "flash_24bit", "flash_24bit_release", "flashoptim_24bit")
 
 
 def build(case: str, cfg: LlamaConfig, device: torch.device, cpu: bool, *, activation_checkpointing: bool = False,
-          state_dict_format: str = "portable", release_bucket_mb: float = 64.0):
+          state_dict_format: str = "portable", release_bucket_mb: float = 64.0, tp: int = 1):
     """The model of ``case``, sharded per decoder layer and at the root, and its optimizer; with
-    ``activation_checkpointing`` each decoder layer recomputes its activations in backward. Returns (model,
-    optimizer, gradient-release handle or None)."""
+    ``activation_checkpointing`` each decoder layer recomputes its activations in backward; with ``tp`` > 1
+    tensor parallelism over groups of ``tp`` consecutive ranks (llama.tensor_parallel) and FSDP2 over the
+    rest (a (world / tp, tp) mesh). Returns (model, optimizer, gradient-release handle or None)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     torch.manual_seed(0)
@@ -49,6 +50,11 @@ def build(case: str, cfg: LlamaConfig, device: torch.device, cpu: bool, *, activ
         model = Llama(cfg)
     if case != "adamw_fp32_master":
         model = model.to(torch.bfloat16)  # bf16 parameters; FlashAdamW keeps the rest of the master weight in rho
+    mesh = None  # fully_shard's default: every rank
+    if tp > 1:
+        mesh = dp_tp_mesh(device, tp)
+        tensor_parallel(model, mesh["tp"])
+        mesh = mesh["dp"]
     if activation_checkpointing:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
@@ -57,8 +63,8 @@ def build(case: str, cfg: LlamaConfig, device: torch.device, cpu: bool, *, activ
                                                  preserve_rng_state=False)
     mp = MixedPrecisionPolicy(param_dtype=torch.float32 if cpu else torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.layers:
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
     if case == "adamw_fp32_master":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=not cpu)
     elif case.startswith("flash_"):
@@ -72,11 +78,22 @@ def build(case: str, cfg: LlamaConfig, device: torch.device, cpu: bool, *, activ
     return model, opt, release
 
 
+def dp_tp_mesh(device: torch.device, tp: int):
+    """A (world / tp, tp) mesh named ("dp", "tp"): tensor-parallel groups of consecutive ranks (one node)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    if world % tp:
+        raise ValueError(f"--tp {tp} does not divide the {world} ranks")
+    return init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+
+
 def run_case(case, cfg, args, device, rank):
+    tp = getattr(args, "tp", 1)
     model, opt, release = build(case, cfg, device, args.cpu,
                                 activation_checkpointing=getattr(args, "activation_checkpointing", False),
-                                release_bucket_mb=getattr(args, "release_bucket_mb", 64.0))
-    g = torch.Generator(device="cpu").manual_seed(rank)
+                                release_bucket_mb=getattr(args, "release_bucket_mb", 64.0), tp=tp)
+    g = torch.Generator(device="cpu").manual_seed(rank // tp)  # the ranks of a tensor-parallel group: one batch
     x = torch.randint(0, cfg.vocab, (args.batch, args.seq + 1), generator=g).to(device)
     times, losses, report, phases = [], [], None, []
     cuda = device.type == "cuda"
@@ -225,6 +242,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cpu", action="store_true", help="gloo on the CPU (smoke runs)")
     ap.add_argument("--release-bucket-mb", type=float, default=64.0,
                     help="gradient release's bucket_mb: MiB of gradient shards stepped per optimizer call")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor-parallel degree: groups of TP consecutive ranks share each layer (torchtitan's "
+                         "plan, launch/llama.py), FSDP2 over the WORLD / TP groups; batch is per group")
     ap.add_argument("--out", default=None)
     ap.add_argument("--check", action="store_true",
                     help="first check that gradient release gives bit-identical parameters and state")
@@ -259,7 +279,9 @@ def main(argv: list[str] | None = None) -> None:
                 print(json.dumps({k: v for k, v in row.items() if k != "memory_report"}), flush=True)
     if rank == 0:
         base = {r["round"]: r for r in rows if r["case"] == "adamw_fp32_master" and "error" not in r}
-        print(f"\n{args.model} Llama shapes, {world} ranks, {device.type}, batch {args.batch} x {args.seq} per rank")
+        mesh = f"(dp, tp) = ({world // args.tp}, {args.tp})" if args.tp > 1 else "FSDP2"
+        print(f"\n{args.model} Llama shapes, {world} ranks, {mesh}, {device.type}, batch {args.batch} x {args.seq} "
+              "per rank" + (" group" if args.tp > 1 else ""))
         print("| optimizer | persistent B/param (rank 0) | peak GiB per rank | step ms (median) | vs AdamW |")
         print("|---|---|---|---|---|")
         for r in rows:

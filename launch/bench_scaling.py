@@ -8,6 +8,8 @@ checkpoints at that size.
     # resharding at 8B size: save on 8 ranks, resume on 4
     torchrun --standalone --nproc_per_node=8 launch/bench_scaling.py --model 8b --resume-check /tmp/ck --phase save
     torchrun --standalone --nproc_per_node=4 launch/bench_scaling.py --model 8b --resume-check /tmp/ck --phase resume
+    # tensor parallelism: TP=2 against FSDP2 on 2 GPUs (docs/benchmarks.md)
+    torchrun --standalone --nproc_per_node=2 launch/bench_scaling.py --model 8b --tp 2 --out runs/scaling_tp2.json
     # CPU smoke run (gloo)
     torchrun --standalone --nproc_per_node=2 launch/bench_scaling.py --model tiny --cpu --seq 64
 
@@ -104,8 +106,11 @@ def print_table(rows: list[dict], args, world: int, device: torch.device, n_para
     base = next((r for r in rows if r["case"] == "adamw_fp32_master" and "error" not in r), None)
     size = f"{n_params / 1e9:.2f} B parameters" if n_params else ""
     ac = "no activation checkpointing" if args.no_ac else "activation checkpointing per layer"
-    print(f"\n{args.model} Llama shapes ({size}), FSDP2 on {world} rank(s), {device.type}, batch {args.batch} x "
-          f"{args.seq} tokens per rank, {ac}, {args.warmup} warm-up + {args.steps} timed steps")
+    tp = getattr(args, "tp", 1)
+    layout = f"TP {tp} x FSDP2 {world // tp}" if tp > 1 else "FSDP2"
+    per = "per TP group" if tp > 1 else "per rank"
+    print(f"\n{args.model} Llama shapes ({size}), {layout} on {world} rank(s), {device.type}, batch {args.batch} x "
+          f"{args.seq} tokens {per}, {ac}, {args.warmup} warm-up + {args.steps} timed steps")
     print("| optimizer | ranks | persistent B/param | persistent GiB/rank | peak GiB/rank (max over ranks) | "
           "step ms (median) | tokens/s/rank | vs AdamW |")
     print("|---|---|---|---|---|---|---|---|")
@@ -251,6 +256,9 @@ def parse_args(argv=None):
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--no-ac", action="store_true", help="no activation checkpointing")
     ap.add_argument("--cpu", action="store_true", help="gloo on the CPU (smoke runs)")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor-parallel degree of the table's cases (bench_fsdp --tp): TP inside groups of TP "
+                         "consecutive ranks, FSDP2 across them; --batch is then per TP group")
     ap.add_argument("--out", default=None, help="JSON file for the rows (and the resume check)")
     ap.add_argument("--resume-check", metavar="DIR", default=None,
                     help="save (--phase save) or load and check (--phase resume) a FlashAdamW checkpoint in DIR")
@@ -261,6 +269,10 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if (args.resume_check is None) != (args.phase is None):
         ap.error("--resume-check DIR and --phase save|resume go together")
+    if args.tp < 1:
+        ap.error(f"--tp must be a positive integer, got {args.tp}")
+    if args.tp > 1 and args.resume_check:
+        ap.error("--resume-check checksums row shards (FSDP2 only): run it without --tp")
     if args.cases is None:
         args.cases = [] if args.resume_check else list(CASES)
     return args

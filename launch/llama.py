@@ -62,9 +62,10 @@ class Layer(nn.Module):
         c = self.c
         hd = c.hidden // c.heads
         h = self.attn_norm(x)
-        q = self.q(h).view(b, t, c.heads, hd).transpose(1, 2)
-        k = self.k(h).view(b, t, c.kv_heads, hd).transpose(1, 2)
-        v = self.v(h).view(b, t, c.kv_heads, hd).transpose(1, 2)
+        # -1: the heads this rank holds (all of them, or heads / tp under tensor_parallel)
+        q = self.q(h).view(b, t, -1, hd).transpose(1, 2)
+        k = self.k(h).view(b, t, -1, hd).transpose(1, 2)
+        v = self.v(h).view(b, t, -1, hd).transpose(1, 2)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         x = x + self.o(y.transpose(1, 2).reshape(b, t, -1))
         h = self.mlp_norm(x)
@@ -88,3 +89,25 @@ class Llama(nn.Module):
             x = layer(x)
         logits = self.head(self.norm(x))
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def tensor_parallel(model: Llama, tp_mesh) -> Llama:
+    """torchtitan's tensor-parallel plan over the 1-D mesh ``tp_mesh``, in place: in each layer q/k/v and
+    gate/up column-sharded (``Shard(0)``: whole output rows per rank) and o/down row-sharded (``Shard(1)``:
+    a piece of every input row, whole 32-value groups when ``ceil(in_features / tp) % 32 == 0``), the
+    embedding split by vocabulary rows and the output head by vocabulary columns, both ``Shard(0)``. Norm
+    weights stay replicated. Every rank of a tensor-parallel group must be fed the same batch."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    tp = tp_mesh.size()
+    c = model.layers[0].c
+    if c.heads % tp or c.kv_heads % tp:
+        raise ValueError(f"--tp {tp} must divide the model's {c.heads} heads and {c.kv_heads} key/value heads")
+    layer_plan = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(), "o": RowwiseParallel(),
+                  "gate": ColwiseParallel(), "up": ColwiseParallel(), "down": RowwiseParallel()}
+    for layer in model.layers:
+        parallelize_module(layer, tp_mesh, layer_plan)
+    parallelize_module(model, tp_mesh, {"embed": RowwiseParallel(input_layouts=Replicate()),
+                                        "head": ColwiseParallel(output_layouts=Replicate())})
+    return model

@@ -46,10 +46,10 @@ from flashdist import distributed as D
 
 if __package__:  # python -m launch.train
     from .data import VOCAB, batch, load_corpus
-    from .model import GPT, GPTConfig
+    from .model import GPT, GPTConfig, clip_grad_norm_, tensor_parallel
 else:  # run as a file (python or torchrun launch/train.py): its own folder is on sys.path
     from data import VOCAB, batch, load_corpus
-    from model import GPT, GPTConfig
+    from model import GPT, GPTConfig, clip_grad_norm_, tensor_parallel
 
 STARTED = time.perf_counter()  # --time-limit counts from here: imports and the corpus build included
 
@@ -119,6 +119,10 @@ def parse_args(argv=None):
     ap.add_argument("--shards", type=int, default=None,
                     help="ranks each parameter is sharded over (the mesh's second dim); default: "
                          "WORLD_SIZE / replicas. replicas x shards must equal WORLD_SIZE")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor-parallel degree: each block's linear layers split over groups of TP consecutive "
+                         "ranks (torchtitan's plan, launch/model.py); FSDP2/HSDP over WORLD_SIZE / TP groups, "
+                         "whose ranks share one batch")
     ap.add_argument("--auto-resume", action="store_true",
                     help="continue from CKPT_DIR/latest when it exists, else start at step 0 (restarts by "
                          "torchrun --max-restarts, SLURM requeues)")
@@ -138,7 +142,7 @@ def parse_args(argv=None):
         ap.error("--grad-release steps during backward, before a global gradient norm exists: use --clip 0")
     if (args.resume or args.auto_resume) and not args.ckpt_dir:
         ap.error("--resume and --auto-resume need --ckpt-dir")
-    for name in ("replicas", "shards", "threads"):
+    for name in ("replicas", "shards", "threads", "tp"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             ap.error(f"--{name} must be a positive integer, got {getattr(args, name)}")
     if args.optimizer == "adamw" and (args.grad_release or args.no_companding or args.master_weight_bits != "24"):
@@ -266,9 +270,13 @@ def build(args, run: Run):
 
         replicas, shards = args.mesh
         # a 1-D mesh is FSDP2; a 2-D one is HSDP: (Replicate(), Shard(0)), the shard groups being runs of
-        # consecutive ranks, which torchrun places on one node
-        mesh = (init_device_mesh(run.device.type, (shards,)) if replicas == 1 else
-                init_device_mesh(run.device.type, (replicas, shards), mesh_dim_names=("replicate", "shard")))
+        # consecutive ranks, which torchrun places on one node; --tp adds an innermost tp dim (consecutive
+        # ranks, the fastest links) and FSDP2 / HSDP shard over the dims before it
+        dims = [("replicate", replicas)] * (replicas > 1) + [("shard", shards)] + [("tp", args.tp)] * (args.tp > 1)
+        mesh = init_device_mesh(run.device.type, tuple(n for _, n in dims), mesh_dim_names=tuple(k for k, _ in dims))
+        if args.tp > 1:
+            tensor_parallel(model, mesh["tp"])
+        mesh = mesh["replicate", "shard"] if replicas > 1 else mesh["shard"]
 
         compute = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(
             args.compute_dtype, torch.bfloat16 if run.cuda else torch.float32)
@@ -305,7 +313,7 @@ def build(args, run: Run):
 
 @torch.no_grad()
 def evaluate(model, val, args, run: Run) -> float:
-    g = torch.Generator().manual_seed(10_000 + (0 if args.same_batch else run.rank))
+    g = torch.Generator().manual_seed(10_000 + (0 if args.same_batch else run.rank // args.tp))
     losses = []
     for _ in range(args.eval_batches):
         x, y = batch(val, args.batch_size, args.seq_len, g)
@@ -373,7 +381,10 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     run = Run(args.threads)
     try:
-        args.mesh = mesh_shape(run.world, run.local_world, args.replicas, args.shards)
+        if run.world % args.tp or run.local_world % args.tp:
+            raise ValueError(f"--tp {args.tp} must divide the ranks per node ({run.local_world}): a tensor-parallel "
+                             "group stays inside a node")
+        args.mesh = mesh_shape(run.world // args.tp, run.local_world // args.tp, args.replicas, args.shards)
     except ValueError as e:
         run.close()
         raise SystemExit(f"train.py: {e}") from None
@@ -391,7 +402,7 @@ def main(argv=None) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
     layout = "one process" if not run.distributed or args.no_fsdp else (
         f"FSDP2 over {args.mesh[1]} ranks" if args.mesh[0] == 1 else
-        f"HSDP: {args.mesh[0]} replicas x {args.mesh[1]} shards")
+        f"HSDP: {args.mesh[0]} replicas x {args.mesh[1]} shards") + (f" x TP {args.tp}" if args.tp > 1 else "")
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     run.print(f"{layout}" + (f" | restart {restarts}" if restarts else ""))
     start, log = 0, []
@@ -407,7 +418,8 @@ def main(argv=None) -> dict:
     run.print(f"flashdist {flashdist.__version__} | torch {torch.__version__} | {run.world} rank(s) on "
               f"{run.device.type} | {n_params / 1e6:.2f} M params | corpus {corpus['train_bytes'] / 2**20:.1f} MiB "
               f"train / {corpus['val_bytes'] / 2**20:.1f} MiB val from {', '.join(corpus['roots'].values())}")
-    tokens_per_step = args.batch_size * args.seq_len * run.world
+    tokens_per_step = args.batch_size * args.seq_len * run.world // args.tp
+    data_rank = run.rank // args.tp  # the ranks of a tensor-parallel group read the same batch
     report = None
     t0, tokens = time.perf_counter(), 0
     end = min(args.steps, args.stop_at or args.steps)
@@ -422,12 +434,15 @@ def main(argv=None) -> dict:
         if args.time_limit and end > step + 1 and run.agree(time.perf_counter() - STARTED > args.time_limit):
             run.print(f"--time-limit {args.time_limit:g} s reached: step {step + 1} of {args.steps} is the last")
             end = step + 1  # evaluated and checkpointed as the last step
-        g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + (0 if args.same_batch else run.rank))
+        g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + (0 if args.same_batch else data_rank))
         x, y = batch(train, args.batch_size, args.seq_len, g)
         loss = model(x.to(run.device), y.to(run.device))
         loss.backward()
         if args.clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+            if args.tp > 1:  # blocks on the (dp, tp) mesh, the rest on the dp mesh: torch's clip needs one mesh
+                clip_grad_norm_(list(model.parameters()), args.clip)
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         if report is None or step == end - 1:
             report = flashdist.memory_report(opt)  # with the gradients still held (none under release)
         evaluating = (step + 1) % args.eval_every == 0 or step + 1 == end

@@ -2,7 +2,10 @@
 
 FSDP2 (``fully_shard``) turns each parameter into a DTensor sharded on dim 0 (``Shard(0)`` over a 1-D
 mesh, or ``(Replicate(), Shard(0))`` for HSDP). Because quantization groups never cross a row, the step
-on each rank's local rows is exactly the step on those rows of the full tensor.
+on each rank's local rows is exactly the step on those rows of the full tensor. Tensor parallelism adds
+shards inside a row (``RowwiseParallel``'s ``Shard(1)``) and several sharded mesh dims; they are exact when
+every rank's piece of a row is whole groups (flashdist.distributed.placements holds that rule), and the step
+then sees each rank's local tensor as a shorter row (flashdist.quant.moment.MomentLayout.local).
 """
 
 from __future__ import annotations
@@ -10,7 +13,9 @@ from __future__ import annotations
 import torch
 
 try:  # torch >= 2.5 exposes DTensor publicly
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor
+
+    from . import placements as P
 except ImportError:  # pragma: no cover - torch built without distributed
     DTensor = None  # type: ignore[assignment]
 
@@ -30,35 +35,29 @@ def global_shape(t: torch.Tensor) -> torch.Size:
     return t.shape  # a DTensor reports its global shape
 
 
-def _is_row_shard(placement, ndim: int) -> bool:
-    # Exactly Shard on dim 0, however the dim is spelled: _StridedShard (FSDP2 over tensor parallelism; a
-    # Shard subclass in some torch versions) interleaves the rows of several ranks.
-    return type(placement) is Shard and ndim > 0 and placement.dim % ndim == 0
-
-
-def check_placements(p: torch.Tensor, name: str) -> None:
-    """Refuse layouts whose local shard is not one contiguous block of whole rows of the global tensor.
-
-    Accepted: ``Shard(0)`` over a 1-D mesh (FSDP2), ``(Replicate(), Shard(0))`` over a 2-D mesh (HSDP), and
-    any mix of ``Replicate()`` with at most one ``Shard(0)``. Refused, naming the parameter and placement:
-    ``Shard(d)`` for d > 0 (FSDP2's ``shard_placement_fn``, tensor-parallel column shards), ``Partial``,
-    strided shards (FSDP2 over tensor parallelism) and more than one sharded mesh dim.
-    """
+def check_placements(p: torch.Tensor, name: str, grouped: bool = True) -> None:
+    """Refuse a DTensor parameter whose local shard would cut a quantization group (or is ``Partial``),
+    naming the parameter, its placements and what would fix it. The rule (flashdist.distributed.placements):
+    any ``Shard(d)``, ``_StridedShard`` and ``Replicate`` on any number of mesh dims is accepted when every
+    rank's piece of every row starts on a group boundary; dim-0 shards (FSDP2, ``ColwiseParallel``, experts)
+    always are. ``grouped=False`` (``quantize_states=False``): elementwise state, only ``Partial`` is refused."""
     if not is_dtensor(p):
         return
     placements = tuple(p.placements)
-    where = f"parameter {name} has placements {placements} on mesh {p.device_mesh}"
-    for placement in placements:
-        if isinstance(placement, Replicate) or _is_row_shard(placement, p.ndim):
-            continue
-        raise ValueError(
-            f"flashdist: {where}; only Shard(0) (FSDP2) and Replicate() (HSDP) keep whole rows on each rank, "
-            "which the row-aligned quantized state needs. Shard this parameter on dim 0 (fully_shard without "
-            "a shard_placement_fn) or keep it out of tensor parallelism."
-        )
-    if sum(not isinstance(pl, Replicate) for pl in placements) > 1:
-        raise ValueError(f"flashdist: {where}; it is sharded on dim 0 by more than one mesh dim. Use one "
-                         "Shard(0) mesh dim (FSDP2 or HSDP).")
+    mesh_shape = tuple(p.device_mesh.shape)
+    problem = P.placement_problem(tuple(p.shape), mesh_shape, placements, grouped)
+    if problem is None:
+        return
+    fix = "shard it on dim 0 (ColwiseParallel, FSDP2) or keep it replicated on that mesh dim"
+    row_dims = {pl.dim % p.ndim for pl in placements if P.is_shard(pl)} - {0}
+    if len(row_dims) == 1:
+        d = row_dims.pop()
+        degrees = P.whole_group_degrees(tuple(p.shape), d)
+        rule = "; for a 2-D weight, n with ceil(cols / n) a multiple of 32" if p.ndim == 2 else ""
+        fix = f"shard dim {d} over n ranks that keep groups whole (n in {degrees} up to 16{rule}), or {fix}"
+
+    raise ValueError(f"flashdist: parameter {name} has placements {placements} on mesh {p.device_mesh}: {problem}. "
+                     f"Fix: {fix}.")
 
 
 def grad_layout_problem(p: torch.Tensor, grad: torch.Tensor) -> str | None:
@@ -76,11 +75,22 @@ def grad_layout_problem(p: torch.Tensor, grad: torch.Tensor) -> str | None:
     return None
 
 
+def state_placements(p: torch.Tensor, global_shape_: tuple[int, ...]) -> tuple:
+    """Placements of a state tensor of ``p`` with this global shape: ``p``'s own for tensors of its shape
+    (codes, rho, fp32 moments), and for the scales ``(rows, groups)`` of a parameter of more dims, a shard
+    of a dim inside the row becomes a shard of dim 1 (the rule in flashdist.distributed.placements makes
+    the local groups exactly that shard)."""
+    if len(global_shape_) == p.ndim:
+        return tuple(p.placements)
+    return P.scale_placements(p.placements, p.ndim)
+
+
 def state_like(p: torch.Tensor, local_state: torch.Tensor, global_shape_: tuple[int, ...]) -> torch.Tensor:
-    """Wrap a local state tensor as a DTensor with ``p``'s mesh and placements and its true global shape,
-    so that dcp.save writes it and a resharding dcp.load finds it (uneven shards need shape= and stride=)."""
+    """Wrap a local state tensor as a DTensor on ``p``'s mesh with ``state_placements`` and its true global
+    shape, so that dcp.save writes it and a resharding dcp.load finds it (uneven shards need shape= and stride=)."""
     if not is_dtensor(p):
         return local_state
+    placements = state_placements(p, global_shape_)
     stride = torch.empty(global_shape_, device="meta").stride()
     if local_state.device.type != p.device_mesh.device_type:
         # FSDP2's CPUOffloadPolicy keeps the local shards in host memory on a CUDA mesh; from_local would copy
@@ -88,28 +98,23 @@ def state_like(p: torch.Tensor, local_state: torch.Tensor, global_shape_: tuple[
         # offloaded parameters themselves, so the state stays beside its parameter (and dcp.save writes it).
         from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-        spec = DTensorSpec(p.device_mesh, tuple(p.placements),
+        spec = DTensorSpec(p.device_mesh, placements,
                            tensor_meta=TensorMeta(torch.Size(global_shape_), stride, local_state.dtype))
         return DTensor(local_state, spec, requires_grad=False)
-    return DTensor.from_local(local_state, p.device_mesh, p.placements, run_check=False,
+    return DTensor.from_local(local_state, p.device_mesh, placements, run_check=False,
                               shape=torch.Size(global_shape_), stride=stride)
 
 
 def local_rows(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """This rank's part of an unsharded tensor ``full``, laid out like the DTensor ``like``; no communication.
 
-    DTensor's ``Shard`` splits with ``torch.chunk`` (ranks past the last chunk hold an empty shard), so
-    splitting the same way here gives exactly the rows a resharding load would place on this rank."""
+    DTensor's ``Shard`` splits with ``torch.chunk`` (ranks past the last chunk hold an empty shard), on any
+    dim and any number of mesh dims; splitting the same way here gives exactly the part a resharding load
+    would place on this rank."""
     if not is_dtensor(like):
         return full
-    t = full
-    coordinate = like.device_mesh.get_coordinate()
-    for mesh_dim, placement in enumerate(like.placements):
-        if isinstance(placement, Shard):
-            pieces = torch.chunk(t, like.device_mesh.size(mesh_dim), dim=0)
-            index = coordinate[mesh_dim]
-            t = pieces[index] if index < len(pieces) else t[:0]
-    return t
+    return P.local_part(full, tuple(like.device_mesh.shape), like.device_mesh.get_coordinate(),
+                        tuple(like.placements))
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

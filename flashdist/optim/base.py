@@ -231,7 +231,7 @@ class FlashOptimizer(torch.optim.Optimizer):
         if not D.local(p).is_contiguous():
             raise ValueError(f"flashdist: {name} is not contiguous (strides {D.local(p).stride()}); the fused "
                              "step works on contiguous storage: make it contiguous before building the optimizer")
-        D.check_placements(p, name)
+        D.check_placements(p, name, group["quantize_states"])
         if group.get("flat_layout", False) and D.is_dtensor(p):
             raise ValueError(f"flashdist: {name} is a DTensor in a flat_layout group; flat_layout is for DeepSpeed's "
                              "flat 1-D partitions (plain tensors). FSDP2 parameters use the row-aligned layout: "
@@ -736,7 +736,8 @@ class _Bucket:
             self.scales.append([D.local(s[scales_key]) for s in states] if self.quantized else None)
         self.rhos = [D.local(s["rho"]) for s in states] if "rho" in states[0] else None
         flat = group.get("flat_layout", False)
-        self.cols = [MomentLayout.of(D.global_shape(p), flat).cols for p in params] if self.quantized else None
+        self.cols = ([MomentLayout.of(D.global_shape(p), flat).local(D.local(p).shape).cols for p in params]
+                     if self.quantized else None)
         self.dtensor = any(D.is_dtensor(p) for p in params)
 
     def subset(self, index: list[int]) -> "_Bucket":

@@ -14,6 +14,7 @@ for the numerical caveats (quantization is idempotent, so a portable round trip 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -47,11 +48,21 @@ class MomentLayout:
         layout = Q.quantized_layout(shape)
         return None if layout is None else cls(*layout, False)
 
+    def local(self, local_shape) -> MomentLayout:
+        """The layout of a rank's local shard of ``local_shape``: the one place that maps a shard to the rows,
+        row length and groups the step and the (de)quantization of its values see. A dim-0 shard holds whole
+        rows; a shard inside the row (tensor parallelism's ``Shard(1)``) holds whole groups of each row, which
+        flashdist.distributed.check_placements guarantees, so it is a shorter row of whole groups. A flat
+        layout is never sharded by flashdist (DeepSpeed hands each rank its own flat partition)."""
+        if self.flat:
+            return self
+        cols = math.prod(local_shape[1:])
+        return MomentLayout(local_shape[0], cols, (cols + Q.GROUP - 1) // Q.GROUP, False)
+
     def local_scales_shape(self, local_shape) -> tuple[int, int]:
-        """Shape of the scales a rank holds beside a local shard of ``local_shape``: its rows (a dim-0 shard
-        holds whole rows), each with ``groups_per_row`` scales. The one place that maps a local shard to its
-        local scales."""
-        return (1 if self.flat else local_shape[0]), self.groups_per_row
+        """Shape of the scales a rank holds beside a local shard of ``local_shape``."""
+        local = self.local(local_shape)
+        return local.rows, local.groups_per_row
 
 
 def state_layout(shape, flat_layout: bool = False) -> tuple[int, int, int] | None:
@@ -155,14 +166,18 @@ class QuantizedMoment:
         codes, scales = quantize_moment(name, values, layout.cols, companded)
         return cls(name, codes, scales, layout, companded)
 
+    def local_cols(self) -> int:
+        """The row length of the local codes (the global one unless tensor parallelism cuts the rows)."""
+        return self.layout.local(D.local(self.codes).shape).cols
+
     def dequantize(self) -> torch.Tensor:
         """The fp32 values of the local codes (the codes' local shape)."""
-        return dequantize_moment(self.name, D.local(self.codes), D.local(self.scales), self.layout.cols,
+        return dequantize_moment(self.name, D.local(self.codes), D.local(self.scales), self.local_cols(),
                                  self.companded)
 
     def quantize_(self, values: torch.Tensor) -> None:
         """Overwrite the local codes and scales with those of fp32 ``values`` (the local rows' values)."""
-        codes, scales = quantize_moment(self.name, values, self.layout.cols, self.companded)
+        codes, scales = quantize_moment(self.name, values, self.local_cols(), self.companded)
         D.local(self.codes).copy_(codes)
         D.local(self.scales).copy_(scales)
 

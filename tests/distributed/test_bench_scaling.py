@@ -44,6 +44,19 @@ def test_cases_on_two_ranks(tmp_path, capsys):
     assert saved["meta"]["world"] == 2 and [r["case"] for r in saved["rows"]] == list(bench_scaling.CASES)
 
 
+def test_tensor_parallel_cases_on_two_ranks(capsys):
+    """--tp 2: the tiny Llama under TP on 2 ranks (rowwise o/down of 64 and 128 columns: whole groups)."""
+    argv = TINY + ["--warmup", "1", "--steps", "1", "--tp", "2", "--cases", "adamw_fp32_master", "flash_24bit"]
+    rows = {r["case"]: r for r in run_ranks(_job, 2, argv, timeout=60)[0]["rows"]}
+    for row in rows.values():
+        assert "error" not in row, row
+        assert math.isfinite(row["last_loss"]) and row["step_ms_median"] > 0
+    assert rows["adamw_fp32_master"]["persistent_bytes_per_param"] == pytest.approx(16.0)
+    assert 7.0 < rows["flash_24bit"]["persistent_bytes_per_param"] < 7.3
+    # each rank holds about half of the parameters (the norms are replicated)
+    assert rows["flash_24bit"]["params_rank0"] < 0.6 * rows["flash_24bit"]["params_total"]
+
+
 def test_save_on_four_ranks_resume_on_two(tmp_path):
     ck = tmp_path / "ck"
     save = run_ranks(_job, 4, TINY + ["--resume-check", str(ck), "--phase", "save"], timeout=60)[0]["resume_check"]

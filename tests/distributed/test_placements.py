@@ -1,6 +1,7 @@
-"""Placements flashdist cannot honour exactly are refused when the optimizer is built, naming the parameter
-and its placement; the accepted ones (Shard(0), Replicate, tensor-parallel column shards) build. A gradient
-whose placements differ from its parameter's is refused by step()."""
+"""Placements flashdist cannot honour exactly (a shard that cuts a quantization group, Partial) are refused
+when the optimizer is built, naming the parameter, its placement and the fix; the accepted ones (Shard(0),
+Replicate, strided dim-0 shards, tensor-parallel column shards) build. A gradient whose placements differ
+from its parameter's is refused by step(). tests/distributed/test_tensor_parallel.py covers 2-D meshes."""
 
 from __future__ import annotations
 
@@ -65,13 +66,15 @@ def _placements(rank: int, world_size: int) -> dict[str, str]:
     return errors
 
 
-def test_refuses_placements_that_split_rows():
+def test_refuses_placements_that_cut_groups():
     errors = run_ranks(_placements, 2)[0]
+    # rows of 6 values in pieces of 3 on 2 ranks: each piece cuts the row's one group
     assert "'1.weight'" in errors["fsdp2-shard1"] and "Shard(dim=1)" in errors["fsdp2-shard1"], errors
     assert "'1.weight'" in errors["tp-rowwise"] and "Shard(dim=1)" in errors["tp-rowwise"], errors
+    for label in ("fsdp2-shard1", "tp-rowwise"):
+        assert "cut quantization groups" in errors[label] and "n in [1]" in errors[label], errors[label]
     assert errors["tp-colwise"] == "", errors["tp-colwise"]
+    assert errors["strided"] == "", errors["strided"]  # a strided shard of dim 0 still holds whole rows
     assert "'weight'" in errors["partial"] and "Partial" in errors["partial"], errors
-    assert "'weight'" in errors["strided"] and "_StridedShard" in errors["strided"], errors
+    assert "is not a shard of the parameter's values" in errors["partial"], errors
     assert "'weight'" in errors["partial-grad"] and "Partial(sum)" in errors["partial-grad"], errors
-    for label in ("fsdp2-shard1", "tp-rowwise", "partial", "strided"):
-        assert "only Shard(0) (FSDP2) and Replicate() (HSDP)" in errors[label], errors[label]
