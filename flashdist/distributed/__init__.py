@@ -35,25 +35,26 @@ def global_shape(t: torch.Tensor) -> torch.Size:
     return t.shape  # a DTensor reports its global shape
 
 
-def check_placements(p: torch.Tensor, name: str, grouped: bool = True) -> None:
+def check_placements(p: torch.Tensor, name: str, group: int | None) -> None:
     """Refuse a DTensor parameter whose local shard would cut a quantization group (or is ``Partial``),
     naming the parameter, its placements and what would fix it. The rule (flashdist.distributed.placements):
     any ``Shard(d)``, ``_StridedShard`` and ``Replicate`` on any number of mesh dims is accepted when every
     rank's piece of every row starts on a group boundary; dim-0 shards (FSDP2, ``ColwiseParallel``, experts)
-    always are. ``grouped=False`` (``quantize_states=False``): elementwise state, only ``Partial`` is refused."""
+    always are. ``group``: values per quantization group (flashdist.quant.codes.GROUP); None
+    (``quantize_states=False``): elementwise state, only ``Partial`` is refused."""
     if not is_dtensor(p):
         return
     placements = tuple(p.placements)
     mesh_shape = tuple(p.device_mesh.shape)
-    problem = P.placement_problem(tuple(p.shape), mesh_shape, placements, grouped)
+    problem = P.placement_problem(tuple(p.shape), mesh_shape, placements, group)
     if problem is None:
         return
     fix = "shard it on dim 0 (ColwiseParallel, FSDP2) or keep it replicated on that mesh dim"
     row_dims = {pl.dim % p.ndim for pl in placements if P.is_shard(pl)} - {0}
     if len(row_dims) == 1:
         d = row_dims.pop()
-        degrees = P.whole_group_degrees(tuple(p.shape), d)
-        rule = "; for a 2-D weight, n with ceil(cols / n) a multiple of 32" if p.ndim == 2 else ""
+        degrees = P.whole_group_degrees(tuple(p.shape), d, group)
+        rule = f"; for a 2-D weight, n with ceil(cols / n) a multiple of {group}" if p.ndim == 2 else ""
         fix = f"shard dim {d} over n ranks that keep groups whole (n in {degrees} up to 16{rule}), or {fix}"
 
     raise ValueError(f"flashdist: parameter {name} has placements {placements} on mesh {p.device_mesh}: {problem}. "

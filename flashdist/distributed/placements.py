@@ -28,7 +28,6 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard  # FSDP2 over tensor parallelism
 
-from ..quant import GROUP
 _ALL_OFFSETS = 1  # torch's _StridedShardOffsetMode.ALL: every index the shard holds, not only the first
 
 
@@ -70,7 +69,8 @@ def scale_placements(placements, ndim: int) -> tuple:
     return tuple(_on_dim1(pl) if is_shard(pl) and pl.dim % ndim else pl for pl in placements)
 
 
-def _whole_groups(index: torch.Tensor, size: int, outer: int, inner: int, cols: int) -> torch.Tensor | None:
+def _whole_groups(index: torch.Tensor, size: int, outer: int, inner: int, cols: int,
+                  group: int) -> torch.Tensor | None:
     """The global group numbers of a local row, in order, or None when a piece of the row cuts a group.
 
     The row is ``outer`` blocks of ``size * inner`` values; the rank holds, in each block, the values of the
@@ -83,25 +83,26 @@ def _whole_groups(index: torch.Tensor, size: int, outer: int, inner: int, cols: 
     base = torch.arange(outer)[:, None] * (size * inner)
     starts = (base + run_starts * inner).flatten()
     ends = (base + run_ends * inner).flatten()
-    if (starts % GROUP).any() or ((ends % GROUP != 0) & (ends != cols)).any():
+    if (starts % group).any() or ((ends % group != 0) & (ends != cols)).any():
         return None
-    first = starts // GROUP
-    count = (ends + GROUP - 1) // GROUP - first
+    first = starts // group
+    count = (ends + group - 1) // group - first
     within = torch.arange(int(count.sum())) - torch.repeat_interleave(count.cumsum(0) - count, count)
     return torch.repeat_interleave(first, count) + within
 
 
 @functools.lru_cache(maxsize=4096)
 def placement_problem(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple,
-                      grouped: bool = True) -> str | None:
+                      group: int | None) -> str | None:
     """Why a parameter of GLOBAL ``shape`` placed by ``placements`` on a mesh of ``mesh_shape`` cannot be
-    stepped exactly on its local shards, or None when it can. ``grouped``: its moments are quantized in
-    groups of 32 (False for ``quantize_states=False``: elementwise state, any shard is exact)."""
+    stepped exactly on its local shards, or None when it can. ``group``: the values per quantization group of
+    its moments (flashdist.quant.codes.GROUP), None for elementwise state (``quantize_states=False``: any
+    shard is exact)."""
     for placement in placements:
         if not (isinstance(placement, Replicate) or is_shard(placement)):
             return f"{placement} is not a shard of the parameter's values (reduce it before building the optimizer)"
     ndim = len(shape)
-    if not grouped or ndim < 2:
+    if group is None or ndim < 2:
         return None
     row_dims = sorted({pl.dim % ndim for pl in placements if is_shard(pl)} - {0})
     if not row_dims:
@@ -114,17 +115,17 @@ def placement_problem(shape: tuple[int, ...], mesh_shape: tuple[int, ...], place
     cols = outer * size * inner
     shardings = shardings_of(d, ndim, mesh_shape, placements)
     scale_shardings = [(m, _on_dim1(pl), n) for m, pl, n in shardings]
-    ngroups = (cols + GROUP - 1) // GROUP
+    ngroups = (cols + group - 1) // group
     mesh_dims = [m for m, _, _ in shardings]
     for combo in itertools.product(*(range(mesh_shape[m]) for m in mesh_dims)):
         coordinate = dict(zip(mesh_dims, combo))
         index = dim_indices(size, shardings, coordinate)
-        groups = _whole_groups(index, size, outer, inner, cols)
+        groups = _whole_groups(index, size, outer, inner, cols, group)
         if groups is None:
             contiguous = bool((index.diff() == 1).all())
             held = f"indices {int(index[0])}..{int(index[-1])}" if contiguous else f"indices {index.tolist()[:8]}"
             return (f"the rank at mesh coordinate {combo} of mesh dims {mesh_dims} holds {held} of dim {d} "
-                    f"(size {size}): pieces of its rows of {cols} values that cut quantization groups of {GROUP}")
+                    f"(size {size}): pieces of its rows of {cols} values that cut quantization groups of {group}")
         if not torch.equal(groups, dim_indices(ngroups, scale_shardings, coordinate)):
             return (f"the rank at mesh coordinate {combo} holds whole groups {groups.tolist()[:8]}..., which are "
                     f"not the DTensor shard of the scales ({shape[0]}, {ngroups}) on dim 1, so no checkpoint "
@@ -132,9 +133,9 @@ def placement_problem(shape: tuple[int, ...], mesh_shape: tuple[int, ...], place
     return None
 
 
-def whole_group_degrees(shape: tuple[int, ...], dim: int, limit: int = 16) -> list[int]:
+def whole_group_degrees(shape: tuple[int, ...], dim: int, group: int, limit: int = 16) -> list[int]:
     """Degrees ``n <= limit`` for which ``Shard(dim)`` over ``n`` ranks keeps every group of ``shape`` whole."""
-    return [n for n in range(1, limit + 1) if placement_problem(tuple(shape), (n,), (Shard(dim),)) is None]
+    return [n for n in range(1, limit + 1) if placement_problem(tuple(shape), (n,), (Shard(dim),), group) is None]
 
 
 def local_part(full: torch.Tensor, mesh_shape, coordinate, placements) -> torch.Tensor:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from .. import distributed as D
+from ..quant import codes as Q
 from ..quant import rho as R
 from ..quant.moment import MomentLayout, QuantizedMoment
 from ..quant.moment import state_layout  # noqa: F401  (public here before it moved down to quant)
@@ -231,7 +232,7 @@ class FlashOptimizer(torch.optim.Optimizer):
         if not D.local(p).is_contiguous():
             raise ValueError(f"flashdist: {name} is not contiguous (strides {D.local(p).stride()}); the fused "
                              "step works on contiguous storage: make it contiguous before building the optimizer")
-        D.check_placements(p, name, group["quantize_states"])
+        D.check_placements(p, name, Q.GROUP if group["quantize_states"] else None)
         if group.get("flat_layout", False) and D.is_dtensor(p):
             raise ValueError(f"flashdist: {name} is a DTensor in a flat_layout group; flat_layout is for DeepSpeed's "
                              "flat 1-D partitions (plain tensors). FSDP2 parameters use the row-aligned layout: "

@@ -18,6 +18,7 @@ from torch import nn
 from flashdist import FlashAdamW, checkpoint, export_fp32_state_dict, load_fp32_state_dict
 from flashdist import distributed as D
 from flashdist.distributed.placements import placement_problem
+from flashdist.quant.codes import GROUP
 
 pytestmark = pytest.mark.slow  # multi-process (the rule's own tests below take milliseconds)
 
@@ -346,9 +347,9 @@ def test_placement_rule(shape, mesh_shape, placements, accepted):
     from torch.distributed.tensor import Replicate
 
     placements = tuple(Replicate() if p == "R" else _shard(int(p[1])) for p in placements)
-    problem = placement_problem(shape, mesh_shape, placements)
+    problem = placement_problem(shape, mesh_shape, placements, GROUP)
     assert (problem is None) == accepted, problem
-    assert placement_problem(shape, mesh_shape, placements, grouped=False) is None  # fp32 moments: any shard
+    assert placement_problem(shape, mesh_shape, placements, None) is None  # fp32 moments: any shard
 
 
 def test_strided_shard_rule():
@@ -356,9 +357,9 @@ def test_strided_shard_rule():
     from torch.distributed.tensor.placement_types import _StridedShard
 
     # FSDP2 over a RowwiseParallel dim-1 shard (shard_placement_fn=Shard(1)): 128 -> 64 -> 32 each, interleaved
-    assert placement_problem((8, 128), (2, 2), (_StridedShard(1, split_factor=2), Shard(1))) is None
-    assert placement_problem((8, 96), (2, 2), (_StridedShard(1, split_factor=2), Shard(1))) is not None
-    assert placement_problem((9, 40), (2, 2), (_StridedShard(0, split_factor=2), Shard(0))) is None
+    assert placement_problem((8, 128), (2, 2), (_StridedShard(1, split_factor=2), Shard(1)), GROUP) is None
+    assert placement_problem((8, 96), (2, 2), (_StridedShard(1, split_factor=2), Shard(1)), GROUP) is not None
+    assert placement_problem((9, 40), (2, 2), (_StridedShard(0, split_factor=2), Shard(0)), GROUP) is None
 
 
 # ----- refusals through the optimizer, on 4 ranks -----------------------------------------------------------
