@@ -1,9 +1,10 @@
 """Optimizer classes: param groups, hyper-parameters and state lifecycle."""
 
 from .adam import FlashAdam, FlashAdamW
-from .base import FlashOptimizer, PrecisionWarning
+from .base import FlashOptimizer
 from .layout import LayoutOptions
 from .lion import FlashLion
+from .precision import PrecisionWarning
 from .sgd import FlashSGD, FlashSGDW
 
 __all__ = ["FlashAdam", "FlashAdamW", "FlashLion", "FlashOptimizer", "FlashSGD", "FlashSGDW", "LayoutOptions",

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from ..functional.adam import flash_adam
-from .base import FlashOptimizer, check_betas, check_number
+from .base import FlashOptimizer
+from .params import check_betas, check_number
 
 
 class FlashAdamW(FlashOptimizer):

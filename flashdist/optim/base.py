@@ -5,39 +5,29 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import itertools
-import math
 import operator
-import os
-import sys
-import warnings
 from collections import defaultdict
 from typing import Any
 
 import torch
 
 from .. import distributed as D
-from ..quant import codes as Q
 from ..quant import rho as R
 from ..quant.moment import MomentLayout, QuantizedMoment
-from ..quant.moment import state_layout  # noqa: F401  (public here before it moved down to quant)
-from .layout import LAYOUT_OPTIONS, MASTER_WEIGHT_BITS, LayoutOptions  # noqa: F401  (MASTER_WEIGHT_BITS: public here before)
-from .params import param_name
+from .layout import LAYOUT_OPTIONS, LayoutOptions
+from .params import check_overlaps, check_param, param_name
+from .plan import Bucket, StepPlan
+from .precision import fp32_group_warning, fsdp_low_precision_fp32, fsdp_warning, warn_precision
 from .state_dict import FORMATS, export_state_dict, load_state_dict
 
-SUPPORTED_PARAM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Public names that lived in this module before they moved; their old import path keeps working.
+from ..quant.moment import state_layout  # noqa: F401,E402
+from .layout import MASTER_WEIGHT_BITS  # noqa: F401,E402
+from .params import SUPPORTED_PARAM_DTYPES, check_betas, check_number  # noqa: F401,E402
+from .precision import PrecisionWarning  # noqa: F401,E402
+
 _GRAD = operator.attrgetter("grad")
 _LAYOUT = operator.attrgetter("layout")
-
-
-_INTERNAL_FILES = (os.path.dirname(os.path.dirname(__file__)), os.path.dirname(torch.__file__))
-
-
-def _caller_stacklevel() -> int:
-    """The ``stacklevel`` that points a warning at the first frame outside flashdist and torch."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL_FILES):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 _EAGER_STEP = ("flashdist: the optimizer step runs eagerly (it is one fused launch per param group already); "
@@ -53,30 +43,6 @@ def _check_format(value: Any, name: str) -> None:
     """One of the state-dict formats, or a ValueError naming ``name``."""
     if value not in FORMATS:
         raise ValueError(f"flashdist: {name} must be one of {FORMATS}, got {value!r}")
-
-
-class PrecisionWarning(UserWarning):
-    """fp32 parameters handed to a flashdist optimizer in a setting where the model likely computes in bf16."""
-
-
-def check_number(name: str, value: Any, *, low: float, high: float | None = None, high_open: bool = False):
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"flashdist: {name} must be a number, got a tensor of shape {tuple(value.shape)}")
-        value = value.item()
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-        raise ValueError(f"flashdist: {name} must be a finite real number, got {value!r}")
-    if value < low or (high is not None and (value >= high if high_open else value > high)):
-        bound = f"[{low}, {high})" if high_open else (f"[{low}, {high}]" if high is not None else f">= {low}")
-        raise ValueError(f"flashdist: {name} must be in {bound}, got {value!r}")
-
-
-def check_betas(betas: Any, *, high_open: bool) -> None:
-    """A pair of numbers in [0, 1) (``high_open``: Adam) or [0, 1] (Lion)."""
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise ValueError(f"flashdist: betas must be a pair of numbers, got {betas!r}")
-    check_number("betas[0]", betas[0], low=0.0, high=1.0, high_open=high_open)
-    check_number("betas[1]", betas[1], low=0.0, high=1.0, high_open=high_open)
 
 
 class FlashOptimizer(torch.optim.Optimizer):
@@ -118,7 +84,7 @@ class FlashOptimizer(torch.optim.Optimizer):
     def _reset_caches(self) -> None:
         """Everything derived from ``param_groups`` and ``state`` that ``sync_state`` rebuilds (and that a
         copy or an unpickled optimizer must not inherit: plans and sets keyed by ``id()``)."""
-        self._plans: dict[tuple, _Plan] = {}
+        self._plans: dict[tuple, StepPlan] = {}
         self._plan_keys: dict[int, tuple] = {}  # id(param) -> key of the plan that holds its step counter
         self._dtensor_groups: set[int] = set()  # ids of param groups that hold DTensor parameters
         self._layouts: dict[int, LayoutOptions] = {}  # id(group) -> its layout options when its state was made
@@ -197,8 +163,8 @@ class FlashOptimizer(torch.optim.Optimizer):
         self._check_hyperparameters(candidate)
         layout = LayoutOptions.from_group(candidate)
         for i, p in enumerate(params):
-            self._check_param(candidate, i, p)
-        self._check_overlaps([(g, i, q) for g in self.param_groups for i, q in enumerate(g["params"])]
+            check_param(candidate, i, p)
+        check_overlaps([(g, i, q) for g in self.param_groups for i, q in enumerate(g["params"])]
                              + [(candidate, i, p) for i, p in enumerate(params)])
         super().add_param_group(param_group)
         group = self.param_groups[-1]
@@ -220,61 +186,10 @@ class FlashOptimizer(torch.optim.Optimizer):
             if p.requires_grad:  # frozen parameters hold no state until they are stepped
                 self._init_state(p, group)
 
-    def _check_param(self, group: dict, index: int, p: torch.Tensor) -> None:
-        if not isinstance(p, torch.Tensor):
-            raise TypeError(f"flashdist: param_groups[...]['params'][{index}] is a {type(p).__name__}, not a tensor")
-        name = param_name(group, index, p)
-        if p.dtype not in SUPPORTED_PARAM_DTYPES:
-            raise TypeError(f"flashdist: {name} has dtype {p.dtype}; flashdist optimizers take bfloat16, "
-                            "float16 or float32 parameters (cast the model, e.g. model.to(torch.bfloat16))")
-        if p.is_sparse:
-            raise TypeError(f"flashdist: {name} is sparse; flashdist optimizers need dense parameters")
-        if not D.local(p).is_contiguous():
-            raise ValueError(f"flashdist: {name} is not contiguous (strides {D.local(p).stride()}); the fused "
-                             "step works on contiguous storage: make it contiguous before building the optimizer")
-        D.check_placements(p, name, Q.GROUP if group["quantize_states"] else None)
-        if group.get("flat_layout", False) and D.is_dtensor(p):
-            raise ValueError(f"flashdist: {name} is a DTensor in a flat_layout group; flat_layout is for DeepSpeed's "
-                             "flat 1-D partitions (plain tensors). FSDP2 parameters use the row-aligned layout: "
-                             "leave flat_layout=False")
-
-    @staticmethod
-    def _check_overlaps(params: list[tuple[dict, int, torch.Tensor]]) -> None:
-        """Refuse two parameters whose memory overlaps (views of one storage): each would be stepped, so the
-        shared values would be updated twice per step. The same tensor twice is torch's business (it refuses
-        it across groups and warns within one)."""
-        spans = []
-        for group, index, p in params:
-            lp = D.local(p)
-            if lp.numel() == 0 or lp.device.type == "meta":
-                continue
-            start = lp.data_ptr()
-            spans.append((lp.untyped_storage().data_ptr(), start, start + lp.numel() * lp.element_size(), p,
-                          group, index))
-        spans.sort(key=lambda s: (s[0], s[1]))  # an overlap, if any, shows between neighbours in this order
-        for (sa, _, end_a, pa, ga, ia), (sb, start_b, _, pb, gb, ib) in zip(spans, spans[1:]):
-            if sa == sb and start_b < end_a and pa is not pb:
-                name_a, name_b = param_name(ga, ia, pa), param_name(gb, ib, pb)
-                raise ValueError(f"flashdist: parameters {name_a} and {name_b} overlap in memory (views of one "
-                                 "storage), so the shared values would be stepped twice; pass each tensor once")
-
     def _warn_precision(self, params, group: dict) -> None:
-        """Say once that fp32 parameters get no 24-bit split when every parameter of a group is fp32 and the
-        group asks for 24-bit masters (the default): the sign of an fp32 model that computes in bf16 (HF
-        ``bf16=True`` autocast, Accelerate's FSDP2 mixed precision, which upcasts the parameters)."""
-        if getattr(self, "_precision_warned", False) or group["master_weight_bits"] != 24 or group.get("flat_layout", False):
-            return
-        params = [p for p in params if p.requires_grad]
-        if not params or any(p.dtype != torch.float32 for p in params):
-            return
-        self._precision_warned = True
-        warnings.warn(
-            f"flashdist: {type(self).__name__} got fp32 parameters ({len(params)} in a group); they are their own "
-            "master weights: fp32 gradients, no 8-bit rho split. If the model computes in bf16 (autocast, "
-            "Trainer bf16=True, FSDP2/Accelerate mixed precision), cast it to bf16 before building the optimizer "
-            "(model.to(torch.bfloat16)) to keep bf16 weights with 24-bit masters: see docs/integrations.md. For "
-            "deliberate fp32 training pass master_weight_bits=None (it only affects bf16/fp16 parameters) to "
-            "silence this.", PrecisionWarning, stacklevel=_caller_stacklevel())
+        """Say once that fp32 parameters get no 24-bit split (flashdist.optim.precision.fp32_group_warning)."""
+        if not self._precision_warned:
+            self._precision_warned = warn_precision(fp32_group_warning(type(self).__name__, params, group))
 
     def check_precision(self, model: torch.nn.Module) -> list[str]:
         """The trainable fp32 parameters of this optimizer that FSDP2 computes in bf16 or fp16 (a
@@ -282,19 +197,9 @@ class FlashOptimizer(torch.optim.Optimizer):
         and upcasts the parameters): they get fp32 gradients and no 24-bit split. Warns once (a
         ``PrecisionWarning``, whatever ``master_weight_bits``) when there are any; returns their names (FQNs
         in ``model``). Call it after the model is sharded, e.g. after ``accelerator.prepare``."""
-        names = {id(p): n for n, p in model.named_parameters()}
-        compute = D.fsdp_compute_dtypes(model)
-        found = [names.get(id(p), param_name(g, i, p)) for g in self.param_groups for i, p in enumerate(g["params"])
-                 if p.requires_grad and p.dtype == torch.float32
-                 and compute.get(id(p), torch.float32) in (torch.bfloat16, torch.float16)]
-        if found and not getattr(self, "_precision_warned", False):
-            self._precision_warned = True
-            warnings.warn(
-                f"flashdist: FSDP2 computes {len(found)} fp32 parameters of {type(self).__name__} in lower "
-                f"precision (e.g. {found[0]}): they get fp32 gradients and no 8-bit rho split. Cast the model to "
-                "bf16 before sharding and building the optimizer, without FSDP2 mixed precision, to keep bf16 "
-                "weights with 24-bit masters: see docs/integrations.md.", PrecisionWarning,
-                stacklevel=_caller_stacklevel())
+        found = fsdp_low_precision_fp32(self.param_groups, model)
+        if found and not self._precision_warned:
+            self._precision_warned = warn_precision(fsdp_warning(type(self).__name__, found))
         return found
 
     # ----- state that follows param_groups ------------------------------------------------------------
@@ -330,10 +235,10 @@ class FlashOptimizer(torch.optim.Optimizer):
         new = [(group, i, p) for group in self.param_groups for i, p in enumerate(group["params"])
                if id(p) not in seen]
         for group, i, p in new:
-            self._check_param(group, i, p)
+            check_param(group, i, p)
             self._check_not_flat_partition(group, i, p)
         if new:
-            self._check_overlaps([(g, i, q) for g in self.param_groups for i, q in enumerate(g["params"])])
+            check_overlaps([(g, i, q) for g in self.param_groups for i, q in enumerate(g["params"])])
         # a group dict put into param_groups directly is validated here, before anything changes
         layouts = {id(g): self._layouts.get(id(g)) or LayoutOptions.from_group(g) for g in self.param_groups}
         live = {id(p) for group in self.param_groups for p in group["params"]}
@@ -534,7 +439,7 @@ class FlashOptimizer(torch.optim.Optimizer):
             for p in params:
                 if not self._state_ready(p, group):
                     self._init_state(p, group)
-            plan = self._plans[key] = _Plan(self, group, params)
+            plan = self._plans[key] = StepPlan(self, group, params)
             # A parameter's step counter lives in the plan that last took it: a plan that held it before
             # (another list of parameters with gradients) keeps a stale copy, so it must not be reused.
             for p in params:
@@ -574,7 +479,7 @@ class FlashOptimizer(torch.optim.Optimizer):
                              "without a gradient; pass only parameters whose gradient is set")
         self._step_params(group, params, grads)
 
-    def _step_plan(self, group: dict, plan: "_Plan", params: list[torch.Tensor],
+    def _step_plan(self, group: dict, plan: "StepPlan", params: list[torch.Tensor],
                    grads: list[torch.Tensor] | None) -> None:
         if plan.step is None:  # parameters at different step counts: bucket by count (rare)
             counts = [int(t) for t in plan.counts.tolist()]
@@ -595,7 +500,7 @@ class FlashOptimizer(torch.optim.Optimizer):
             self._step_bucket(group, bucket, bucket_grads, plan.step + 1, self._skipped_counter(bucket.device))
         plan.step += 1
 
-    def _step_bucket(self, group: dict, bucket: "_Bucket", grads: list[torch.Tensor], step: int,
+    def _step_bucket(self, group: dict, bucket: "Bucket", grads: list[torch.Tensor], step: int,
                      skipped: torch.Tensor) -> None:
         raise NotImplementedError
 
@@ -720,68 +625,3 @@ class FlashOptimizer(torch.optim.Optimizer):
             cls.step = step
 
 
-class _Bucket:
-    """Local tensors of parameters that share one layout (rho or not, quantized or not) and one device."""
-
-    def __init__(self, opt: FlashOptimizer, group: dict, params: list[torch.Tensor], index: list[int]):
-        self.index = index
-        states = [opt.state[p] for p in params]
-        self.device = D.local(params[0]).device
-        self.params = [D.local(p) for p in params]
-        names = opt.moments_of(group)
-        self.quantized = bool(names) and QuantizedMoment.held_in(states[0], names[0])
-        self.moments, self.scales = [], []
-        for name in names:
-            codes_key, scales_key = QuantizedMoment.keys(name) if self.quantized else (name, None)
-            self.moments.append([D.local(s[codes_key]) for s in states])
-            self.scales.append([D.local(s[scales_key]) for s in states] if self.quantized else None)
-        self.rhos = [D.local(s["rho"]) for s in states] if "rho" in states[0] else None
-        flat = group.get("flat_layout", False)
-        self.cols = ([MomentLayout.of(D.global_shape(p), flat).local(D.local(p).shape).cols for p in params]
-                     if self.quantized else None)
-        self.dtensor = any(D.is_dtensor(p) for p in params)
-
-    def subset(self, index: list[int]) -> "_Bucket":
-        keep = [self.index.index(i) for i in index]
-        out = object.__new__(_Bucket)
-        out.__dict__.update(self.__dict__)
-        out.index = index
-        out.params = [self.params[k] for k in keep]
-        out.moments = [[m[k] for k in keep] for m in self.moments]
-        out.scales = [[s[k] for k in keep] if s is not None else None for s in self.scales]
-        out.rhos = [self.rhos[k] for k in keep] if self.rhos is not None else None
-        out.cols = [self.cols[k] for k in keep] if self.cols is not None else None
-        return out
-
-    def local_grads(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [D.local(g) for g in grads] if self.dtensor else grads
-
-
-class _Plan:
-    """What one step over a fixed list of parameters needs, computed once."""
-
-    def __init__(self, opt: FlashOptimizer, group: dict, params: list[torch.Tensor]):
-        self.params = list(params)
-        self.states = [opt.state[p] for p in params]
-        # One CPU tensor holds the step counts of all these parameters, and each state["step"] becomes a
-        # 0-d view of it: a step increments them all with one add (torch.optim keeps one tensor per
-        # parameter; 2,000 separate adds cost milliseconds).
-        self.counts = torch.tensor([float(s["step"]) for s in self.states], dtype=torch.float32)
-        for i, s in enumerate(self.states):
-            s["step"] = self.counts[i]
-        # A loader writing straight into optimizer.state (DeepSpeed's universal checkpoints, so flat_layout
-        # groups only) adds keys: counted at each step there, to rebuild the plan from the new state.
-        self.sizes = list(map(len, self.states)) if group.get("flat_layout", False) else None
-        self.step: int | None = None  # the common step count, once known
-        by_layout: dict[tuple, list[int]] = defaultdict(list)
-        codes = QuantizedMoment.codes_key(opt.moments_of(group)[0]) if opt.moments_of(group) else None
-        for i, (p, s) in enumerate(zip(params, self.states)):
-            by_layout[("rho" in s, codes in s, D.local(p).device)].append(i)
-        self.buckets = [_Bucket(opt, group, [params[i] for i in index], index) for index in by_layout.values()]
-        for bucket in self.buckets:
-            bucket.everything = len(self.buckets) == 1
-
-    def matches(self, params: list[torch.Tensor]) -> bool:
-        """Same parameters, and (flat_layout groups) no state added behind the optimizer's back."""
-        return (len(params) == len(self.params) and all(map(operator.is_, params, self.params))
-                and (self.sizes is None or list(map(len, self.states)) == self.sizes))

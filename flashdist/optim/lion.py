@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from ..functional.lion import flash_lion
-from .base import FlashOptimizer, check_betas, check_number
+from .base import FlashOptimizer
+from .params import check_betas, check_number
 
 
 class FlashLion(FlashOptimizer):

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from ..functional.sgd import flash_sgd
-from .base import FlashOptimizer, check_number
+from .base import FlashOptimizer
+from .params import check_number
 
 
 class FlashSGD(FlashOptimizer):

@@ -1,0 +1,80 @@
+"""A step's bookkeeping over a fixed list of parameters, built once and reused: the parameters bucketed by
+state layout and device, their local tensors as the functional step takes them, and one tensor holding
+their step counts."""
+
+from __future__ import annotations
+
+import operator
+from collections import defaultdict
+
+import torch
+
+from .. import distributed as D
+from ..quant.moment import MomentLayout, QuantizedMoment
+
+
+class Bucket:
+    """Local tensors of parameters that share one layout (rho or not, quantized or not) and one device."""
+
+    def __init__(self, opt, group: dict, params: list[torch.Tensor], index: list[int]):
+        self.index = index
+        states = [opt.state[p] for p in params]
+        self.device = D.local(params[0]).device
+        self.params = [D.local(p) for p in params]
+        names = opt.moments_of(group)
+        self.quantized = bool(names) and QuantizedMoment.held_in(states[0], names[0])
+        self.moments, self.scales = [], []
+        for name in names:
+            codes_key, scales_key = QuantizedMoment.keys(name) if self.quantized else (name, None)
+            self.moments.append([D.local(s[codes_key]) for s in states])
+            self.scales.append([D.local(s[scales_key]) for s in states] if self.quantized else None)
+        self.rhos = [D.local(s["rho"]) for s in states] if "rho" in states[0] else None
+        flat = group.get("flat_layout", False)
+        self.cols = ([MomentLayout.of(D.global_shape(p), flat).local(D.local(p).shape).cols for p in params]
+                     if self.quantized else None)
+        self.dtensor = any(D.is_dtensor(p) for p in params)
+
+    def subset(self, index: list[int]) -> "Bucket":
+        keep = [self.index.index(i) for i in index]
+        out = object.__new__(Bucket)
+        out.__dict__.update(self.__dict__)
+        out.index = index
+        out.params = [self.params[k] for k in keep]
+        out.moments = [[m[k] for k in keep] for m in self.moments]
+        out.scales = [[s[k] for k in keep] if s is not None else None for s in self.scales]
+        out.rhos = [self.rhos[k] for k in keep] if self.rhos is not None else None
+        out.cols = [self.cols[k] for k in keep] if self.cols is not None else None
+        return out
+
+    def local_grads(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [D.local(g) for g in grads] if self.dtensor else grads
+
+
+class StepPlan:
+    """What one step over a fixed list of parameters needs, computed once."""
+
+    def __init__(self, opt, group: dict, params: list[torch.Tensor]):
+        self.params = list(params)
+        self.states = [opt.state[p] for p in params]
+        # One CPU tensor holds the step counts of all these parameters, and each state["step"] becomes a
+        # 0-d view of it: a step increments them all with one add (torch.optim keeps one tensor per
+        # parameter; 2,000 separate adds cost milliseconds).
+        self.counts = torch.tensor([float(s["step"]) for s in self.states], dtype=torch.float32)
+        for i, s in enumerate(self.states):
+            s["step"] = self.counts[i]
+        # A loader writing straight into optimizer.state (DeepSpeed's universal checkpoints, so flat_layout
+        # groups only) adds keys: counted at each step there, to rebuild the plan from the new state.
+        self.sizes = list(map(len, self.states)) if group.get("flat_layout", False) else None
+        self.step: int | None = None  # the common step count, once known
+        by_layout: dict[tuple, list[int]] = defaultdict(list)
+        codes = QuantizedMoment.codes_key(opt.moments_of(group)[0]) if opt.moments_of(group) else None
+        for i, (p, s) in enumerate(zip(params, self.states)):
+            by_layout[("rho" in s, codes in s, D.local(p).device)].append(i)
+        self.buckets = [Bucket(opt, group, [params[i] for i in index], index) for index in by_layout.values()]
+        for bucket in self.buckets:
+            bucket.everything = len(self.buckets) == 1
+
+    def matches(self, params: list[torch.Tensor]) -> bool:
+        """Same parameters, and (flat_layout groups) no state added behind the optimizer's back."""
+        return (len(params) == len(self.params) and all(map(operator.is_, params, self.params))
+                and (self.sizes is None or list(map(len, self.states)) == self.sizes))
