@@ -508,6 +508,221 @@ inline void load_signed(const Desc& d, const Block& s, int which, bool companded
     dequantize_signed(c + q * G, bf16_value(d.scales[which][s.sidx + q]), companded, factor, out + q * G);
 }
 
+// ---- explicit AVX-512 path for the quantized Adam step ----
+//
+// The block code above leaves one pass per stage over small fp32 arrays: the compiler vectorises each loop,
+// but every stage stores and reloads its values. Here one quantization group (32 values, two 16-lane vectors)
+// goes from the loaded codes to the written codes in registers. The operations and their order are those of
+// the block code (so of reference.py): the same IEEE + - * / sqrt and round-to-nearest-even, no FMA (the
+// intrinsics are plain vector operators, kept apart by -ffp-contract=off); a row's last, partial group is read
+// with zeros past its end and written through a lane mask, as the block code pads and masks it.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define FLASHDIST_AVX512 1
+
+namespace simd {
+
+using V = __m512;
+using I = __m512i;
+using M = __mmask16;
+
+inline V vf(float x) { return _mm512_set1_ps(x); }
+inline I vi(int32_t x) { return _mm512_set1_epi32(x); }
+inline V vabs(V x) { return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), vi(0x7FFFFFFF))); }
+
+// Loads and narrowing stores of 16 lanes. Whole vectors (all but a row's last group) use plain loads and
+// stores; a narrowing store goes through a register, as a vpmov* straight to memory is slow on some CPUs.
+constexpr M ALL = 0xFFFF;
+inline __m128i ld8(const void* p, M k) {
+  return k == ALL ? _mm_loadu_si128(static_cast<const __m128i*>(p)) : _mm_maskz_loadu_epi8(k, p);
+}
+inline __m256i ld16(const void* p, M k) {
+  return k == ALL ? _mm256_loadu_si256(static_cast<const __m256i*>(p)) : _mm256_maskz_loadu_epi16(k, p);
+}
+inline V ld32(const float* p, M k) { return k == ALL ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(k, p); }
+inline void st8(void* p, M k, I x) {
+  __m128i b = _mm512_cvtepi32_epi8(x);
+  if (k == ALL) _mm_storeu_si128(static_cast<__m128i*>(p), b);
+  else _mm_mask_storeu_epi8(p, k, b);
+}
+inline void st16(void* p, M k, I x) {
+  __m256i b = _mm512_cvtepi32_epi16(x);
+  if (k == ALL) _mm256_storeu_si256(static_cast<__m256i*>(p), b);
+  else _mm256_mask_storeu_epi16(p, k, b);
+}
+inline void st32(float* p, M k, V x) {
+  if (k == ALL) _mm512_storeu_ps(p, x);
+  else _mm512_mask_storeu_ps(p, k, x);
+}
+
+inline V load_bf16(const uint16_t* p, M k) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(ld16(p, k)), 16));
+}
+inline V load_grad(const void* p, int dt, int64_t i, M k) {
+  if (dt == BF16) return load_bf16(static_cast<const uint16_t*>(p) + i, k);
+  return ld32(static_cast<const float*>(p) + i, k);
+}
+inline I load_i8(const int8_t* p, M k) { return _mm512_cvtepi8_epi32(ld8(p, k)); }
+inline I load_u8(const uint8_t* p, M k) { return _mm512_cvtepu8_epi32(ld8(p, k)); }
+inline I load_i16(const int16_t* p, M k) { return _mm512_cvtepi16_epi32(ld16(p, k)); }
+
+// merge_bf16 on 16 lanes: t the parameter's fp32 bits, r rho (sign-extended)
+template <int shift>
+inline V merge(I t, I r) {
+  const I sign_bit = vi(int32_t(0x80000000u));
+  I mag = _mm512_and_si512(t, vi(0x7FFFFFFF));
+  M neg = _mm512_test_epi32_mask(t, sign_bit);
+  I d = _mm512_slli_epi32(r, shift);
+  I moved = _mm512_or_si512(_mm512_and_si512(t, sign_bit),
+                            _mm512_mask_blend_epi32(neg, _mm512_add_epi32(mag, d), _mm512_sub_epi32(mag, d)));
+  I from_zero = _mm512_mask_or_epi32(_mm512_abs_epi32(d), _mm512_cmplt_epi32_mask(d, vi(0)), _mm512_abs_epi32(d),
+                                     sign_bit);
+  I out = _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(mag, vi(0)), moved, from_zero);
+  M as_is = _mm512_cmpeq_epi32_mask(r, vi(0)) | _mm512_cmpge_epi32_mask(mag, vi(0x7F800000));
+  return _mm512_castsi512_ps(_mm512_mask_blend_epi32(as_is, out, t));
+}
+
+// split_bf16 on 16 lanes: the new parameter's bf16 bits and rho, both in int32 lanes
+template <int shift>
+inline void split(V theta, I& pbits, I& rho) {
+  constexpr int32_t steps = shift ? 128 : 32768, half = shift ? 128 : 0;
+  I x = _mm512_castps_si512(theta);
+  I sign = _mm512_and_si512(x, vi(int32_t(0x80000000u)));
+  I mag = _mm512_and_si512(x, vi(0x7FFFFFFF));
+  M neg = _mm512_test_epi32_mask(x, vi(int32_t(0x80000000u)));
+  M nan = _mm512_cmpgt_epi32_mask(mag, vi(0x7F800000));
+  I lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), vi(1));
+  I pb = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(x, vi(0x7FFF)), lsb), 16);
+  pb = _mm512_mask_mov_epi32(pb, nan, vi(0xFFFF));
+  I t = _mm512_and_si512(_mm512_slli_epi32(pb, 16), vi(0x7FFFFFFF));
+  I r = _mm512_srai_epi32(_mm512_add_epi32(_mm512_sub_epi32(mag, t), vi(half)), shift);
+  I r_dir = _mm512_mask_sub_epi32(r, neg, vi(0), r);
+  M up = _mm512_cmpge_epi32_mask(r_dir, vi(steps));
+  I t2 = _mm512_mask_blend_epi32(neg, _mm512_add_epi32(t, vi(0x10000)), _mm512_sub_epi32(t, vi(0x10000)));
+  I r2 = _mm512_srai_epi32(_mm512_add_epi32(_mm512_sub_epi32(mag, t2), vi(half)), shift);
+  t = _mm512_mask_mov_epi32(t, up, t2);
+  r = _mm512_mask_mov_epi32(r, up, r2);
+  M special = _mm512_cmpge_epi32_mask(t, vi(0x7F800000));
+  r = _mm512_mask_sub_epi32(r, neg, vi(0), r);
+  r = _mm512_mask_mov_epi32(r, special, vi(0));
+  rho = _mm512_min_epi32(_mm512_max_epi32(r, vi(-steps)), vi(steps - 1));
+  pbits = _mm512_mask_mov_epi32(_mm512_srli_epi32(_mm512_or_si512(sign, t), 16), nan, pb);
+}
+
+// absmax of a group (two vectors) as in absmax() above: NaN when any value is
+inline float absmax2(V a, V b) {
+  I m = _mm512_max_epu32(_mm512_castps_si512(vabs(a)), _mm512_castps_si512(vabs(b)));
+  uint32_t r = _mm512_reduce_max_epu32(m);
+  return r > 0x7F800000u ? std::numeric_limits<float>::quiet_NaN() : u2f(r);
+}
+
+inline V rint(V x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline void store_code(void* p, int64_t i, M k, V code) {
+  st8(static_cast<int8_t*>(p) + i, k, _mm512_cvttps_epi32(code));
+}
+
+enum Param { BF16_RHO8, BF16_RHO16, FP32 };
+
+// One block of FlashAdam(W) with 8-bit moments; the number of skipped groups. Parameters bf16 with int8 or
+// int16 rho, or fp32; gradients bf16 or fp32.
+// Groups computed together: their dependency chains (a division, the group's absmax, the next division)
+// interleave, where one group at a time would wait on each.
+constexpr int NG = 2;
+
+template <Param P>
+int64_t adam_block(const Desc& d, const Block& s, float beta1, float beta2, float omb1, float omb2, float eps,
+                   float wd, float decay, float step_size, float ibc2, bool decoupled, bool companded) {
+  int64_t bad = 0;
+  const int8_t* mc = static_cast<const int8_t*>(d.mom[0]);
+  const uint8_t* vc = static_cast<const uint8_t*>(d.mom[1]);
+  const float second_max = companded ? SQRT_SCALE_MAX : SCALE_MAX;
+  const int groups = (s.n + G - 1) / G;
+  for (int q0 = 0; q0 < groups; q0 += NG) {
+    // vector j: values [16 j, 16 j + 16) of group q0 + j / 2; lanes past the row's end (or past the last
+    // group) are masked off
+    M k[2 * NG];
+    V m[2 * NG], v[2 * NG], u[2 * NG], den[2 * NG], th[2 * NG];
+    for (int j = 0; j < 2 * NG; ++j) {
+      const int left = s.n - q0 * G - 16 * j;
+      k[j] = M(left >= 16 ? 0xFFFF : (left <= 0 ? 0 : (1u << left) - 1));
+      const int q = q0 + j / 2;
+      const float sm = q < groups ? bf16_value(d.scales[0][s.sidx + q]) : 0.f;
+      const float sv = q < groups ? bf16_value(d.scales[1][s.sidx + q]) : 0.f;
+      const int64_t i = s.base + int64_t(q0) * G + 16 * j;
+      V g = load_grad(d.grad, d.gdt, i, k[j]);
+      V cm = _mm512_cvtepi32_ps(load_i8(mc + i, k[j]));
+      V cv = _mm512_cvtepi32_ps(load_u8(vc + i, k[j]));
+      if (companded) {
+        V y = _mm512_mul_ps(cm, vf(INV127));
+        m[j] = _mm512_mul_ps(_mm512_div_ps(y, _mm512_sub_ps(vf(2.0f), vabs(y))), vf(sm * beta1));
+        float su = sv * INV255;
+        v[j] = _mm512_mul_ps(_mm512_mul_ps(cv, cv), vf((su * su) * beta2));
+      } else {
+        m[j] = _mm512_mul_ps(cm, vf((sm * INV127) * beta1));
+        v[j] = _mm512_mul_ps(cv, vf((sv * INV255) * beta2));
+      }
+      if constexpr (P == FP32) {
+        th[j] = ld32(static_cast<const float*>(d.param) + i, k[j]);
+      } else {
+        I t = _mm512_castps_si512(load_bf16(static_cast<const uint16_t*>(d.param) + i, k[j]));
+        if constexpr (P == BF16_RHO8) th[j] = merge<8>(t, load_i8(static_cast<const int8_t*>(d.rho) + i, k[j]));
+        else th[j] = merge<0>(t, load_i16(static_cast<const int16_t*>(d.rho) + i, k[j]));
+      }
+      if (decoupled) th[j] = _mm512_mul_ps(th[j], vf(decay));
+      else g = _mm512_add_ps(g, _mm512_mul_ps(th[j], vf(wd)));
+      m[j] = _mm512_maskz_mov_ps(k[j], _mm512_add_ps(m[j], _mm512_mul_ps(g, vf(omb1))));
+      v[j] = _mm512_maskz_mov_ps(k[j], _mm512_add_ps(v[j], _mm512_mul_ps(_mm512_mul_ps(g, g), vf(omb2))));
+      u[j] = _mm512_sqrt_ps(v[j]);
+      den[j] = _mm512_add_ps(_mm512_mul_ps(u[j], vf(ibc2)), vf(eps));
+    }
+    const V* second = companded ? u : v;
+    for (int e = 0; e < NG && q0 + e < groups; ++e) {
+      const int q = q0 + e;
+      const float am = absmax2(m[2 * e], m[2 * e + 1]), au = absmax2(second[2 * e], second[2 * e + 1]);
+      if (!(am <= SCALE_MAX) || !(au <= second_max)) {  // the group keeps its old state (skip_groups)
+        ++bad;
+        continue;
+      }
+      const float sn = pow2_normalizer(nonzero_or_one(am));
+      const float step = step_size * (1.0f / sn);
+      const float a = nonzero_or_one(am), b = nonzero_or_one(au);
+      const float cs = pow2_normalizer(a), k254 = 254.0f * cs, as = a * cs;  // companded codes of m
+      const float mlift = a < TINY ? LIFT : 1.0f, mrcp = 127.0f / (a * mlift);  // linear codes of m
+      const float vlift = b < TINY ? LIFT : 1.0f, vrcp = 255.0f / (b * vlift);
+      for (int j = 2 * e; j < 2 * e + 2; ++j) {
+        const int64_t i = s.base + int64_t(q0) * G + 16 * j;
+        V x = _mm512_mul_ps(m[j], vf(sn));
+        x = _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(vabs(x), vf(UPDATE_FLUSH), _CMP_LT_OQ), vf(0.f));
+        V theta = _mm512_sub_ps(th[j], _mm512_mul_ps(_mm512_div_ps(x, den[j]), vf(step)));
+        V code_m = companded ? rint(_mm512_div_ps(_mm512_mul_ps(m[j], vf(k254)),
+                                                  _mm512_add_ps(vf(as), _mm512_mul_ps(vabs(m[j]), vf(cs)))))
+                             : rint(_mm512_mul_ps(_mm512_mul_ps(m[j], vf(mlift)), vf(mrcp)));
+        V code_v = rint(_mm512_mul_ps(_mm512_mul_ps(second[j], vf(vlift)), vf(vrcp)));
+        store_code(d.mom[0], i, k[j], code_m);
+        store_code(d.mom[1], i, k[j], code_v);
+        if constexpr (P == FP32) {
+          st32(static_cast<float*>(d.param) + i, k[j], theta);
+        } else {
+          I pbits, rho;
+          if constexpr (P == BF16_RHO8) {
+            split<8>(theta, pbits, rho);
+            st8(static_cast<int8_t*>(d.rho) + i, k[j], rho);
+          } else {
+            split<0>(theta, pbits, rho);
+            st16(static_cast<int16_t*>(d.rho) + i, k[j], rho);
+          }
+          st16(static_cast<uint16_t*>(d.param) + i, k[j], pbits);
+        }
+      }
+      d.scales[0][s.sidx + q] = f2bf(am);
+      d.scales[1][s.sidx + q] = f2bf(au);
+    }
+  }
+  return bad;
+}
+
+}  // namespace simd
+#endif
+
 // ---- the steps ----
 
 struct Adam {
@@ -517,6 +732,19 @@ struct Adam {
   int64_t block(const Desc& d, bool quantized, int64_t bi) const {
     Block s = block_of(d, quantized, bi);
     const int L = s.L;
+#ifdef FLASHDIST_AVX512
+    if (quantized && (d.gdt == BF16 || d.gdt == F32)) {
+      if (d.pdt == BF16 && d.rho && d.rdt == I8)
+        return simd::adam_block<simd::BF16_RHO8>(d, s, beta1, beta2, omb1, omb2, eps, wd, decay, step_size, ibc2,
+                                                 decoupled, companded);
+      if (d.pdt == BF16 && d.rho && d.rdt == I16)
+        return simd::adam_block<simd::BF16_RHO16>(d, s, beta1, beta2, omb1, omb2, eps, wd, decay, step_size, ibc2,
+                                                  decoupled, companded);
+      if (d.pdt == F32)
+        return simd::adam_block<simd::FP32>(d, s, beta1, beta2, omb1, omb2, eps, wd, decay, step_size, ibc2,
+                                            decoupled, companded);
+    }
+#endif
     float g[B], theta[B], m[B], v[B], u[B], denom[B];
     load(d.grad, d.gdt, s.base, s.n, L, g);
     if (quantized) {
