@@ -7,7 +7,10 @@ one). The source, ``step.cpp`` beside this file, is compiled at the first CPU st
 keyed by the source, flags, torch and Python versions and the CPU, so later processes load it at once:
 ``$FLASHDIST_CPU_BUILD_DIR``, else ``$XDG_CACHE_HOME/flashdist`` or ``~/.cache/flashdist``. It is built
 with ``-march=native`` (the build runs on the machine that uses it) and ``-ffp-contract=off``, without fast
-math. Where it cannot be built (no compiler, no ninja) the steps fall back to the reference with one warning.
+math. Where the build machine has AVX-512 (F, BW, VL), FlashAdam(W) with 8-bit moments on bf16 + rho or fp32
+parameters runs an explicitly vectorised path that keeps each quantization group in registers from its codes
+to its new codes (same operations, same bits); ``vector_isa()`` says whether the build has it.
+Where it cannot be built (no compiler, no ninja) the steps fall back to the reference with one warning.
 ``FLASHDIST_CPU_KERNEL=0`` turns the fused step off.
 
 Concurrent first steps (several ranks of one job) build once: builders take an ``fcntl`` lock in the build
@@ -138,6 +141,14 @@ def available() -> bool:
 def build_error() -> str | None:
     """Why the last build failed, or None."""
     return _failed
+
+
+def vector_isa() -> str | None:
+    """The instruction set of the built step's explicitly vectorised paths ("avx512": FlashAdam(W) with 8-bit
+    moments on bf16 + rho or fp32 parameters), "" where the build machine lacks it (the block code, which the
+    compiler vectorises, runs alone), or None when the fused step is not built."""
+    module = load() if enabled() else None
+    return module.vector_isa() if module is not None else None
 
 
 def _count(skipped: torch.Tensor | None, n: int) -> bool:

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 #ifdef __F16C__
@@ -565,47 +566,42 @@ inline I load_i8(const int8_t* p, M k) { return _mm512_cvtepi8_epi32(ld8(p, k));
 inline I load_u8(const uint8_t* p, M k) { return _mm512_cvtepu8_epi32(ld8(p, k)); }
 inline I load_i16(const int16_t* p, M k) { return _mm512_cvtepi16_epi32(ld16(p, k)); }
 
-// merge_bf16 on 16 lanes: t the parameter's fp32 bits, r rho (sign-extended)
+// merge_bf16 on 16 lanes: t the parameter's fp32 bits, r rho (sign-extended). A non-zero finite parameter's
+// bits move by rho << shift toward its sign (the magnitude stays in range: at least 2^16, rho << shift below
+// 2^15), so moving is one add of rho negated for negative parameters.
 template <int shift>
 inline V merge(I t, I r) {
-  const I sign_bit = vi(int32_t(0x80000000u));
-  I mag = _mm512_and_si512(t, vi(0x7FFFFFFF));
-  M neg = _mm512_test_epi32_mask(t, sign_bit);
   I d = _mm512_slli_epi32(r, shift);
-  I moved = _mm512_or_si512(_mm512_and_si512(t, sign_bit),
-                            _mm512_mask_blend_epi32(neg, _mm512_add_epi32(mag, d), _mm512_sub_epi32(mag, d)));
-  I from_zero = _mm512_mask_or_epi32(_mm512_abs_epi32(d), _mm512_cmplt_epi32_mask(d, vi(0)), _mm512_abs_epi32(d),
-                                     sign_bit);
-  I out = _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(mag, vi(0)), moved, from_zero);
-  M as_is = _mm512_cmpeq_epi32_mask(r, vi(0)) | _mm512_cmpge_epi32_mask(mag, vi(0x7F800000));
-  return _mm512_castsi512_ps(_mm512_mask_blend_epi32(as_is, out, t));
+  I s = _mm512_srai_epi32(t, 31);
+  I out = _mm512_add_epi32(t, _mm512_sub_epi32(_mm512_xor_si512(d, s), s));
+  // +-0 + rho * unit: rho's sign and magnitude (where rho is 0 the parameter stays, -0 included)
+  M zero = _mm512_testn_epi32_mask(t, vi(0x7FFFFFFF)) & _mm512_test_epi32_mask(d, d);
+  out = _mm512_mask_or_epi32(out, zero, _mm512_abs_epi32(d), _mm512_and_si512(d, vi(int32_t(0x80000000u))));
+  M special = _mm512_cmpge_epu32_mask(_mm512_slli_epi32(t, 1), vi(int32_t(0xFF000000u)));  // inf, NaN
+  return _mm512_castsi512_ps(_mm512_mask_mov_epi32(out, special, t));
 }
 
-// split_bf16 on 16 lanes: the new parameter's bf16 bits and rho, both in int32 lanes
+// split_bf16 on 16 lanes: the new parameter's bf16 bits and rho, both in int32 lanes. The remainder's
+// "next value up" is one bf16 step in the bits (pb +- 1) and 2^16 >> shift steps off the remainder.
 template <int shift>
 inline void split(V theta, I& pbits, I& rho) {
   constexpr int32_t steps = shift ? 128 : 32768, half = shift ? 128 : 0;
   I x = _mm512_castps_si512(theta);
-  I sign = _mm512_and_si512(x, vi(int32_t(0x80000000u)));
+  I s = _mm512_srai_epi32(x, 31);
   I mag = _mm512_and_si512(x, vi(0x7FFFFFFF));
-  M neg = _mm512_test_epi32_mask(x, vi(int32_t(0x80000000u)));
   M nan = _mm512_cmpgt_epi32_mask(mag, vi(0x7F800000));
   I lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), vi(1));
-  I pb = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(x, vi(0x7FFF)), lsb), 16);
-  pb = _mm512_mask_mov_epi32(pb, nan, vi(0xFFFF));
+  I pb = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(x, vi(0x7FFF)), lsb), 16);  // f2bf
   I t = _mm512_and_si512(_mm512_slli_epi32(pb, 16), vi(0x7FFFFFFF));
   I r = _mm512_srai_epi32(_mm512_add_epi32(_mm512_sub_epi32(mag, t), vi(half)), shift);
-  I r_dir = _mm512_mask_sub_epi32(r, neg, vi(0), r);
-  M up = _mm512_cmpge_epi32_mask(r_dir, vi(steps));
-  I t2 = _mm512_mask_blend_epi32(neg, _mm512_add_epi32(t, vi(0x10000)), _mm512_sub_epi32(t, vi(0x10000)));
-  I r2 = _mm512_srai_epi32(_mm512_add_epi32(_mm512_sub_epi32(mag, t2), vi(half)), shift);
-  t = _mm512_mask_mov_epi32(t, up, t2);
-  r = _mm512_mask_mov_epi32(r, up, r2);
-  M special = _mm512_cmpge_epi32_mask(t, vi(0x7F800000));
-  r = _mm512_mask_sub_epi32(r, neg, vi(0), r);
-  r = _mm512_mask_mov_epi32(r, special, vi(0));
+  r = _mm512_sub_epi32(_mm512_xor_si512(r, s), s);  // toward theta's sign: rho's value
+  M up = _mm512_mask_cmpge_epi32_mask(~nan, r, vi(steps));
+  r = _mm512_mask_sub_epi32(r, up, r, vi(2 * steps));
+  pb = _mm512_mask_add_epi32(pb, up, pb, _mm512_or_si512(s, vi(1)));
+  M special = _mm512_cmpge_epi32_mask(_mm512_and_si512(pb, vi(0x7FFF)), vi(0x7F80)) | nan;  // inf, NaN: rho 0
+  r = _mm512_mask_mov_epi32(r, special, _mm512_setzero_si512());
   rho = _mm512_min_epi32(_mm512_max_epi32(r, vi(-steps)), vi(steps - 1));
-  pbits = _mm512_mask_mov_epi32(_mm512_srli_epi32(_mm512_or_si512(sign, t), 16), nan, pb);
+  pbits = _mm512_mask_mov_epi32(pb, nan, vi(0xFFFF));
 }
 
 // absmax of a group (two vectors) as in absmax() above: NaN when any value is
@@ -624,9 +620,8 @@ enum Param { BF16_RHO8, BF16_RHO16, FP32 };
 
 // One block of FlashAdam(W) with 8-bit moments; the number of skipped groups. Parameters bf16 with int8 or
 // int16 rho, or fp32; gradients bf16 or fp32.
-// Groups computed together: their dependency chains (a division, the group's absmax, the next division)
-// interleave, where one group at a time would wait on each.
-constexpr int NG = 2;
+// Groups computed per iteration (their loads and arithmetic first, then each group's scales and stores).
+constexpr int NG = 1;
 
 template <Param P>
 int64_t adam_block(const Desc& d, const Block& s, float beta1, float beta2, float omb1, float omb2, float eps,
@@ -682,11 +677,16 @@ int64_t adam_block(const Desc& d, const Block& s, float beta1, float beta2, floa
         ++bad;
         continue;
       }
-      const float sn = pow2_normalizer(nonzero_or_one(am));
-      const float step = step_size * (1.0f / sn);
       const float a = nonzero_or_one(am), b = nonzero_or_one(au);
-      const float cs = pow2_normalizer(a), k254 = 254.0f * cs, as = a * cs;  // companded codes of m
-      const float mlift = a < TINY ? LIFT : 1.0f, mrcp = 127.0f / (a * mlift);  // linear codes of m
+      // sn: pow2_normalizer(a), a power of two 2^(127 - e) with e in [8, 253]; 1 / sn is exactly 2^(e - 127)
+      const float sn = pow2_normalizer(a);
+      const float step = step_size * u2f((254u << 23) - f2u(sn));
+      const float k254 = 254.0f * sn, as = a * sn;  // companded codes of m (quantize_signed's s is sn)
+      float mlift = 1.0f, mrcp = 0.0f;              // linear codes of m
+      if (!companded) {
+        mlift = a < TINY ? LIFT : 1.0f;
+        mrcp = 127.0f / (a * mlift);
+      }
       const float vlift = b < TINY ? LIFT : 1.0f, vrcp = 255.0f / (b * vlift);
       for (int j = 2 * e; j < 2 * e + 2; ++j) {
         const int64_t i = s.base + int64_t(q0) * G + 16 * j;
@@ -694,9 +694,10 @@ int64_t adam_block(const Desc& d, const Block& s, float beta1, float beta2, floa
         x = _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(vabs(x), vf(UPDATE_FLUSH), _CMP_LT_OQ), vf(0.f));
         V theta = _mm512_sub_ps(th[j], _mm512_mul_ps(_mm512_div_ps(x, den[j]), vf(step)));
         V code_m = companded ? rint(_mm512_div_ps(_mm512_mul_ps(m[j], vf(k254)),
-                                                  _mm512_add_ps(vf(as), _mm512_mul_ps(vabs(m[j]), vf(cs)))))
+                                                  _mm512_add_ps(vf(as), _mm512_mul_ps(vabs(m[j]), vf(sn)))))
                              : rint(_mm512_mul_ps(_mm512_mul_ps(m[j], vf(mlift)), vf(mrcp)));
-        V code_v = rint(_mm512_mul_ps(_mm512_mul_ps(second[j], vf(vlift)), vf(vrcp)));
+        V lifted = vlift == 1.0f ? second[j] : _mm512_mul_ps(second[j], vf(vlift));  // x * 1 is x
+      V code_v = rint(_mm512_mul_ps(lifted, vf(vrcp)));
         store_code(d.mom[0], i, k[j], code_m);
         store_code(d.mom[1], i, k[j], code_v);
         if constexpr (P == FP32) {
@@ -1056,9 +1057,19 @@ int64_t lion_step(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
   return skipped;
 }
 
+// The instruction set of the explicitly vectorised paths this build has ("" where the block code runs alone).
+std::string vector_isa() {
+#ifdef FLASHDIST_AVX512
+  return "avx512";
+#else
+  return "";
+#endif
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("vector_isa", &vector_isa, "instruction set of the explicitly vectorised paths, or an empty string");
   m.def("adam_step", &adam_step, "fused FlashAdam(W) step (see flashdist.kernels.cpu)");
   m.def("sgd_step", &sgd_step, "fused FlashSGD(W) step (see flashdist.kernels.cpu)");
   m.def("lion_step", &lion_step, "fused FlashLion step (see flashdist.kernels.cpu)");
