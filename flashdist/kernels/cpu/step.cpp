@@ -611,9 +611,10 @@ inline float absmax2(V a, V b) {
   return r > 0x7F800000u ? std::numeric_limits<float>::quiet_NaN() : u2f(r);
 }
 
-inline V rint(V x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-inline void store_code(void* p, int64_t i, M k, V code) {
-  st8(static_cast<int8_t*>(p) + i, k, _mm512_cvttps_epi32(code));
+// rint and the conversion to an integer in one instruction (round to nearest even): the codes of a group that is
+// written are integers in [-127, 255], so rounding first and truncating after changes nothing
+inline void store_code(void* p, int64_t i, M k, V x) {
+  st8(static_cast<int8_t*>(p) + i, k, _mm512_cvt_roundps_epi32(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
 enum Param { BF16_RHO8, BF16_RHO16, FP32 };
@@ -693,11 +694,11 @@ int64_t adam_block(const Desc& d, const Block& s, float beta1, float beta2, floa
         V x = _mm512_mul_ps(m[j], vf(sn));
         x = _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(vabs(x), vf(UPDATE_FLUSH), _CMP_LT_OQ), vf(0.f));
         V theta = _mm512_sub_ps(th[j], _mm512_mul_ps(_mm512_div_ps(x, den[j]), vf(step)));
-        V code_m = companded ? rint(_mm512_div_ps(_mm512_mul_ps(m[j], vf(k254)),
-                                                  _mm512_add_ps(vf(as), _mm512_mul_ps(vabs(m[j]), vf(sn)))))
-                             : rint(_mm512_mul_ps(_mm512_mul_ps(m[j], vf(mlift)), vf(mrcp)));
+        V code_m = companded ? _mm512_div_ps(_mm512_mul_ps(m[j], vf(k254)),
+                                             _mm512_add_ps(vf(as), _mm512_mul_ps(vabs(m[j]), vf(sn))))
+                             : _mm512_mul_ps(_mm512_mul_ps(m[j], vf(mlift)), vf(mrcp));
         V lifted = vlift == 1.0f ? second[j] : _mm512_mul_ps(second[j], vf(vlift));  // x * 1 is x
-      V code_v = rint(_mm512_mul_ps(lifted, vf(vrcp)));
+      V code_v = _mm512_mul_ps(lifted, vf(vrcp));
         store_code(d.mom[0], i, k[j], code_m);
         store_code(d.mom[1], i, k[j], code_v);
         if constexpr (P == FP32) {
