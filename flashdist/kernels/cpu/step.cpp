@@ -617,52 +617,83 @@ inline void store_code(void* p, int64_t i, M k, V x) {
   st8(static_cast<int8_t*>(p) + i, k, _mm512_cvt_roundps_epi32(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
-enum Param { BF16_RHO8, BF16_RHO16, FP32 };
-
 // One block of FlashAdam(W) with 8-bit moments; the number of skipped groups. Parameters bf16 with int8 or
 // int16 rho, or fp32; gradients bf16 or fp32.
-// Groups computed per iteration (their loads and arithmetic first, then each group's scales and stores).
-constexpr int NG = 1;
+enum Param { BF16_RHO8, BF16_RHO16, FP32 };
 
+// theta (the fp32 master weight) of 16 values from i, and its write-back (load_theta and store_theta above)
+template <Param P>
+inline V load_theta(const Desc& d, int64_t i, M k) {
+  if constexpr (P == FP32) return ld32(static_cast<const float*>(d.param) + i, k);
+  I t = _mm512_castps_si512(load_bf16(static_cast<const uint16_t*>(d.param) + i, k));
+  if constexpr (P == BF16_RHO8) return merge<8>(t, load_i8(static_cast<const int8_t*>(d.rho) + i, k));
+  return merge<0>(t, load_i16(static_cast<const int16_t*>(d.rho) + i, k));
+}
+template <Param P>
+inline void store_theta(const Desc& d, int64_t i, M k, V theta) {
+  if constexpr (P == FP32) {
+    st32(static_cast<float*>(d.param) + i, k, theta);
+  } else {
+    I pbits, rho;
+    if constexpr (P == BF16_RHO8) {
+      split<8>(theta, pbits, rho);
+      st8(static_cast<int8_t*>(d.rho) + i, k, rho);
+    } else {
+      split<0>(theta, pbits, rho);
+      st16(static_cast<int16_t*>(d.rho) + i, k, rho);
+    }
+    st16(static_cast<uint16_t*>(d.param) + i, k, pbits);
+  }
+}
+
+// factor * first moment of 16 values from int8 codes (dequantize_signed above); scale: the group's
+inline V load_exp_avg(const Desc& d, int64_t i, M k, float scale, bool companded, float factor) {
+  V c = _mm512_cvtepi32_ps(load_i8(static_cast<const int8_t*>(d.mom[0]) + i, k));
+  if (!companded) return _mm512_mul_ps(c, vf((scale * INV127) * factor));
+  V y = _mm512_mul_ps(c, vf(INV127));
+  return _mm512_mul_ps(_mm512_div_ps(y, _mm512_sub_ps(vf(2.0f), vabs(y))), vf(scale * factor));
+}
+
+// int8 codes of 16 values of a first moment (quantize_signed above); a: the group's absmax, not 0, sn its
+// pow2_normalizer
+inline V exp_avg_code(V m, float a, float sn, bool companded) {
+  if (companded)
+    return _mm512_div_ps(_mm512_mul_ps(m, vf(254.0f * sn)), _mm512_add_ps(vf(a * sn), _mm512_mul_ps(vabs(m), vf(sn))));
+  const float lift = a < TINY ? LIFT : 1.0f;
+  return _mm512_mul_ps(_mm512_mul_ps(m, vf(lift)), vf(127.0f / (a * lift)));
+}
+
+// Lanes of a group's two vectors that hold values of its row (a row's last group may be partial)
+inline void group_masks(const Block& s, int q, M k[2]) {
+  const int left = s.n - q * G;
+  k[0] = M(left >= 16 ? 0xFFFF : (1u << left) - 1);
+  k[1] = M(left >= 32 ? 0xFFFF : (left <= 16 ? 0 : (1u << (left - 16)) - 1));
+}
+
+// One block of FlashAdam(W) with 8-bit moments (Adam::block's quantized branch); the number of skipped groups.
 template <Param P>
 int64_t adam_block(const Desc& d, const Block& s, float beta1, float beta2, float omb1, float omb2, float eps,
                    float wd, float decay, float step_size, float ibc2, bool decoupled, bool companded) {
   int64_t bad = 0;
-  const int8_t* mc = static_cast<const int8_t*>(d.mom[0]);
   const uint8_t* vc = static_cast<const uint8_t*>(d.mom[1]);
   const float second_max = companded ? SQRT_SCALE_MAX : SCALE_MAX;
-  const int groups = (s.n + G - 1) / G;
-  for (int q0 = 0; q0 < groups; q0 += NG) {
-    // vector j: values [16 j, 16 j + 16) of group q0 + j / 2; lanes past the row's end (or past the last
-    // group) are masked off
-    M k[2 * NG];
-    V m[2 * NG], v[2 * NG], u[2 * NG], den[2 * NG], th[2 * NG];
-    for (int j = 0; j < 2 * NG; ++j) {
-      const int left = s.n - q0 * G - 16 * j;
-      k[j] = M(left >= 16 ? 0xFFFF : (left <= 0 ? 0 : (1u << left) - 1));
-      const int q = q0 + j / 2;
-      const float sm = q < groups ? bf16_value(d.scales[0][s.sidx + q]) : 0.f;
-      const float sv = q < groups ? bf16_value(d.scales[1][s.sidx + q]) : 0.f;
-      const int64_t i = s.base + int64_t(q0) * G + 16 * j;
+  for (int q = 0; q * G < s.n; ++q) {
+    M k[2];
+    group_masks(s, q, k);
+    const float sm = bf16_value(d.scales[0][s.sidx + q]), sv = bf16_value(d.scales[1][s.sidx + q]);
+    V m[2], v[2], u[2], den[2], th[2];
+    for (int j = 0; j < 2; ++j) {
+      const int64_t i = s.base + int64_t(q) * G + 16 * j;
       V g = load_grad(d.grad, d.gdt, i, k[j]);
-      V cm = _mm512_cvtepi32_ps(load_i8(mc + i, k[j]));
+      m[j] = load_exp_avg(d, i, k[j], sm, companded, beta1);
       V cv = _mm512_cvtepi32_ps(load_u8(vc + i, k[j]));
       if (companded) {
-        V y = _mm512_mul_ps(cm, vf(INV127));
-        m[j] = _mm512_mul_ps(_mm512_div_ps(y, _mm512_sub_ps(vf(2.0f), vabs(y))), vf(sm * beta1));
         float su = sv * INV255;
         v[j] = _mm512_mul_ps(_mm512_mul_ps(cv, cv), vf((su * su) * beta2));
       } else {
-        m[j] = _mm512_mul_ps(cm, vf((sm * INV127) * beta1));
         v[j] = _mm512_mul_ps(cv, vf((sv * INV255) * beta2));
       }
-      if constexpr (P == FP32) {
-        th[j] = ld32(static_cast<const float*>(d.param) + i, k[j]);
-      } else {
-        I t = _mm512_castps_si512(load_bf16(static_cast<const uint16_t*>(d.param) + i, k[j]));
-        if constexpr (P == BF16_RHO8) th[j] = merge<8>(t, load_i8(static_cast<const int8_t*>(d.rho) + i, k[j]));
-        else th[j] = merge<0>(t, load_i16(static_cast<const int16_t*>(d.rho) + i, k[j]));
-      }
+      th[j] = load_theta<P>(d, i, k[j]);
       if (decoupled) th[j] = _mm512_mul_ps(th[j], vf(decay));
       else g = _mm512_add_ps(g, _mm512_mul_ps(th[j], vf(wd)));
       m[j] = _mm512_maskz_mov_ps(k[j], _mm512_add_ps(m[j], _mm512_mul_ps(g, vf(omb1))));
@@ -671,53 +702,66 @@ int64_t adam_block(const Desc& d, const Block& s, float beta1, float beta2, floa
       den[j] = _mm512_add_ps(_mm512_mul_ps(u[j], vf(ibc2)), vf(eps));
     }
     const V* second = companded ? u : v;
-    for (int e = 0; e < NG && q0 + e < groups; ++e) {
-      const int q = q0 + e;
-      const float am = absmax2(m[2 * e], m[2 * e + 1]), au = absmax2(second[2 * e], second[2 * e + 1]);
-      if (!(am <= SCALE_MAX) || !(au <= second_max)) {  // the group keeps its old state (skip_groups)
-        ++bad;
-        continue;
-      }
-      const float a = nonzero_or_one(am), b = nonzero_or_one(au);
-      // sn: pow2_normalizer(a), a power of two 2^(127 - e) with e in [8, 253]; 1 / sn is exactly 2^(e - 127)
-      const float sn = pow2_normalizer(a);
-      const float step = step_size * u2f((254u << 23) - f2u(sn));
-      const float k254 = 254.0f * sn, as = a * sn;  // companded codes of m (quantize_signed's s is sn)
-      float mlift = 1.0f, mrcp = 0.0f;              // linear codes of m
-      if (!companded) {
-        mlift = a < TINY ? LIFT : 1.0f;
-        mrcp = 127.0f / (a * mlift);
-      }
-      const float vlift = b < TINY ? LIFT : 1.0f, vrcp = 255.0f / (b * vlift);
-      for (int j = 2 * e; j < 2 * e + 2; ++j) {
-        const int64_t i = s.base + int64_t(q0) * G + 16 * j;
-        V x = _mm512_mul_ps(m[j], vf(sn));
-        x = _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(vabs(x), vf(UPDATE_FLUSH), _CMP_LT_OQ), vf(0.f));
-        V theta = _mm512_sub_ps(th[j], _mm512_mul_ps(_mm512_div_ps(x, den[j]), vf(step)));
-        V code_m = companded ? _mm512_div_ps(_mm512_mul_ps(m[j], vf(k254)),
-                                             _mm512_add_ps(vf(as), _mm512_mul_ps(vabs(m[j]), vf(sn))))
-                             : _mm512_mul_ps(_mm512_mul_ps(m[j], vf(mlift)), vf(mrcp));
-        V lifted = vlift == 1.0f ? second[j] : _mm512_mul_ps(second[j], vf(vlift));  // x * 1 is x
-      V code_v = _mm512_mul_ps(lifted, vf(vrcp));
-        store_code(d.mom[0], i, k[j], code_m);
-        store_code(d.mom[1], i, k[j], code_v);
-        if constexpr (P == FP32) {
-          st32(static_cast<float*>(d.param) + i, k[j], theta);
-        } else {
-          I pbits, rho;
-          if constexpr (P == BF16_RHO8) {
-            split<8>(theta, pbits, rho);
-            st8(static_cast<int8_t*>(d.rho) + i, k[j], rho);
-          } else {
-            split<0>(theta, pbits, rho);
-            st16(static_cast<int16_t*>(d.rho) + i, k[j], rho);
-          }
-          st16(static_cast<uint16_t*>(d.param) + i, k[j], pbits);
-        }
-      }
-      d.scales[0][s.sidx + q] = f2bf(am);
-      d.scales[1][s.sidx + q] = f2bf(au);
+    const float am = absmax2(m[0], m[1]), au = absmax2(second[0], second[1]);
+    if (!(am <= SCALE_MAX) || !(au <= second_max)) {  // the group keeps its old state (skip_groups)
+      ++bad;
+      continue;
     }
+    const float a = nonzero_or_one(am), b = nonzero_or_one(au);
+    // sn: pow2_normalizer(a), a power of two 2^(127 - e) with e in [8, 253]; 1 / sn is exactly 2^(e - 127)
+    const float sn = pow2_normalizer(a);
+    const float step = step_size * u2f((254u << 23) - f2u(sn));
+    const float vlift = b < TINY ? LIFT : 1.0f, vrcp = 255.0f / (b * vlift);
+    for (int j = 0; j < 2; ++j) {
+      const int64_t i = s.base + int64_t(q) * G + 16 * j;
+      V x = _mm512_mul_ps(m[j], vf(sn));
+      x = _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(vabs(x), vf(UPDATE_FLUSH), _CMP_LT_OQ), vf(0.f));
+      V theta = _mm512_sub_ps(th[j], _mm512_mul_ps(_mm512_div_ps(x, den[j]), vf(step)));
+      V lifted = vlift == 1.0f ? second[j] : _mm512_mul_ps(second[j], vf(vlift));  // x * 1 is x
+      store_code(d.mom[0], i, k[j], exp_avg_code(m[j], a, sn, companded));
+      store_code(d.mom[1], i, k[j], _mm512_mul_ps(lifted, vf(vrcp)));
+      store_theta<P>(d, i, k[j], theta);
+    }
+    d.scales[0][s.sidx + q] = f2bf(am);
+    d.scales[1][s.sidx + q] = f2bf(au);
+  }
+  return bad;
+}
+
+// One block of FlashLion with an 8-bit moment (Lion::block's quantized branch); the number of skipped groups.
+template <Param P>
+int64_t lion_block(const Desc& d, const Block& s, float beta1, float beta2, float omb1, float omb2, float decay,
+                   float lr, bool companded) {
+  int64_t bad = 0;
+  for (int q = 0; q * G < s.n; ++q) {
+    M k[2];
+    group_masks(s, q, k);
+    const float sm = bf16_value(d.scales[0][s.sidx + q]);
+    V m[2], th[2];
+    for (int j = 0; j < 2; ++j) {
+      const int64_t i = s.base + int64_t(q) * G + 16 * j;
+      V g = load_grad(d.grad, d.gdt, i, k[j]);
+      V mo = load_exp_avg(d, i, k[j], sm, companded, 1.0f);
+      th[j] = _mm512_mul_ps(load_theta<P>(d, i, k[j]), vf(decay));
+      V c = _mm512_add_ps(_mm512_mul_ps(mo, vf(beta1)), _mm512_mul_ps(g, vf(omb1)));
+      // float(c > 0) - float(c < 0): +1, -1, or +0 (zero and NaN)
+      V dir = _mm512_mask_mov_ps(_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(c, vf(0.f), _CMP_GT_OQ), vf(1.0f)),
+                                 _mm512_cmp_ps_mask(c, vf(0.f), _CMP_LT_OQ), vf(-1.0f));
+      th[j] = _mm512_sub_ps(th[j], _mm512_mul_ps(dir, vf(lr)));
+      m[j] = _mm512_maskz_mov_ps(k[j], _mm512_add_ps(_mm512_mul_ps(mo, vf(beta2)), _mm512_mul_ps(g, vf(omb2))));
+    }
+    const float am = absmax2(m[0], m[1]);
+    if (!(am <= SCALE_MAX)) {  // the group keeps its old state (skip_groups)
+      ++bad;
+      continue;
+    }
+    const float a = nonzero_or_one(am), sn = pow2_normalizer(a);
+    for (int j = 0; j < 2; ++j) {
+      const int64_t i = s.base + int64_t(q) * G + 16 * j;
+      store_code(d.mom[0], i, k[j], exp_avg_code(m[j], a, sn, companded));
+      store_theta<P>(d, i, k[j], th[j]);
+    }
+    d.scales[0][s.sidx + q] = f2bf(am);
   }
   return bad;
 }
@@ -866,6 +910,15 @@ struct Lion {
   int64_t block(const Desc& d, bool quantized, int64_t bi) const {
     Block s = block_of(d, quantized, bi);
     const int L = s.L;
+#ifdef FLASHDIST_AVX512
+    if (quantized && (d.gdt == BF16 || d.gdt == F32)) {
+      if (d.pdt == BF16 && d.rho && d.rdt == I8)
+        return simd::lion_block<simd::BF16_RHO8>(d, s, beta1, beta2, omb1, omb2, decay, lr, companded);
+      if (d.pdt == BF16 && d.rho && d.rdt == I16)
+        return simd::lion_block<simd::BF16_RHO16>(d, s, beta1, beta2, omb1, omb2, decay, lr, companded);
+      if (d.pdt == F32) return simd::lion_block<simd::FP32>(d, s, beta1, beta2, omb1, omb2, decay, lr, companded);
+    }
+#endif
     float g[B], theta[B], m[B];
     load(d.grad, d.gdt, s.base, s.n, L, g);
     load_theta(d, s, theta);
