@@ -37,6 +37,7 @@ import torch
 
 import flashdist
 from flashdist import FlashAdamW, FlashLion, FlashSGD
+from flashdist.kernels import cpu as cpu_kernel
 
 SHAPES = [(4096, 4096)] * 4 + [(11008, 4096)] * 2
 
@@ -150,6 +151,7 @@ def main():
             cpu_name = platform.processor()
         machine = {"cpu": cpu_name, "threads": torch.get_num_threads(), "cores": os.cpu_count(),
                    "capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
+                   "fused_step_isa": cpu_kernel.vector_isa(),
                    "flashdist": getattr(flashdist, "__version__", "?"), "python": platform.python_version(),
                    "date": datetime.date.today().isoformat()}
         args.out.parent.mkdir(parents=True, exist_ok=True)

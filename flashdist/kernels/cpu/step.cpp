@@ -670,62 +670,120 @@ inline void group_masks(const Block& s, int q, M k[2]) {
   k[1] = M(left >= 32 ? 0xFFFF : (left <= 16 ? 0 : (1u << (left - 16)) - 1));
 }
 
+// Per-group values of the second half of a quantized step, for the up to B / G groups of a block, computed
+// on all of them at once (one lane each) from the groups' absmaxes (their bits): quantize_signed,
+// quantize_unsigned and _adam_update's values, in the same fp32 operations as the scalar code.
+struct GroupValues {
+  alignas(64) float sn[16], step[16], k254[16], as[16], mlift[16], mrcp[16], vlift[16], vrcp[16];
+  uint32_t bad;  // bit q: group q's new moments do not fit their scales (the group is skipped)
+};
+
+inline V nonzero_or_one_bits(I bits) {  // absmax bits (no sign): 0 -> 1.0
+  return _mm512_castsi512_ps(_mm512_mask_mov_epi32(bits, _mm512_testn_epi32_mask(bits, bits), vi(0x3F800000)));
+}
+
+inline void group_values(const uint32_t* am_bits, const uint32_t* au_bits, int groups, float step_size,
+                         bool companded, uint16_t* scale_m, uint16_t* scale_u, GroupValues& out) {
+  const M lanes = M((1u << groups) - 1);
+  I am = _mm512_maskz_loadu_epi32(lanes, am_bits), au = _mm512_maskz_loadu_epi32(lanes, au_bits);
+  // !(am <= SCALE_MAX) || !(au <= max): on the magnitudes' bits (a NaN's are above both bounds)
+  M bad = _mm512_cmpgt_epu32_mask(am, vi(int32_t(f2u(SCALE_MAX)))) |
+          _mm512_cmpgt_epu32_mask(au, vi(int32_t(f2u(companded ? SQRT_SCALE_MAX : SCALE_MAX))));
+  out.bad = bad & lanes;
+  V a = nonzero_or_one_bits(am), b = nonzero_or_one_bits(au);
+  // pow2_normalizer(a) = 2^(127 - e), e the exponent clamped to [8, 253]; 1 / sn = 2^(e - 127) exactly
+  I e = _mm512_min_epi32(_mm512_max_epi32(_mm512_srli_epi32(_mm512_castps_si512(a), 23), vi(8)), vi(253));
+  V sn = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_sub_epi32(vi(254), e), 23));
+  _mm512_store_ps(out.sn, sn);
+  _mm512_store_ps(out.step, _mm512_mul_ps(vf(step_size), _mm512_castsi512_ps(_mm512_slli_epi32(e, 23))));
+  if (companded) {
+    _mm512_store_ps(out.k254, _mm512_mul_ps(vf(254.0f), sn));
+    _mm512_store_ps(out.as, _mm512_mul_ps(a, sn));
+  } else {
+    V lift = _mm512_mask_mov_ps(vf(1.0f), _mm512_cmp_ps_mask(a, vf(TINY), _CMP_LT_OQ), vf(LIFT));
+    _mm512_store_ps(out.mlift, lift);
+    _mm512_store_ps(out.mrcp, _mm512_div_ps(vf(127.0f), _mm512_mul_ps(a, lift)));
+  }
+  V lift = _mm512_mask_mov_ps(vf(1.0f), _mm512_cmp_ps_mask(b, vf(TINY), _CMP_LT_OQ), vf(LIFT));
+  _mm512_store_ps(out.vlift, lift);
+  _mm512_store_ps(out.vrcp, _mm512_div_ps(vf(255.0f), _mm512_mul_ps(b, lift)));
+  // the new scales, bf16 of the absmaxes (f2bf: round to nearest even; written for the groups kept)
+  auto bf16_bits = [](I x) {
+    return _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(x, vi(0x7FFF)),
+                                              _mm512_and_si512(_mm512_srli_epi32(x, 16), vi(1))), 16);
+  };
+  const M keep = lanes & ~bad;
+  _mm256_mask_storeu_epi16(scale_m, keep, _mm512_cvtepi32_epi16(bf16_bits(am)));
+  _mm256_mask_storeu_epi16(scale_u, keep, _mm512_cvtepi32_epi16(bf16_bits(au)));
+}
+
+// absmax bits of a group (two vectors): max of the magnitudes' bits (above 0x7F800000: a NaN)
+inline uint32_t absmax_bits(V a, V b) {
+  return _mm512_reduce_max_epu32(_mm512_max_epu32(_mm512_castps_si512(vabs(a)), _mm512_castps_si512(vabs(b))));
+}
+
 // One block of FlashAdam(W) with 8-bit moments (Adam::block's quantized branch); the number of skipped groups.
+// First every group's new moments and absmaxes, then the per-group values on all groups at once, then the
+// groups' updates and codes.
 template <Param P>
 int64_t adam_block(const Desc& d, const Block& s, float beta1, float beta2, float omb1, float omb2, float eps,
                    float wd, float decay, float step_size, float ibc2, bool decoupled, bool companded) {
-  int64_t bad = 0;
   const uint8_t* vc = static_cast<const uint8_t*>(d.mom[1]);
-  const float second_max = companded ? SQRT_SCALE_MAX : SCALE_MAX;
-  for (int q = 0; q * G < s.n; ++q) {
+  const int groups = (s.n + G - 1) / G;
+  V m[B / G][2], sec[B / G][2], den[B / G][2], th[B / G][2];
+  alignas(64) uint32_t am[16], au[16];
+  for (int q = 0; q < groups; ++q) {
     M k[2];
     group_masks(s, q, k);
     const float sm = bf16_value(d.scales[0][s.sidx + q]), sv = bf16_value(d.scales[1][s.sidx + q]);
-    V m[2], v[2], u[2], den[2], th[2];
     for (int j = 0; j < 2; ++j) {
       const int64_t i = s.base + int64_t(q) * G + 16 * j;
       V g = load_grad(d.grad, d.gdt, i, k[j]);
-      m[j] = load_exp_avg(d, i, k[j], sm, companded, beta1);
+      V mj = load_exp_avg(d, i, k[j], sm, companded, beta1);
       V cv = _mm512_cvtepi32_ps(load_u8(vc + i, k[j]));
+      V vj;
       if (companded) {
         float su = sv * INV255;
-        v[j] = _mm512_mul_ps(_mm512_mul_ps(cv, cv), vf((su * su) * beta2));
+        vj = _mm512_mul_ps(_mm512_mul_ps(cv, cv), vf((su * su) * beta2));
       } else {
-        v[j] = _mm512_mul_ps(cv, vf((sv * INV255) * beta2));
+        vj = _mm512_mul_ps(cv, vf((sv * INV255) * beta2));
       }
-      th[j] = load_theta<P>(d, i, k[j]);
-      if (decoupled) th[j] = _mm512_mul_ps(th[j], vf(decay));
-      else g = _mm512_add_ps(g, _mm512_mul_ps(th[j], vf(wd)));
-      m[j] = _mm512_maskz_mov_ps(k[j], _mm512_add_ps(m[j], _mm512_mul_ps(g, vf(omb1))));
-      v[j] = _mm512_maskz_mov_ps(k[j], _mm512_add_ps(v[j], _mm512_mul_ps(_mm512_mul_ps(g, g), vf(omb2))));
-      u[j] = _mm512_sqrt_ps(v[j]);
-      den[j] = _mm512_add_ps(_mm512_mul_ps(u[j], vf(ibc2)), vf(eps));
+      V t = load_theta<P>(d, i, k[j]);
+      if (decoupled) t = _mm512_mul_ps(t, vf(decay));
+      else g = _mm512_add_ps(g, _mm512_mul_ps(t, vf(wd)));
+      mj = _mm512_maskz_mov_ps(k[j], _mm512_add_ps(mj, _mm512_mul_ps(g, vf(omb1))));
+      vj = _mm512_maskz_mov_ps(k[j], _mm512_add_ps(vj, _mm512_mul_ps(_mm512_mul_ps(g, g), vf(omb2))));
+      V u = _mm512_sqrt_ps(vj);
+      den[q][j] = _mm512_add_ps(_mm512_mul_ps(u, vf(ibc2)), vf(eps));
+      m[q][j] = mj;
+      sec[q][j] = companded ? u : vj;
+      th[q][j] = t;
     }
-    const V* second = companded ? u : v;
-    const float am = absmax2(m[0], m[1]), au = absmax2(second[0], second[1]);
-    if (!(am <= SCALE_MAX) || !(au <= second_max)) {  // the group keeps its old state (skip_groups)
-      ++bad;
-      continue;
-    }
-    const float a = nonzero_or_one(am), b = nonzero_or_one(au);
-    // sn: pow2_normalizer(a), a power of two 2^(127 - e) with e in [8, 253]; 1 / sn is exactly 2^(e - 127)
-    const float sn = pow2_normalizer(a);
-    const float step = step_size * u2f((254u << 23) - f2u(sn));
-    const float vlift = b < TINY ? LIFT : 1.0f, vrcp = 255.0f / (b * vlift);
+    am[q] = absmax_bits(m[q][0], m[q][1]);
+    au[q] = absmax_bits(sec[q][0], sec[q][1]);
+  }
+  GroupValues gv;
+  group_values(am, au, groups, step_size, companded, d.scales[0] + s.sidx, d.scales[1] + s.sidx, gv);
+  for (int q = 0; q < groups; ++q) {
+    if (gv.bad >> q & 1) continue;  // the group keeps its old state (skip_groups)
+    M k[2];
+    group_masks(s, q, k);
     for (int j = 0; j < 2; ++j) {
       const int64_t i = s.base + int64_t(q) * G + 16 * j;
-      V x = _mm512_mul_ps(m[j], vf(sn));
+      const V mj = m[q][j];
+      V x = _mm512_mul_ps(mj, vf(gv.sn[q]));
       x = _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(vabs(x), vf(UPDATE_FLUSH), _CMP_LT_OQ), vf(0.f));
-      V theta = _mm512_sub_ps(th[j], _mm512_mul_ps(_mm512_div_ps(x, den[j]), vf(step)));
-      V lifted = vlift == 1.0f ? second[j] : _mm512_mul_ps(second[j], vf(vlift));  // x * 1 is x
-      store_code(d.mom[0], i, k[j], exp_avg_code(m[j], a, sn, companded));
-      store_code(d.mom[1], i, k[j], _mm512_mul_ps(lifted, vf(vrcp)));
+      V theta = _mm512_sub_ps(th[q][j], _mm512_mul_ps(_mm512_div_ps(x, den[q][j]), vf(gv.step[q])));
+      V code_m = companded ? _mm512_div_ps(_mm512_mul_ps(mj, vf(gv.k254[q])),
+                                           _mm512_add_ps(vf(gv.as[q]), _mm512_mul_ps(vabs(mj), vf(gv.sn[q]))))
+                           : _mm512_mul_ps(_mm512_mul_ps(mj, vf(gv.mlift[q])), vf(gv.mrcp[q]));
+      V lifted = gv.vlift[q] == 1.0f ? sec[q][j] : _mm512_mul_ps(sec[q][j], vf(gv.vlift[q]));  // x * 1 is x
+      store_code(d.mom[0], i, k[j], code_m);
+      store_code(d.mom[1], i, k[j], _mm512_mul_ps(lifted, vf(gv.vrcp[q])));
       store_theta<P>(d, i, k[j], theta);
     }
-    d.scales[0][s.sidx + q] = f2bf(am);
-    d.scales[1][s.sidx + q] = f2bf(au);
   }
-  return bad;
+  return __builtin_popcount(gv.bad);
 }
 
 // One block of FlashLion with an 8-bit moment (Lion::block's quantized branch); the number of skipped groups.
