@@ -48,6 +48,15 @@ def test_avx512_path_is_built():
     # the bitwise tests below then run FlashAdam(W)'s 8-bit cases through the vectorised path
     assert cpu.vector_isa() == "avx512"
 
+def test_build_from_and_using_swap_the_step_for_a_block(tmp_path):
+    own = cpu.load()
+    other = cpu.build_from(cpu.SOURCE)  # the package's own source: the cached build
+    with cpu.using(other):
+        assert cpu.load() is other
+    assert cpu.load() is own
+    with pytest.raises(FileNotFoundError, match="missing.cpp"):
+        cpu.build_from(tmp_path / "missing.cpp")
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # (optimizer, its functional keyword arguments): SGD variants cover momentum off, plain, Nesterov, dampening
 OPTIMIZERS = {

@@ -20,6 +20,7 @@ folder, which the system releases when a builder dies, so a build killed midway 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import os
@@ -57,20 +58,20 @@ def _cpu_id() -> str:
         return platform.processor()
 
 
-def build_key() -> str:
-    """Hash of everything the built library depends on."""
-    h = hashlib.sha256(SOURCE.read_bytes())
+def build_key(source: Path = SOURCE) -> str:
+    """Hash of everything the library built from ``source`` depends on."""
+    h = hashlib.sha256(Path(source).read_bytes())
     for part in (*CFLAGS, *LDFLAGS, torch.__version__, sys.version, platform.machine(), _cpu_id()):
         h.update(part.encode() + b"\0")
     return h.hexdigest()[:16]
 
 
-def build_dir() -> Path:
+def build_dir(source: Path = SOURCE) -> Path:
     root = os.environ.get("FLASHDIST_CPU_BUILD_DIR")
     if not root:
         cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         root = os.path.join(cache, "flashdist")
-    return Path(root) / f"cpu-{build_key()}"
+    return Path(root) / f"cpu-{build_key(source)}"
 
 
 def _import(path: Path, name: str):
@@ -80,14 +81,14 @@ def _import(path: Path, name: str):
     return module
 
 
-def _build():
+def _build(source: Path = SOURCE):
     import fcntl  # POSIX: elsewhere the build fails here and the reference runs
 
     from torch.utils import cpp_extension
 
-    key = build_key()
+    key = build_key(source)
     name = f"flashdist_cpu_{key}"
-    folder = build_dir()
+    folder = build_dir(source)
     done = folder / "built"  # written once a build has loaded: its library is complete
     library = folder / f"{name}.so"
     if done.exists() and library.exists():
@@ -108,7 +109,7 @@ def _build():
                 return _import(library, name)
             # Holding the flock, no live builder is in this folder: a lock file of torch's is stale.
             (folder / "lock").unlink(missing_ok=True)
-            module = cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=list(CFLAGS),
+            module = cpp_extension.load(name=name, sources=[str(source)], extra_cflags=list(CFLAGS),
                                         extra_ldflags=list(LDFLAGS), build_directory=str(folder), verbose=False)
             done.write_text(key)
             return module
@@ -141,6 +142,32 @@ def available() -> bool:
 def build_error() -> str | None:
     """Why the last build failed, or None."""
     return _failed
+
+
+def build_from(source: str | Path):
+    """The step compiled from another ``step.cpp`` (an earlier version, to time against), built into its own
+    cache folder like the package's own; raises what the build raises. The optimizers keep using the
+    package's step except inside ``using(module)``."""
+    source = Path(source)
+    if not source.is_file():
+        raise FileNotFoundError(f"{source}: no such step source; pass the path of a step.cpp")
+    return _build(source)
+
+
+@contextlib.contextmanager
+def using(module):
+    """Run the CPU steps of this block with ``module`` (from ``build_from``) in place of the package's step,
+    in this process; the package's step is back after it."""
+    global _module
+    load()
+    saved = _module
+    with _lock:
+        _module = module
+    try:
+        yield module
+    finally:
+        with _lock:
+            _module = saved
 
 
 def vector_isa() -> str | None:
