@@ -843,6 +843,63 @@ int64_t lion_block(const Desc& d, const Block& s, float beta1, float beta2, floa
   return bad;
 }
 
+// One block of FlashSGD(W) with an 8-bit momentum (SGD::block's quantized branch); the number of skipped
+// groups. A group is also skipped where its new parameter is not finite (SGD's step has no bound).
+template <Param P>
+int64_t sgd_block(const Desc& d, const Block& s, float momentum_decay, float momentum_gain, float momentum,
+                  float wd, float decay, float lr, bool decoupled, bool nesterov, bool companded) {
+  int64_t bad = 0;
+  for (int q = 0; q * G < s.n; ++q) {
+    M k[2];
+    group_masks(s, q, k);
+    const float sm = bf16_value(d.scales[0][s.sidx + q]);
+    V m[2], theta[2];
+    I pbits[2], rho[2];
+    M nonfinite = 0;  // lanes of either vector whose new parameter is inf or NaN
+    for (int j = 0; j < 2; ++j) {
+      const int64_t i = s.base + int64_t(q) * G + 16 * j;
+      V g = load_grad(d.grad, d.gdt, i, k[j]);
+      V t = load_theta<P>(d, i, k[j]);
+      if (decoupled) t = _mm512_mul_ps(t, vf(decay));
+      else g = _mm512_add_ps(g, _mm512_mul_ps(t, vf(wd)));
+      V mj = _mm512_add_ps(load_exp_avg(d, i, k[j], sm, companded, momentum_decay), _mm512_mul_ps(g, vf(momentum_gain)));
+      V dir = nesterov ? _mm512_add_ps(g, _mm512_mul_ps(mj, vf(momentum))) : mj;
+      t = _mm512_sub_ps(t, _mm512_mul_ps(dir, vf(lr)));
+      m[j] = _mm512_maskz_mov_ps(k[j], mj);
+      I low;  // the new parameter's bits as stored (bf16 in the upper half of the fp32 bits)
+      if constexpr (P == FP32) {
+        theta[j] = t;
+        low = _mm512_castps_si512(t);
+      } else {
+        if constexpr (P == BF16_RHO8) split<8>(t, pbits[j], rho[j]);
+        else split<0>(t, pbits[j], rho[j]);
+        low = _mm512_slli_epi32(pbits[j], 16);
+      }
+      M bad_lanes = _mm512_mask_cmpeq_epi32_mask(k[j], _mm512_and_si512(low, vi(0x7F800000)), vi(0x7F800000));
+      nonfinite |= bad_lanes;
+    }
+    const float am = absmax2(m[0], m[1]);
+    if (!(am <= SCALE_MAX) || nonfinite) {  // the group keeps its old state (skip_groups)
+      ++bad;
+      continue;
+    }
+    const float a = nonzero_or_one(am), sn = pow2_normalizer(a);
+    for (int j = 0; j < 2; ++j) {
+      const int64_t i = s.base + int64_t(q) * G + 16 * j;
+      store_code(d.mom[0], i, k[j], exp_avg_code(m[j], a, sn, companded));
+      if constexpr (P == FP32) {
+        st32(static_cast<float*>(d.param) + i, k[j], theta[j]);
+      } else {
+        if constexpr (P == BF16_RHO8) st8(static_cast<int8_t*>(d.rho) + i, k[j], rho[j]);
+        else st16(static_cast<int16_t*>(d.rho) + i, k[j], rho[j]);
+        st16(static_cast<uint16_t*>(d.param) + i, k[j], pbits[j]);
+      }
+    }
+    d.scales[0][s.sidx + q] = f2bf(am);
+  }
+  return bad;
+}
+
 }  // namespace simd
 #endif
 
@@ -935,6 +992,19 @@ struct SGD {
   int64_t block(const Desc& d, bool quantized, int64_t bi) const {
     Block s = block_of(d, quantized, bi);
     const int L = s.L;
+#ifdef FLASHDIST_AVX512
+    if (has_momentum && quantized && (d.gdt == BF16 || d.gdt == F32)) {
+      if (d.pdt == BF16 && d.rho && d.rdt == I8)
+        return simd::sgd_block<simd::BF16_RHO8>(d, s, momentum_decay, momentum_gain, momentum, wd, decay, lr,
+                                                decoupled, nesterov, companded);
+      if (d.pdt == BF16 && d.rho && d.rdt == I16)
+        return simd::sgd_block<simd::BF16_RHO16>(d, s, momentum_decay, momentum_gain, momentum, wd, decay, lr,
+                                                 decoupled, nesterov, companded);
+      if (d.pdt == F32)
+        return simd::sgd_block<simd::FP32>(d, s, momentum_decay, momentum_gain, momentum, wd, decay, lr, decoupled,
+                                           nesterov, companded);
+    }
+#endif
     float g[B], g_in[B], theta[B], m[B], dir[B];
     load(d.grad, d.gdt, s.base, s.n, L, g);
     for (int k = 0; k < L; ++k) g_in[k] = g[k];
