@@ -6,6 +6,10 @@
 // Work is cut into blocks of up to 256 values of one row (8 quantization groups of 32; with fp32 moments simply
 // 256 consecutive values), each computed in small fp32 arrays that the compiler vectorises; at::parallel_for
 // spreads chunks of blocks, from all tensors of one call, over torch's intra-op threads.
+//
+// Where the build machine has AVX-512 (F, BW, VL), the quantized steps on bf16 + rho or fp32 parameters run the
+// explicitly vectorised path below instead (namespace simd): same operations in the same order, fewer
+// instructions. Everything else (fp16 parameters, fp32 moments, other CPUs) runs the block code.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -509,7 +513,7 @@ inline void load_signed(const Desc& d, const Block& s, int which, bool companded
     dequantize_signed(c + q * G, bf16_value(d.scales[which][s.sidx + q]), companded, factor, out + q * G);
 }
 
-// ---- explicit AVX-512 path for the quantized Adam step ----
+// ---- explicit AVX-512 path for the quantized steps ----
 //
 // The block code above leaves one pass per stage over small fp32 arrays: the compiler vectorises each loop,
 // but every stage stores and reloads its values. Here one quantization group (32 values, two 16-lane vectors)
@@ -531,7 +535,7 @@ inline I vi(int32_t x) { return _mm512_set1_epi32(x); }
 inline V vabs(V x) { return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), vi(0x7FFFFFFF))); }
 
 // Loads and narrowing stores of 16 lanes. Whole vectors (all but a row's last group) use plain loads and
-// stores; a narrowing store goes through a register, as a vpmov* straight to memory is slow on some CPUs.
+// stores, the last group's lanes masked ones.
 constexpr M ALL = 0xFFFF;
 inline __m128i ld8(const void* p, M k) {
   return k == ALL ? _mm_loadu_si128(static_cast<const __m128i*>(p)) : _mm_maskz_loadu_epi8(k, p);
@@ -581,8 +585,9 @@ inline V merge(I t, I r) {
   return _mm512_castsi512_ps(_mm512_mask_mov_epi32(out, special, t));
 }
 
-// split_bf16 on 16 lanes: the new parameter's bf16 bits and rho, both in int32 lanes. The remainder's
-// "next value up" is one bf16 step in the bits (pb +- 1) and 2^16 >> shift steps off the remainder.
+// split_bf16 on 16 lanes: the new parameter's bf16 bits and rho, both in int32 lanes. Its "next value up" is
+// one bf16 value up (pb + 1 for a positive theta, pb - 1 for a negative one: sign and magnitude bits) and
+// 2 * steps off rho.
 template <int shift>
 inline void split(V theta, I& pbits, I& rho) {
   constexpr int32_t steps = shift ? 128 : 32768, half = shift ? 128 : 0;
@@ -618,8 +623,7 @@ inline void store_code(void* p, int64_t i, M k, V x) {
   st8(static_cast<int8_t*>(p) + i, k, _mm512_cvt_roundps_epi32(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
-// One block of FlashAdam(W) with 8-bit moments; the number of skipped groups. Parameters bf16 with int8 or
-// int16 rho, or fp32; gradients bf16 or fp32.
+// The parameter layouts of this path: bf16 with int8 or int16 rho, or fp32 (gradients bf16 or fp32).
 enum Param { BF16_RHO8, BF16_RHO16, FP32 };
 
 // theta (the fp32 master weight) of 16 values from i, and its write-back (load_theta and store_theta above)
