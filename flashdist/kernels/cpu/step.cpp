@@ -576,12 +576,11 @@ inline I load_i16(const int16_t* p, M k) { return _mm512_cvtepi16_epi32(ld16(p, 
 template <int shift>
 inline V merge(I t, I r) {
   I d = _mm512_slli_epi32(r, shift);
-  I s = _mm512_srai_epi32(t, 31);
-  I out = _mm512_add_epi32(t, _mm512_sub_epi32(_mm512_xor_si512(d, s), s));
+  I out = _mm512_mask_sub_epi32(_mm512_add_epi32(t, d), _mm512_cmplt_epi32_mask(t, _mm512_setzero_si512()), t, d);
   // +-0 + rho * unit: rho's sign and magnitude (where rho is 0 the parameter stays, -0 included)
   M zero = _mm512_testn_epi32_mask(t, vi(0x7FFFFFFF)) & _mm512_test_epi32_mask(d, d);
   out = _mm512_mask_or_epi32(out, zero, _mm512_abs_epi32(d), _mm512_and_si512(d, vi(int32_t(0x80000000u))));
-  M special = _mm512_cmpge_epu32_mask(_mm512_slli_epi32(t, 1), vi(int32_t(0xFF000000u)));  // inf, NaN
+  M special = _mm512_cmpeq_epi32_mask(_mm512_and_si512(t, vi(0x7F800000)), vi(0x7F800000));  // inf, NaN
   return _mm512_castsi512_ps(_mm512_mask_mov_epi32(out, special, t));
 }
 
@@ -592,17 +591,19 @@ template <int shift>
 inline void split(V theta, I& pbits, I& rho) {
   constexpr int32_t steps = shift ? 128 : 32768, half = shift ? 128 : 0;
   I x = _mm512_castps_si512(theta);
-  I s = _mm512_srai_epi32(x, 31);
+  const M neg = _mm512_cmplt_epi32_mask(x, _mm512_setzero_si512());
   I mag = _mm512_and_si512(x, vi(0x7FFFFFFF));
   M nan = _mm512_cmpgt_epi32_mask(mag, vi(0x7F800000));
-  I lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), vi(1));
-  I pb = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(x, vi(0x7FFF)), lsb), 16);  // f2bf
-  I t = _mm512_and_si512(_mm512_slli_epi32(pb, 16), vi(0x7FFFFFFF));
+  // f2bf: x + 0x7FFF, + 1 where the kept part is odd, cut to 16 bits (t: that magnitude as fp32 bits)
+  I rounded = _mm512_add_epi32(x, vi(0x7FFF));
+  rounded = _mm512_mask_add_epi32(rounded, _mm512_test_epi32_mask(x, vi(0x10000)), rounded, vi(1));
+  I pb = _mm512_srli_epi32(rounded, 16);
+  I t = _mm512_and_si512(rounded, vi(0x7FFF0000));
   I r = _mm512_srai_epi32(_mm512_add_epi32(_mm512_sub_epi32(mag, t), vi(half)), shift);
-  r = _mm512_sub_epi32(_mm512_xor_si512(r, s), s);  // toward theta's sign: rho's value
+  r = _mm512_mask_sub_epi32(r, neg, _mm512_setzero_si512(), r);  // toward theta's sign: rho's value
   M up = _mm512_mask_cmpge_epi32_mask(~nan, r, vi(steps));
   r = _mm512_mask_sub_epi32(r, up, r, vi(2 * steps));
-  pb = _mm512_mask_add_epi32(pb, up, pb, _mm512_or_si512(s, vi(1)));
+  pb = _mm512_mask_add_epi32(pb, up, pb, _mm512_mask_blend_epi32(neg, vi(1), vi(-1)));
   M special = _mm512_cmpge_epi32_mask(_mm512_and_si512(pb, vi(0x7FFF)), vi(0x7F80)) | nan;  // inf, NaN: rho 0
   // split_bf16's clamp to [-steps, steps - 1] is not needed: rounding to nearest leaves |mag - t| <= 2^15,
   // so r is in [-steps, steps] before the step up and in [-steps, steps - 1] after it
