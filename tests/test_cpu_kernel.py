@@ -48,6 +48,17 @@ def test_avx512_path_is_built():
     # the bitwise tests below then run FlashAdam(W)'s 8-bit cases through the vectorised path
     assert cpu.vector_isa() == "avx512"
 
+def test_build_key_covers_the_headers_beside_the_source(tmp_path):
+    # a changed avx512.h must rebuild, not load a stale library
+    shutil.copy(cpu.SOURCE, tmp_path / "step.cpp")
+    shutil.copy(cpu.SOURCE.with_name("avx512.h"), tmp_path / "avx512.h")
+    before = cpu.build_key(tmp_path / "step.cpp")
+    assert before == cpu.build_key()
+    with open(tmp_path / "avx512.h", "a") as f:
+        f.write("\n")
+    assert cpu.build_key(tmp_path / "step.cpp") != before
+
+
 def test_build_from_and_using_swap_the_step_for_a_block(tmp_path):
     own = cpu.load()
     other = cpu.build_from(cpu.SOURCE)  # the package's own source: the cached build

@@ -35,7 +35,7 @@ import torch
 
 from ..scalars import AdamScalars, LionScalars, SGDScalars
 
-SOURCE = Path(__file__).with_name("step.cpp")
+SOURCE = Path(__file__).with_name("step.cpp")  # includes avx512.h beside it
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 BUILD_TIMEOUT_S = 900.0  # waiting longer than this on another process's build falls back to the reference
@@ -59,8 +59,11 @@ def _cpu_id() -> str:
 
 
 def build_key(source: Path = SOURCE) -> str:
-    """Hash of everything the library built from ``source`` depends on."""
-    h = hashlib.sha256(Path(source).read_bytes())
+    """Hash of everything the library built from ``source`` depends on (the headers beside it included)."""
+    source = Path(source)
+    h = hashlib.sha256(source.read_bytes())
+    for header in sorted(source.parent.glob("*.h")):
+        h.update(header.name.encode() + b"\0" + header.read_bytes())
     for part in (*CFLAGS, *LDFLAGS, torch.__version__, sys.version, platform.machine(), _cpu_id()):
         h.update(part.encode() + b"\0")
     return h.hexdigest()[:16]
