@@ -2,7 +2,7 @@
 
 The arithmetic is that of ``flashdist.kernels.reference``, operation for operation in fp32, so the result is
 bitwise the reference's (NaN payloads aside: a NaN written to a parameter is a NaN, not necessarily the same
-one). The source, ``step.cpp`` beside this file, is compiled at the first CPU step with
+one). The source, ``step.cpp`` beside this file (with ``avx512.h``), is compiled at the first CPU step with
 ``torch.utils.cpp_extension`` (g++ or the compiler torch finds, and ninja; about a minute) into a cache folder
 keyed by the source, flags, torch and Python versions and the CPU, so later processes load it at once:
 ``$FLASHDIST_CPU_BUILD_DIR``, else ``$XDG_CACHE_HOME/flashdist`` or ``~/.cache/flashdist``. It is built

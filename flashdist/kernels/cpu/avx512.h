@@ -224,9 +224,11 @@ inline I absmax_lanes(V a, V b) {
 inline I reduce_max16(const I* x) {
   I p[8], q[4], r[2];
   for (int i = 0; i < 8; ++i)
-    p[i] = _mm512_max_epu32(_mm512_unpacklo_epi32(x[2 * i], x[2 * i + 1]), _mm512_unpackhi_epi32(x[2 * i], x[2 * i + 1]));
+    p[i] = _mm512_max_epu32(_mm512_unpacklo_epi32(x[2 * i], x[2 * i + 1]),
+                            _mm512_unpackhi_epi32(x[2 * i], x[2 * i + 1]));
   for (int i = 0; i < 4; ++i)
-    q[i] = _mm512_max_epu32(_mm512_unpacklo_epi64(p[2 * i], p[2 * i + 1]), _mm512_unpackhi_epi64(p[2 * i], p[2 * i + 1]));
+    q[i] = _mm512_max_epu32(_mm512_unpacklo_epi64(p[2 * i], p[2 * i + 1]),
+                            _mm512_unpackhi_epi64(p[2 * i], p[2 * i + 1]));
   for (int i = 0; i < 2; ++i)
     r[i] = _mm512_max_epu32(_mm512_shuffle_i32x4(q[2 * i], q[2 * i + 1], 0x88),
                             _mm512_shuffle_i32x4(q[2 * i], q[2 * i + 1], 0xDD));
@@ -277,7 +279,8 @@ int64_t adam_block(const Desc& d, const Block& s, float beta1, float beta2, floa
   }
   const I both = reduce_max16(amax);
   GroupValues gv;
-  group_values(both, _mm512_shuffle_i32x4(both, both, 0xEE), groups, step_size, companded, d.scales[0] + s.sidx, d.scales[1] + s.sidx, gv);
+  group_values(both, _mm512_shuffle_i32x4(both, both, 0xEE), groups, step_size, companded, d.scales[0] + s.sidx,
+               d.scales[1] + s.sidx, gv);
   for (int q = 0; q < groups; ++q) {
     if (gv.bad >> q & 1) continue;  // the group keeps its old state (skip_groups)
     M k[2];
@@ -357,7 +360,8 @@ int64_t sgd_block(const Desc& d, const Block& s, float momentum_decay, float mom
       V t = load_theta<P>(d, i, k[j]);
       if (decoupled) t = _mm512_mul_ps(t, vf(decay));
       else g = _mm512_add_ps(g, _mm512_mul_ps(t, vf(wd)));
-      V mj = _mm512_add_ps(load_exp_avg(d, i, k[j], sm, companded, momentum_decay), _mm512_mul_ps(g, vf(momentum_gain)));
+      V mj = _mm512_add_ps(load_exp_avg(d, i, k[j], sm, companded, momentum_decay),
+                           _mm512_mul_ps(g, vf(momentum_gain)));
       V dir = nesterov ? _mm512_add_ps(g, _mm512_mul_ps(mj, vf(momentum))) : mj;
       t = _mm512_sub_ps(t, _mm512_mul_ps(dir, vf(lr)));
       m[j] = _mm512_maskz_mov_ps(k[j], mj);
