@@ -3,6 +3,7 @@
     python launch/bench_cpu_step.py --out runs/cpu_step.json                # all cores torch uses
     python launch/bench_cpu_step.py --threads 2 --out runs/cpu_step_2.json  # the same on 2 threads
     python launch/bench_cpu_step.py --scale 0.25                            # a quarter of the rows
+    python launch/bench_cpu_step.py --baseline /tmp/old/step.cpp            # and an earlier step, row by row
 
 Workload: 157 M parameters in Llama-7B-like matrices, four of 4096 x 4096 and two of 4096 x 11008 (``--scale``
 scales the row counts), random non-zero gradients. Each row is the median of ``--steps`` timed steps after
@@ -17,6 +18,8 @@ Rows:
 - FlashSGD (momentum 0.9) and FlashLion, 24-bit, fused CPU step.
 - FlashAdamW 24-bit with the eager reference (``backend="reference"``), the CPU path before the fused step;
   it is slow, so it runs on the first matrix only (``--reference-params`` rows limit it further).
+- ``--baseline OLD/step.cpp``: each fused row again, right after it, with the step built from that source (an
+  earlier version kept outside the repository), so that both see the same load on a shared machine.
 - ``--compile``: the eager reference under torch.compile (inductor's C++ backend) on the first matrix, the
   alternative the fused step was measured against; its first (compiling) step is reported separately.
 """
@@ -37,6 +40,7 @@ import torch
 
 import flashdist
 from flashdist import FlashAdamW, FlashLion, FlashSGD
+from flashdist.kernels import cpu as cpu_kernel
 
 SHAPES = [(4096, 4096)] * 4 + [(11008, 4096)] * 2
 
@@ -97,8 +101,11 @@ def main():
     ap.add_argument("--reference-rows", type=int, default=1024,
                     help="rows of the first matrix the slow eager reference (and --compile) runs on")
     ap.add_argument("--compile", action="store_true", help="also time torch.compile of the eager reference")
+    ap.add_argument("--baseline", type=Path, default=None,
+                    help="a step.cpp (e.g. an earlier version) to build and time after each fused row")
     ap.add_argument("--out", type=Path, default=None, help="write the rows and the machine as JSON here")
     args = ap.parse_args()
+    baseline = cpu_kernel.build_from(args.baseline) if args.baseline else None
     if args.threads:
         torch.set_num_threads(args.threads)
     shapes = _shapes(args.scale)
@@ -115,21 +122,27 @@ def main():
                   f"{row['mparams_per_cpu_s']:8.1f} M params/cpu-s  (first step {row['first_step_ms']:.0f} ms)",
                   flush=True)
 
+    def fused(name, shapes_, dtype, make):
+        add(_row(name, _params(shapes_, dtype), make, args.steps))
+        if baseline is not None:
+            with cpu_kernel.using(baseline):
+                add(_row(f"{name} [baseline]", _params(shapes_, dtype), make, args.steps))
+
     flash = dict(lr=1e-3, weight_decay=0.1)
     add(_row("torch AdamW fused, fp32 params", _params(shapes, torch.float32),
              lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1, fused=True), args.steps))
-    add(_row("flashdist FlashAdamW 24-bit, fused CPU step", _params(shapes, torch.bfloat16),
-             lambda ps: FlashAdamW(ps, **flash, backend="cpu"), args.steps))
-    add(_row("flashdist FlashAdamW fp32 params, fused CPU step", _params(shapes, torch.float32),
-             lambda ps: FlashAdamW(ps, **flash, backend="cpu"), args.steps))
-    add(_row("flashdist FlashSGD m=0.9 24-bit, fused CPU step", _params(shapes, torch.bfloat16),
-             lambda ps: FlashSGD(ps, lr=1e-3, momentum=0.9, backend="cpu"), args.steps))
-    add(_row("flashdist FlashLion 24-bit, fused CPU step", _params(shapes, torch.bfloat16),
-             lambda ps: FlashLion(ps, lr=1e-4, weight_decay=0.1, backend="cpu"), args.steps))
+    fused("flashdist FlashAdamW 24-bit, fused CPU step", shapes, torch.bfloat16,
+          lambda ps: FlashAdamW(ps, **flash, backend="cpu"))
+    fused("flashdist FlashAdamW fp32 params, fused CPU step", shapes, torch.float32,
+          lambda ps: FlashAdamW(ps, **flash, backend="cpu"))
+    fused("flashdist FlashSGD m=0.9 24-bit, fused CPU step", shapes, torch.bfloat16,
+          lambda ps: FlashSGD(ps, lr=1e-3, momentum=0.9, backend="cpu"))
+    fused("flashdist FlashLion 24-bit, fused CPU step", shapes, torch.bfloat16,
+          lambda ps: FlashLion(ps, lr=1e-4, weight_decay=0.1, backend="cpu"))
     add(_row("torch AdamW fused, fp32 params (first matrix rows)", _params(small, torch.float32),
              lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1, fused=True), args.steps))
-    add(_row("flashdist FlashAdamW 24-bit, fused (first matrix rows)", _params(small, torch.bfloat16),
-             lambda ps: FlashAdamW(ps, **flash, backend="cpu"), args.steps))
+    fused("flashdist FlashAdamW 24-bit, fused (first matrix rows)", small, torch.bfloat16,
+          lambda ps: FlashAdamW(ps, **flash, backend="cpu"))
     add(_row("flashdist FlashAdamW 24-bit, eager reference", _params(small, torch.bfloat16),
              lambda ps: FlashAdamW(ps, **flash, backend="reference"), min(args.steps, 3)))
     if args.compile:
@@ -150,6 +163,7 @@ def main():
             cpu_name = platform.processor()
         machine = {"cpu": cpu_name, "threads": torch.get_num_threads(), "cores": os.cpu_count(),
                    "capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
+                   "fused_step_isa": cpu_kernel.vector_isa(),
                    "flashdist": getattr(flashdist, "__version__", "?"), "python": platform.python_version(),
                    "date": datetime.date.today().isoformat()}
         args.out.parent.mkdir(parents=True, exist_ok=True)

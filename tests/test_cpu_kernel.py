@@ -33,6 +33,41 @@ pytestmark = pytest.mark.skipif(not TOOLCHAIN, reason="no C++ compiler or ninja:
 def test_kernel_builds():
     assert cpu.available(), cpu.build_error()
 
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((line for line in f if line.startswith("flags")), "").split())
+    except OSError:
+        return set()
+
+
+@pytest.mark.skipif(not {"avx512f", "avx512bw", "avx512vl"} <= _cpu_flags(),
+                    reason="this CPU has no AVX-512 F/BW/VL: the block code is the whole fused step")
+def test_avx512_path_is_built():
+    # the bitwise tests below then run FlashAdam(W)'s 8-bit cases through the vectorised path
+    assert cpu.vector_isa() == "avx512"
+
+def test_build_key_covers_the_headers_beside_the_source(tmp_path):
+    # a changed avx512.h must rebuild, not load a stale library
+    shutil.copy(cpu.SOURCE, tmp_path / "step.cpp")
+    shutil.copy(cpu.SOURCE.with_name("avx512.h"), tmp_path / "avx512.h")
+    before = cpu.build_key(tmp_path / "step.cpp")
+    assert before == cpu.build_key()
+    with open(tmp_path / "avx512.h", "a") as f:
+        f.write("\n")
+    assert cpu.build_key(tmp_path / "step.cpp") != before
+
+
+def test_build_from_and_using_swap_the_step_for_a_block(tmp_path):
+    own = cpu.load()
+    other = cpu.build_from(cpu.SOURCE)  # the package's own source: the cached build
+    with cpu.using(other):
+        assert cpu.load() is other
+    assert cpu.load() is own
+    with pytest.raises(FileNotFoundError, match="missing.cpp"):
+        cpu.build_from(tmp_path / "missing.cpp")
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # (optimizer, its functional keyword arguments): SGD variants cover momentum off, plain, Nesterov, dampening
 OPTIMIZERS = {
@@ -45,7 +80,8 @@ OPTIMIZERS = {
     "lion": dict(lr=1e-3, beta1=0.9, beta2=0.99, weight_decay=0.1),
 }
 MOMENTS = ("q-comp", "q-linear", "fp32")
-SHAPES = [(5, 70), (2, 3, 11), (1, 32), (7,)]  # odd rows, a 3-d tensor, one exact group, a short 1-d tensor
+# odd rows, a 3-d tensor, one exact group, a short 1-d tensor, rows of a whole block (256) and a partial one
+SHAPES = [(5, 70), (2, 3, 11), (1, 32), (7,), (3, 300)]
 STEPS = 3
 
 

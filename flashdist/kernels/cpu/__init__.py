@@ -2,12 +2,15 @@
 
 The arithmetic is that of ``flashdist.kernels.reference``, operation for operation in fp32, so the result is
 bitwise the reference's (NaN payloads aside: a NaN written to a parameter is a NaN, not necessarily the same
-one). The source, ``step.cpp`` beside this file, is compiled at the first CPU step with
+one). The source, ``step.cpp`` beside this file (with ``avx512.h``), is compiled at the first CPU step with
 ``torch.utils.cpp_extension`` (g++ or the compiler torch finds, and ninja; about a minute) into a cache folder
 keyed by the source, flags, torch and Python versions and the CPU, so later processes load it at once:
 ``$FLASHDIST_CPU_BUILD_DIR``, else ``$XDG_CACHE_HOME/flashdist`` or ``~/.cache/flashdist``. It is built
 with ``-march=native`` (the build runs on the machine that uses it) and ``-ffp-contract=off``, without fast
-math. Where it cannot be built (no compiler, no ninja) the steps fall back to the reference with one warning.
+math. Where the build machine has AVX-512 (F, BW, VL), FlashAdam(W) with 8-bit moments on bf16 + rho or fp32
+parameters runs an explicitly vectorised path that keeps each quantization group in registers from its codes
+to its new codes (same operations, same bits); ``vector_isa()`` says whether the build has it.
+Where it cannot be built (no compiler, no ninja) the steps fall back to the reference with one warning.
 ``FLASHDIST_CPU_KERNEL=0`` turns the fused step off.
 
 Concurrent first steps (several ranks of one job) build once: builders take an ``fcntl`` lock in the build
@@ -17,6 +20,7 @@ folder, which the system releases when a builder dies, so a build killed midway 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import os
@@ -31,7 +35,7 @@ import torch
 
 from ..scalars import AdamScalars, LionScalars, SGDScalars
 
-SOURCE = Path(__file__).with_name("step.cpp")
+SOURCE = Path(__file__).with_name("step.cpp")  # includes avx512.h beside it
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 BUILD_TIMEOUT_S = 900.0  # waiting longer than this on another process's build falls back to the reference
@@ -54,20 +58,23 @@ def _cpu_id() -> str:
         return platform.processor()
 
 
-def build_key() -> str:
-    """Hash of everything the built library depends on."""
-    h = hashlib.sha256(SOURCE.read_bytes())
+def build_key(source: Path = SOURCE) -> str:
+    """Hash of everything the library built from ``source`` depends on (the headers beside it included)."""
+    source = Path(source)
+    h = hashlib.sha256(source.read_bytes())
+    for header in sorted(source.parent.glob("*.h")):
+        h.update(header.name.encode() + b"\0" + header.read_bytes())
     for part in (*CFLAGS, *LDFLAGS, torch.__version__, sys.version, platform.machine(), _cpu_id()):
         h.update(part.encode() + b"\0")
     return h.hexdigest()[:16]
 
 
-def build_dir() -> Path:
+def build_dir(source: Path = SOURCE) -> Path:
     root = os.environ.get("FLASHDIST_CPU_BUILD_DIR")
     if not root:
         cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         root = os.path.join(cache, "flashdist")
-    return Path(root) / f"cpu-{build_key()}"
+    return Path(root) / f"cpu-{build_key(source)}"
 
 
 def _import(path: Path, name: str):
@@ -77,14 +84,14 @@ def _import(path: Path, name: str):
     return module
 
 
-def _build():
+def _build(source: Path = SOURCE):
     import fcntl  # POSIX: elsewhere the build fails here and the reference runs
 
     from torch.utils import cpp_extension
 
-    key = build_key()
+    key = build_key(source)
     name = f"flashdist_cpu_{key}"
-    folder = build_dir()
+    folder = build_dir(source)
     done = folder / "built"  # written once a build has loaded: its library is complete
     library = folder / f"{name}.so"
     if done.exists() and library.exists():
@@ -105,7 +112,7 @@ def _build():
                 return _import(library, name)
             # Holding the flock, no live builder is in this folder: a lock file of torch's is stale.
             (folder / "lock").unlink(missing_ok=True)
-            module = cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=list(CFLAGS),
+            module = cpp_extension.load(name=name, sources=[str(source)], extra_cflags=list(CFLAGS),
                                         extra_ldflags=list(LDFLAGS), build_directory=str(folder), verbose=False)
             done.write_text(key)
             return module
@@ -138,6 +145,40 @@ def available() -> bool:
 def build_error() -> str | None:
     """Why the last build failed, or None."""
     return _failed
+
+
+def build_from(source: str | Path):
+    """The step compiled from another ``step.cpp`` (an earlier version, to time against), built into its own
+    cache folder like the package's own; raises what the build raises. The optimizers keep using the
+    package's step except inside ``using(module)``."""
+    source = Path(source)
+    if not source.is_file():
+        raise FileNotFoundError(f"{source}: no such step source; pass the path of a step.cpp")
+    return _build(source)
+
+
+@contextlib.contextmanager
+def using(module):
+    """Run the CPU steps of this block with ``module`` (from ``build_from``) in place of the package's step,
+    in this process; the package's step is back after it."""
+    global _module
+    load()
+    saved = _module
+    with _lock:
+        _module = module
+    try:
+        yield module
+    finally:
+        with _lock:
+            _module = saved
+
+
+def vector_isa() -> str | None:
+    """The instruction set of the built step's explicitly vectorised paths ("avx512": FlashAdam(W) with 8-bit
+    moments on bf16 + rho or fp32 parameters), "" where the build machine lacks it (the block code, which the
+    compiler vectorises, runs alone), or None when the fused step is not built."""
+    module = load() if enabled() else None
+    return module.vector_isa() if module is not None else None
 
 
 def _count(skipped: torch.Tensor | None, n: int) -> bool:

@@ -6,6 +6,10 @@
 // Work is cut into blocks of up to 256 values of one row (8 quantization groups of 32; with fp32 moments simply
 // 256 consecutive values), each computed in small fp32 arrays that the compiler vectorises; at::parallel_for
 // spreads chunks of blocks, from all tensors of one call, over torch's intra-op threads.
+//
+// Where the build machine has AVX-512 (F, BW, VL), the quantized steps on bf16 + rho or fp32 parameters run the
+// explicitly vectorised path below instead (namespace simd): same operations in the same order, fewer
+// instructions. Everything else (fp16 parameters, fp32 moments, other CPUs) runs the block code.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -19,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 #ifdef __F16C__
@@ -508,6 +513,8 @@ inline void load_signed(const Desc& d, const Block& s, int which, bool companded
     dequantize_signed(c + q * G, bf16_value(d.scales[which][s.sidx + q]), companded, factor, out + q * G);
 }
 
+#include "avx512.h"  // namespace simd: the AVX-512 path, where the build machine has it
+
 // ---- the steps ----
 
 struct Adam {
@@ -517,6 +524,19 @@ struct Adam {
   int64_t block(const Desc& d, bool quantized, int64_t bi) const {
     Block s = block_of(d, quantized, bi);
     const int L = s.L;
+#ifdef FLASHDIST_AVX512
+    if (quantized && (d.gdt == BF16 || d.gdt == F32)) {
+      if (d.pdt == BF16 && d.rho && d.rdt == I8)
+        return simd::adam_block<simd::BF16_RHO8>(d, s, beta1, beta2, omb1, omb2, eps, wd, decay, step_size, ibc2,
+                                                 decoupled, companded);
+      if (d.pdt == BF16 && d.rho && d.rdt == I16)
+        return simd::adam_block<simd::BF16_RHO16>(d, s, beta1, beta2, omb1, omb2, eps, wd, decay, step_size, ibc2,
+                                                  decoupled, companded);
+      if (d.pdt == F32)
+        return simd::adam_block<simd::FP32>(d, s, beta1, beta2, omb1, omb2, eps, wd, decay, step_size, ibc2,
+                                            decoupled, companded);
+    }
+#endif
     float g[B], theta[B], m[B], v[B], u[B], denom[B];
     load(d.grad, d.gdt, s.base, s.n, L, g);
     if (quantized) {
@@ -584,6 +604,19 @@ struct SGD {
   int64_t block(const Desc& d, bool quantized, int64_t bi) const {
     Block s = block_of(d, quantized, bi);
     const int L = s.L;
+#ifdef FLASHDIST_AVX512
+    if (has_momentum && quantized && (d.gdt == BF16 || d.gdt == F32)) {
+      if (d.pdt == BF16 && d.rho && d.rdt == I8)
+        return simd::sgd_block<simd::BF16_RHO8>(d, s, momentum_decay, momentum_gain, momentum, wd, decay, lr,
+                                                decoupled, nesterov, companded);
+      if (d.pdt == BF16 && d.rho && d.rdt == I16)
+        return simd::sgd_block<simd::BF16_RHO16>(d, s, momentum_decay, momentum_gain, momentum, wd, decay, lr,
+                                                 decoupled, nesterov, companded);
+      if (d.pdt == F32)
+        return simd::sgd_block<simd::FP32>(d, s, momentum_decay, momentum_gain, momentum, wd, decay, lr, decoupled,
+                                           nesterov, companded);
+    }
+#endif
     float g[B], g_in[B], theta[B], m[B], dir[B];
     load(d.grad, d.gdt, s.base, s.n, L, g);
     for (int k = 0; k < L; ++k) g_in[k] = g[k];
@@ -636,6 +669,15 @@ struct Lion {
   int64_t block(const Desc& d, bool quantized, int64_t bi) const {
     Block s = block_of(d, quantized, bi);
     const int L = s.L;
+#ifdef FLASHDIST_AVX512
+    if (quantized && (d.gdt == BF16 || d.gdt == F32)) {
+      if (d.pdt == BF16 && d.rho && d.rdt == I8)
+        return simd::lion_block<simd::BF16_RHO8>(d, s, beta1, beta2, omb1, omb2, decay, lr, companded);
+      if (d.pdt == BF16 && d.rho && d.rdt == I16)
+        return simd::lion_block<simd::BF16_RHO16>(d, s, beta1, beta2, omb1, omb2, decay, lr, companded);
+      if (d.pdt == F32) return simd::lion_block<simd::FP32>(d, s, beta1, beta2, omb1, omb2, decay, lr, companded);
+    }
+#endif
     float g[B], theta[B], m[B];
     load(d.grad, d.gdt, s.base, s.n, L, g);
     load_theta(d, s, theta);
@@ -828,9 +870,19 @@ int64_t lion_step(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
   return skipped;
 }
 
+// The instruction set of the explicitly vectorised paths this build has ("" where the block code runs alone).
+std::string vector_isa() {
+#ifdef FLASHDIST_AVX512
+  return "avx512";
+#else
+  return "";
+#endif
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("vector_isa", &vector_isa, "instruction set of the explicitly vectorised paths, or an empty string");
   m.def("adam_step", &adam_step, "fused FlashAdam(W) step (see flashdist.kernels.cpu)");
   m.def("sgd_step", &sgd_step, "fused FlashSGD(W) step (see flashdist.kernels.cpu)");
   m.def("lion_step", &lion_step, "fused FlashLion step (see flashdist.kernels.cpu)");

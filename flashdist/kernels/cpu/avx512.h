@@ -1,0 +1,403 @@
+// The explicitly vectorised (AVX-512) part of step.cpp's fused CPU steps. Not a standalone header: step.cpp
+// includes it after the block code's helpers (Desc, Block, the bf16 and code helpers, the scale bounds), whose
+// semantics it reproduces bit for bit.
+#pragma once
+
+// ---- explicit AVX-512 path for the quantized steps ----
+//
+// The block code above leaves one pass per stage over small fp32 arrays: the compiler vectorises each loop,
+// but every stage stores and reloads its values. Here one quantization group (32 values, two 16-lane vectors)
+// goes from the loaded codes to the written codes in registers. The operations and their order are those of
+// the block code (so of reference.py): the same IEEE + - * / sqrt and round-to-nearest-even, no FMA (the
+// intrinsics are plain vector operators, kept apart by -ffp-contract=off); a row's last, partial group is read
+// with zeros past its end and written through a lane mask, as the block code pads and masks it.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define FLASHDIST_AVX512 1
+
+namespace simd {
+
+using V = __m512;
+using I = __m512i;
+using M = __mmask16;
+
+inline V vf(float x) { return _mm512_set1_ps(x); }
+inline I vi(int32_t x) { return _mm512_set1_epi32(x); }
+inline V vabs(V x) { return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), vi(0x7FFFFFFF))); }
+
+// Loads and narrowing stores of 16 lanes. Whole vectors (all but a row's last group) use plain loads and
+// stores, the last group's lanes masked ones.
+constexpr M ALL = 0xFFFF;
+inline __m128i ld8(const void* p, M k) {
+  return k == ALL ? _mm_loadu_si128(static_cast<const __m128i*>(p)) : _mm_maskz_loadu_epi8(k, p);
+}
+inline __m256i ld16(const void* p, M k) {
+  return k == ALL ? _mm256_loadu_si256(static_cast<const __m256i*>(p)) : _mm256_maskz_loadu_epi16(k, p);
+}
+inline V ld32(const float* p, M k) { return k == ALL ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(k, p); }
+inline void st8(void* p, M k, I x) {
+  __m128i b = _mm512_cvtepi32_epi8(x);
+  if (k == ALL) _mm_storeu_si128(static_cast<__m128i*>(p), b);
+  else _mm_mask_storeu_epi8(p, k, b);
+}
+inline void st16(void* p, M k, I x) {
+  __m256i b = _mm512_cvtepi32_epi16(x);
+  if (k == ALL) _mm256_storeu_si256(static_cast<__m256i*>(p), b);
+  else _mm256_mask_storeu_epi16(p, k, b);
+}
+inline void st32(float* p, M k, V x) {
+  if (k == ALL) _mm512_storeu_ps(p, x);
+  else _mm512_mask_storeu_ps(p, k, x);
+}
+
+inline V load_bf16(const uint16_t* p, M k) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(ld16(p, k)), 16));
+}
+inline V load_grad(const void* p, int dt, int64_t i, M k) {
+  if (dt == BF16) return load_bf16(static_cast<const uint16_t*>(p) + i, k);
+  return ld32(static_cast<const float*>(p) + i, k);
+}
+inline I load_i8(const int8_t* p, M k) { return _mm512_cvtepi8_epi32(ld8(p, k)); }
+inline I load_u8(const uint8_t* p, M k) { return _mm512_cvtepu8_epi32(ld8(p, k)); }
+inline I load_i16(const int16_t* p, M k) { return _mm512_cvtepi16_epi32(ld16(p, k)); }
+
+// merge_bf16 on 16 lanes: t the parameter's fp32 bits, r rho (sign-extended). A non-zero finite parameter's
+// bits move by rho << shift toward its sign (the magnitude stays in range: at least 2^16, rho << shift below
+// 2^15), so moving is one add of rho negated for negative parameters.
+template <int shift>
+inline V merge(I t, I r) {
+  I d = _mm512_slli_epi32(r, shift);
+  I out = _mm512_mask_sub_epi32(_mm512_add_epi32(t, d), _mm512_cmplt_epi32_mask(t, _mm512_setzero_si512()), t, d);
+  // +-0 + rho * unit: rho's sign and magnitude (where rho is 0 the parameter stays, -0 included)
+  M zero = _mm512_testn_epi32_mask(t, vi(0x7FFFFFFF)) & _mm512_test_epi32_mask(d, d);
+  out = _mm512_mask_or_epi32(out, zero, _mm512_abs_epi32(d), _mm512_and_si512(d, vi(int32_t(0x80000000u))));
+  M special = _mm512_cmpeq_epi32_mask(_mm512_and_si512(t, vi(0x7F800000)), vi(0x7F800000));  // inf, NaN
+  return _mm512_castsi512_ps(_mm512_mask_mov_epi32(out, special, t));
+}
+
+// split_bf16 on 16 lanes: the new parameter's bf16 bits and rho, both in int32 lanes. Its "next value up" is
+// one bf16 value up (pb + 1 for a positive theta, pb - 1 for a negative one: sign and magnitude bits) and
+// 2 * steps off rho.
+template <int shift>
+inline void split(V theta, I& pbits, I& rho) {
+  constexpr int32_t steps = shift ? 128 : 32768, half = shift ? 128 : 0;
+  I x = _mm512_castps_si512(theta);
+  const M neg = _mm512_cmplt_epi32_mask(x, _mm512_setzero_si512());
+  I mag = _mm512_and_si512(x, vi(0x7FFFFFFF));
+  M nan = _mm512_cmpgt_epi32_mask(mag, vi(0x7F800000));
+  // f2bf: x + 0x7FFF, + 1 where the kept part is odd, cut to 16 bits (t: that magnitude as fp32 bits)
+  I rounded = _mm512_add_epi32(x, vi(0x7FFF));
+  rounded = _mm512_mask_add_epi32(rounded, _mm512_test_epi32_mask(x, vi(0x10000)), rounded, vi(1));
+  I pb = _mm512_srli_epi32(rounded, 16);
+  I t = _mm512_and_si512(rounded, vi(0x7FFF0000));
+  I r = _mm512_srai_epi32(_mm512_add_epi32(_mm512_sub_epi32(mag, t), vi(half)), shift);
+  r = _mm512_mask_sub_epi32(r, neg, _mm512_setzero_si512(), r);  // toward theta's sign: rho's value
+  M up = _mm512_mask_cmpge_epi32_mask(~nan, r, vi(steps));
+  r = _mm512_mask_sub_epi32(r, up, r, vi(2 * steps));
+  pb = _mm512_mask_add_epi32(pb, up, pb, _mm512_mask_blend_epi32(neg, vi(1), vi(-1)));
+  M special = _mm512_cmpge_epi32_mask(_mm512_and_si512(pb, vi(0x7FFF)), vi(0x7F80)) | nan;  // inf, NaN: rho 0
+  // split_bf16's clamp to [-steps, steps - 1] is not needed: rounding to nearest leaves |mag - t| <= 2^15,
+  // so r is in [-steps, steps] before the step up and in [-steps, steps - 1] after it
+  rho = _mm512_mask_mov_epi32(r, special, _mm512_setzero_si512());
+  pbits = _mm512_mask_mov_epi32(pb, nan, vi(0xFFFF));
+}
+
+// absmax of a group (two vectors) as in absmax() above: NaN when any value is
+inline float absmax2(V a, V b) {
+  I m = _mm512_max_epu32(_mm512_castps_si512(vabs(a)), _mm512_castps_si512(vabs(b)));
+  uint32_t r = _mm512_reduce_max_epu32(m);
+  return r > 0x7F800000u ? std::numeric_limits<float>::quiet_NaN() : u2f(r);
+}
+
+// rint and the conversion to an integer in one instruction (round to nearest even): the codes of a group that is
+// written are integers in [-127, 255], so rounding first and truncating after changes nothing
+inline void store_code(void* p, int64_t i, M k, V x) {
+  st8(static_cast<int8_t*>(p) + i, k, _mm512_cvt_roundps_epi32(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// The parameter layouts of this path: bf16 with int8 or int16 rho, or fp32 (gradients bf16 or fp32).
+enum Param { BF16_RHO8, BF16_RHO16, FP32 };
+
+// theta (the fp32 master weight) of 16 values from i, and its write-back (load_theta and store_theta above)
+template <Param P>
+inline V load_theta(const Desc& d, int64_t i, M k) {
+  if constexpr (P == FP32) return ld32(static_cast<const float*>(d.param) + i, k);
+  I t = _mm512_castps_si512(load_bf16(static_cast<const uint16_t*>(d.param) + i, k));
+  if constexpr (P == BF16_RHO8) return merge<8>(t, load_i8(static_cast<const int8_t*>(d.rho) + i, k));
+  return merge<0>(t, load_i16(static_cast<const int16_t*>(d.rho) + i, k));
+}
+template <Param P>
+inline void store_theta(const Desc& d, int64_t i, M k, V theta) {
+  if constexpr (P == FP32) {
+    st32(static_cast<float*>(d.param) + i, k, theta);
+  } else {
+    I pbits, rho;
+    if constexpr (P == BF16_RHO8) {
+      split<8>(theta, pbits, rho);
+      st8(static_cast<int8_t*>(d.rho) + i, k, rho);
+    } else {
+      split<0>(theta, pbits, rho);
+      st16(static_cast<int16_t*>(d.rho) + i, k, rho);
+    }
+    st16(static_cast<uint16_t*>(d.param) + i, k, pbits);
+  }
+}
+
+// factor * first moment of 16 values from int8 codes (dequantize_signed above); scale: the group's
+inline V load_exp_avg(const Desc& d, int64_t i, M k, float scale, bool companded, float factor) {
+  V c = _mm512_cvtepi32_ps(load_i8(static_cast<const int8_t*>(d.mom[0]) + i, k));
+  if (!companded) return _mm512_mul_ps(c, vf((scale * INV127) * factor));
+  V y = _mm512_mul_ps(c, vf(INV127));
+  return _mm512_mul_ps(_mm512_div_ps(y, _mm512_sub_ps(vf(2.0f), vabs(y))), vf(scale * factor));
+}
+
+// int8 codes of 16 values of a first moment (quantize_signed above); a: the group's absmax, not 0, sn its
+// pow2_normalizer
+inline V exp_avg_code(V m, float a, float sn, bool companded) {
+  if (companded)
+    return _mm512_div_ps(_mm512_mul_ps(m, vf(254.0f * sn)), _mm512_add_ps(vf(a * sn), _mm512_mul_ps(vabs(m), vf(sn))));
+  const float lift = a < TINY ? LIFT : 1.0f;
+  return _mm512_mul_ps(_mm512_mul_ps(m, vf(lift)), vf(127.0f / (a * lift)));
+}
+
+// Lanes of a group's two vectors that hold values of its row (a row's last group may be partial)
+inline void group_masks(const Block& s, int q, M k[2]) {
+  const int left = s.n - q * G;
+  k[0] = M(left >= 16 ? 0xFFFF : (1u << left) - 1);
+  k[1] = M(left >= 32 ? 0xFFFF : (left <= 16 ? 0 : (1u << (left - 16)) - 1));
+}
+
+// Per-group values of the second half of a quantized step, for the up to B / G groups of a block, computed
+// on all of them at once (one lane each) from the groups' absmaxes (their bits): quantize_signed,
+// quantize_unsigned and _adam_update's values, in the same fp32 operations as the scalar code.
+struct GroupValues {
+  alignas(64) float sn[16], step[16], k254[16], as[16], mlift[16], mrcp[16], vlift[16], vrcp[16];
+  uint32_t bad;  // bit q: group q's new moments do not fit their scales (the group is skipped)
+};
+
+inline V nonzero_or_one_bits(I bits) {  // absmax bits (no sign): 0 -> 1.0
+  return _mm512_castsi512_ps(_mm512_mask_mov_epi32(bits, _mm512_testn_epi32_mask(bits, bits), vi(0x3F800000)));
+}
+
+// am, au: lane q the absmax bits of group q's first and second moment
+inline void group_values(I am, I au, int groups, float step_size, bool companded, uint16_t* scale_m,
+                         uint16_t* scale_u, GroupValues& out) {
+  const M lanes = M((1u << groups) - 1);
+  // !(am <= SCALE_MAX) || !(au <= max): on the magnitudes' bits (a NaN's are above both bounds)
+  M bad = _mm512_cmpgt_epu32_mask(am, vi(int32_t(f2u(SCALE_MAX)))) |
+          _mm512_cmpgt_epu32_mask(au, vi(int32_t(f2u(companded ? SQRT_SCALE_MAX : SCALE_MAX))));
+  out.bad = bad & lanes;
+  V a = nonzero_or_one_bits(am), b = nonzero_or_one_bits(au);
+  // pow2_normalizer(a) = 2^(127 - e), e the exponent clamped to [8, 253]; 1 / sn = 2^(e - 127) exactly
+  I e = _mm512_min_epi32(_mm512_max_epi32(_mm512_srli_epi32(_mm512_castps_si512(a), 23), vi(8)), vi(253));
+  V sn = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_sub_epi32(vi(254), e), 23));
+  _mm512_store_ps(out.sn, sn);
+  _mm512_store_ps(out.step, _mm512_mul_ps(vf(step_size), _mm512_castsi512_ps(_mm512_slli_epi32(e, 23))));
+  if (companded) {
+    _mm512_store_ps(out.k254, _mm512_mul_ps(vf(254.0f), sn));
+    _mm512_store_ps(out.as, _mm512_mul_ps(a, sn));
+  } else {
+    V lift = _mm512_mask_mov_ps(vf(1.0f), _mm512_cmp_ps_mask(a, vf(TINY), _CMP_LT_OQ), vf(LIFT));
+    _mm512_store_ps(out.mlift, lift);
+    _mm512_store_ps(out.mrcp, _mm512_div_ps(vf(127.0f), _mm512_mul_ps(a, lift)));
+  }
+  V lift = _mm512_mask_mov_ps(vf(1.0f), _mm512_cmp_ps_mask(b, vf(TINY), _CMP_LT_OQ), vf(LIFT));
+  _mm512_store_ps(out.vlift, lift);
+  _mm512_store_ps(out.vrcp, _mm512_div_ps(vf(255.0f), _mm512_mul_ps(b, lift)));
+  // the new scales, bf16 of the absmaxes (f2bf: round to nearest even; written for the groups kept)
+  auto bf16_bits = [](I x) {
+    return _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(x, vi(0x7FFF)),
+                                              _mm512_and_si512(_mm512_srli_epi32(x, 16), vi(1))), 16);
+  };
+  const M keep = lanes & ~bad;
+  _mm256_mask_storeu_epi16(scale_m, keep, _mm512_cvtepi32_epi16(bf16_bits(am)));
+  _mm256_mask_storeu_epi16(scale_u, keep, _mm512_cvtepi32_epi16(bf16_bits(au)));
+}
+
+// Lane-wise max of the magnitudes' bits of a group's two vectors; its largest lane is the group's absmax bits
+// (above 0x7F800000: a NaN)
+inline I absmax_lanes(V a, V b) {
+  return _mm512_max_epu32(_mm512_castps_si512(vabs(a)), _mm512_castps_si512(vabs(b)));
+}
+
+// x[0..15] -> one vector whose lane i is the largest (unsigned) lane of x[i]: a transposing tree of
+// unpacks and 128-bit block shuffles, 45 operations where sixteen separate reductions take about 110
+inline I reduce_max16(const I* x) {
+  I p[8], q[4], r[2];
+  for (int i = 0; i < 8; ++i)
+    p[i] = _mm512_max_epu32(_mm512_unpacklo_epi32(x[2 * i], x[2 * i + 1]),
+                            _mm512_unpackhi_epi32(x[2 * i], x[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)
+    q[i] = _mm512_max_epu32(_mm512_unpacklo_epi64(p[2 * i], p[2 * i + 1]),
+                            _mm512_unpackhi_epi64(p[2 * i], p[2 * i + 1]));
+  for (int i = 0; i < 2; ++i)
+    r[i] = _mm512_max_epu32(_mm512_shuffle_i32x4(q[2 * i], q[2 * i + 1], 0x88),
+                            _mm512_shuffle_i32x4(q[2 * i], q[2 * i + 1], 0xDD));
+  return _mm512_max_epu32(_mm512_shuffle_i32x4(r[0], r[1], 0x88), _mm512_shuffle_i32x4(r[0], r[1], 0xDD));
+}
+
+// One block of FlashAdam(W) with 8-bit moments (Adam::block's quantized branch); the number of skipped groups.
+// First every group's new moments and absmaxes, then the per-group values on all groups at once, then the
+// groups' updates and codes.
+template <Param P>
+int64_t adam_block(const Desc& d, const Block& s, float beta1, float beta2, float omb1, float omb2, float eps,
+                   float wd, float decay, float step_size, float ibc2, bool decoupled, bool companded) {
+  const uint8_t* vc = static_cast<const uint8_t*>(d.mom[1]);
+  const int groups = (s.n + G - 1) / G;
+  V m[B / G][2], sec[B / G][2], den[B / G][2], th[B / G][2];
+  static_assert(B / G == 8, "reduce_max16 takes two moments of 8 groups");
+  I amax[16];  // 0..7: the groups' first moments, 8..15: their second moments (or square roots)
+  for (int q = groups; q < B / G; ++q) amax[q] = amax[8 + q] = _mm512_setzero_si512();
+  for (int q = 0; q < groups; ++q) {
+    M k[2];
+    group_masks(s, q, k);
+    const float sm = bf16_value(d.scales[0][s.sidx + q]), sv = bf16_value(d.scales[1][s.sidx + q]);
+    for (int j = 0; j < 2; ++j) {
+      const int64_t i = s.base + int64_t(q) * G + 16 * j;
+      V g = load_grad(d.grad, d.gdt, i, k[j]);
+      V mj = load_exp_avg(d, i, k[j], sm, companded, beta1);
+      V cv = _mm512_cvtepi32_ps(load_u8(vc + i, k[j]));
+      V vj;
+      if (companded) {
+        float su = sv * INV255;
+        vj = _mm512_mul_ps(_mm512_mul_ps(cv, cv), vf((su * su) * beta2));
+      } else {
+        vj = _mm512_mul_ps(cv, vf((sv * INV255) * beta2));
+      }
+      V t = load_theta<P>(d, i, k[j]);
+      if (decoupled) t = _mm512_mul_ps(t, vf(decay));
+      else g = _mm512_add_ps(g, _mm512_mul_ps(t, vf(wd)));
+      mj = _mm512_maskz_mov_ps(k[j], _mm512_add_ps(mj, _mm512_mul_ps(g, vf(omb1))));
+      vj = _mm512_maskz_mov_ps(k[j], _mm512_add_ps(vj, _mm512_mul_ps(_mm512_mul_ps(g, g), vf(omb2))));
+      V u = _mm512_sqrt_ps(vj);
+      den[q][j] = _mm512_add_ps(_mm512_mul_ps(u, vf(ibc2)), vf(eps));
+      m[q][j] = mj;
+      sec[q][j] = companded ? u : vj;
+      th[q][j] = t;
+    }
+    amax[q] = absmax_lanes(m[q][0], m[q][1]);
+    amax[8 + q] = absmax_lanes(sec[q][0], sec[q][1]);
+  }
+  const I both = reduce_max16(amax);
+  GroupValues gv;
+  group_values(both, _mm512_shuffle_i32x4(both, both, 0xEE), groups, step_size, companded, d.scales[0] + s.sidx,
+               d.scales[1] + s.sidx, gv);
+  for (int q = 0; q < groups; ++q) {
+    if (gv.bad >> q & 1) continue;  // the group keeps its old state (skip_groups)
+    M k[2];
+    group_masks(s, q, k);
+    for (int j = 0; j < 2; ++j) {
+      const int64_t i = s.base + int64_t(q) * G + 16 * j;
+      const V mj = m[q][j];
+      V x = _mm512_mul_ps(mj, vf(gv.sn[q]));
+      x = _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(vabs(x), vf(UPDATE_FLUSH), _CMP_LT_OQ), vf(0.f));
+      V theta = _mm512_sub_ps(th[q][j], _mm512_mul_ps(_mm512_div_ps(x, den[q][j]), vf(gv.step[q])));
+      V code_m = companded ? _mm512_div_ps(_mm512_mul_ps(mj, vf(gv.k254[q])),
+                                           _mm512_add_ps(vf(gv.as[q]), _mm512_mul_ps(vabs(mj), vf(gv.sn[q]))))
+                           : _mm512_mul_ps(_mm512_mul_ps(mj, vf(gv.mlift[q])), vf(gv.mrcp[q]));
+      V lifted = gv.vlift[q] == 1.0f ? sec[q][j] : _mm512_mul_ps(sec[q][j], vf(gv.vlift[q]));  // x * 1 is x
+      store_code(d.mom[0], i, k[j], code_m);
+      store_code(d.mom[1], i, k[j], _mm512_mul_ps(lifted, vf(gv.vrcp[q])));
+      store_theta<P>(d, i, k[j], theta);
+    }
+  }
+  return __builtin_popcount(gv.bad);
+}
+
+// One block of FlashLion with an 8-bit moment (Lion::block's quantized branch); the number of skipped groups.
+template <Param P>
+int64_t lion_block(const Desc& d, const Block& s, float beta1, float beta2, float omb1, float omb2, float decay,
+                   float lr, bool companded) {
+  int64_t bad = 0;
+  for (int q = 0; q * G < s.n; ++q) {
+    M k[2];
+    group_masks(s, q, k);
+    const float sm = bf16_value(d.scales[0][s.sidx + q]);
+    V m[2], th[2];
+    for (int j = 0; j < 2; ++j) {
+      const int64_t i = s.base + int64_t(q) * G + 16 * j;
+      V g = load_grad(d.grad, d.gdt, i, k[j]);
+      V mo = load_exp_avg(d, i, k[j], sm, companded, 1.0f);
+      th[j] = _mm512_mul_ps(load_theta<P>(d, i, k[j]), vf(decay));
+      V c = _mm512_add_ps(_mm512_mul_ps(mo, vf(beta1)), _mm512_mul_ps(g, vf(omb1)));
+      // float(c > 0) - float(c < 0): +1, -1, or +0 (zero and NaN)
+      V dir = _mm512_mask_mov_ps(_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(c, vf(0.f), _CMP_GT_OQ), vf(1.0f)),
+                                 _mm512_cmp_ps_mask(c, vf(0.f), _CMP_LT_OQ), vf(-1.0f));
+      th[j] = _mm512_sub_ps(th[j], _mm512_mul_ps(dir, vf(lr)));
+      m[j] = _mm512_maskz_mov_ps(k[j], _mm512_add_ps(_mm512_mul_ps(mo, vf(beta2)), _mm512_mul_ps(g, vf(omb2))));
+    }
+    const float am = absmax2(m[0], m[1]);
+    if (!(am <= SCALE_MAX)) {  // the group keeps its old state (skip_groups)
+      ++bad;
+      continue;
+    }
+    const float a = nonzero_or_one(am), sn = pow2_normalizer(a);
+    for (int j = 0; j < 2; ++j) {
+      const int64_t i = s.base + int64_t(q) * G + 16 * j;
+      store_code(d.mom[0], i, k[j], exp_avg_code(m[j], a, sn, companded));
+      store_theta<P>(d, i, k[j], th[j]);
+    }
+    d.scales[0][s.sidx + q] = f2bf(am);
+  }
+  return bad;
+}
+
+// One block of FlashSGD(W) with an 8-bit momentum (SGD::block's quantized branch); the number of skipped
+// groups. A group is also skipped where its new parameter is not finite (SGD's step has no bound).
+template <Param P>
+int64_t sgd_block(const Desc& d, const Block& s, float momentum_decay, float momentum_gain, float momentum,
+                  float wd, float decay, float lr, bool decoupled, bool nesterov, bool companded) {
+  int64_t bad = 0;
+  for (int q = 0; q * G < s.n; ++q) {
+    M k[2];
+    group_masks(s, q, k);
+    const float sm = bf16_value(d.scales[0][s.sidx + q]);
+    V m[2], theta[2];
+    I pbits[2], rho[2];
+    M nonfinite = 0;  // lanes of either vector whose new parameter is inf or NaN
+    for (int j = 0; j < 2; ++j) {
+      const int64_t i = s.base + int64_t(q) * G + 16 * j;
+      V g = load_grad(d.grad, d.gdt, i, k[j]);
+      V t = load_theta<P>(d, i, k[j]);
+      if (decoupled) t = _mm512_mul_ps(t, vf(decay));
+      else g = _mm512_add_ps(g, _mm512_mul_ps(t, vf(wd)));
+      V mj = _mm512_add_ps(load_exp_avg(d, i, k[j], sm, companded, momentum_decay),
+                           _mm512_mul_ps(g, vf(momentum_gain)));
+      V dir = nesterov ? _mm512_add_ps(g, _mm512_mul_ps(mj, vf(momentum))) : mj;
+      t = _mm512_sub_ps(t, _mm512_mul_ps(dir, vf(lr)));
+      m[j] = _mm512_maskz_mov_ps(k[j], mj);
+      I low;  // the new parameter's bits as stored (bf16 in the upper half of the fp32 bits)
+      if constexpr (P == FP32) {
+        theta[j] = t;
+        low = _mm512_castps_si512(t);
+      } else {
+        if constexpr (P == BF16_RHO8) split<8>(t, pbits[j], rho[j]);
+        else split<0>(t, pbits[j], rho[j]);
+        low = _mm512_slli_epi32(pbits[j], 16);
+      }
+      M bad_lanes = _mm512_mask_cmpeq_epi32_mask(k[j], _mm512_and_si512(low, vi(0x7F800000)), vi(0x7F800000));
+      nonfinite |= bad_lanes;
+    }
+    const float am = absmax2(m[0], m[1]);
+    if (!(am <= SCALE_MAX) || nonfinite) {  // the group keeps its old state (skip_groups)
+      ++bad;
+      continue;
+    }
+    const float a = nonzero_or_one(am), sn = pow2_normalizer(a);
+    for (int j = 0; j < 2; ++j) {
+      const int64_t i = s.base + int64_t(q) * G + 16 * j;
+      store_code(d.mom[0], i, k[j], exp_avg_code(m[j], a, sn, companded));
+      if constexpr (P == FP32) {
+        st32(static_cast<float*>(d.param) + i, k[j], theta[j]);
+      } else {
+        if constexpr (P == BF16_RHO8) st8(static_cast<int8_t*>(d.rho) + i, k[j], rho[j]);
+        else st16(static_cast<int16_t*>(d.rho) + i, k[j], rho[j]);
+        st16(static_cast<uint16_t*>(d.param) + i, k[j], pbits[j]);
+      }
+    }
+    d.scales[0][s.sidx + q] = f2bf(am);
+  }
+  return bad;
+}
+
+}  // namespace simd
+#endif
