@@ -53,19 +53,6 @@ SIGN_BIT = tl.constexpr(-(2**31))  # 0x80000000 as an int32
 
 
 @triton.jit
-def data_pointer(addr, KIND: tl.constexpr):
-    """The typed pointer of a parameter or gradient at integer address ``addr``: KIND 0 bf16 (moved as int16
-    bits), 1 fp16, 2 fp32."""
-    if KIND == 0:
-        ptr = addr.to(tl.int64).to(tl.pointer_type(tl.int16))
-    elif KIND == 1:
-        ptr = addr.to(tl.int64).to(tl.pointer_type(tl.float16))
-    else:
-        ptr = addr.to(tl.int64).to(tl.pointer_type(tl.float32))
-    return ptr
-
-
-@triton.jit
 def f32_to_bf16_bits(x):
     """fp32 -> the nearest bf16 (ties to even) as its bit pattern in the low 16 bits of an int32, sign
     extended; NaN -> 0x7FC0 like CUDA torch. ``(bits << 16)`` bitcast to fp32 is the rounded value."""

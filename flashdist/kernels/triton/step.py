@@ -30,7 +30,7 @@ import triton.language as tl
 
 from .bits import (ADAM_ALGO, FP32_EXP_MASK, FP32_MAX, GROUP, INV127, INV255, LIFT, SCALE_MAX, SGD_ALGO,
                    SIGNED_CODE_MAGIC, SQRT_SCALE_MAX, TINY, UNSIGNED_CODE_MAGIC, UPDATE_FLUSH, code_bits,
-                   data_pointer, div_normalized, divide, f32_to_bf16_bits, gather, group_normalizer, sqrt_rn)
+                   div_normalized, divide, f32_to_bf16_bits, gather, group_normalizer, sqrt_rn)
 from .rho_bits import merge_bf16, merge_fp16, new_param
 
 
@@ -81,8 +81,18 @@ def step_block(
         else:  # Lion: weight decay always decoupled
             lr: tl.float32 = sc7
     # Typed pointers. bf16 data (params, grads, scales) moves as int16 bits.
-    p_ptr = data_pointer(p_addr, P_KIND)
-    g_ptr = data_pointer(g_addr, G_KIND)
+    if P_KIND == 0:
+        p_ptr = p_addr.to(tl.int64).to(tl.pointer_type(tl.int16))
+    elif P_KIND == 1:
+        p_ptr = p_addr.to(tl.int64).to(tl.pointer_type(tl.float16))
+    else:
+        p_ptr = p_addr.to(tl.int64).to(tl.pointer_type(tl.float32))
+    if G_KIND == 0:
+        g_ptr = g_addr.to(tl.int64).to(tl.pointer_type(tl.int16))
+    elif G_KIND == 1:
+        g_ptr = g_addr.to(tl.int64).to(tl.pointer_type(tl.float16))
+    else:
+        g_ptr = g_addr.to(tl.int64).to(tl.pointer_type(tl.float32))
     if QUANTIZED:
         if COMPANDED:  # the codes' bytes index codes.EXP_AVG_TABLE
             m_ptr = m_addr.to(tl.int64).to(tl.pointer_type(tl.uint8))
