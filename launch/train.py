@@ -418,7 +418,9 @@ def main(argv=None) -> dict:
     run.print(f"flashdist {flashdist.__version__} | torch {torch.__version__} | {run.world} rank(s) on "
               f"{run.device.type} | {n_params / 1e6:.2f} M params | corpus {corpus['train_bytes'] / 2**20:.1f} MiB "
               f"train / {corpus['val_bytes'] / 2**20:.1f} MiB val from {', '.join(corpus['roots'].values())}")
-    tokens_per_step = args.batch_size * args.seq_len * run.world // args.tp
+    # distinct tokens a step trains on: a tensor-parallel group reads one batch, and --same-batch gives every
+    # rank the single-process run's batch
+    tokens_per_step = args.batch_size * args.seq_len * (1 if args.same_batch else run.world // args.tp)
     data_rank = run.rank // args.tp  # the ranks of a tensor-parallel group read the same batch
     report = None
     t0, tokens = time.perf_counter(), 0
