@@ -303,6 +303,24 @@ int64_t adam_block(const Desc& d, const Block& s, float beta1, float beta2, floa
   return __builtin_popcount(gv.bad);
 }
 
+// The end of a group of FlashLion or FlashSGD(W) with an 8-bit moment: its new first moment ``m`` quantized
+// and stored with its parameter values (``store_param(i, j)`` for the 16 values at i, half j), or the whole
+// group left as it was (skip_groups) when the moment overflows the bf16 scale or ``skip``. Whether it stored.
+template <class StoreParam>
+inline bool store_signed_group(const Desc& d, const Block& s, int q, const M* k, const V* m, bool skip,
+                               bool companded, StoreParam store_param) {
+  const float am = absmax2(m[0], m[1]);
+  if (!(am <= SCALE_MAX) || skip) return false;
+  const float a = nonzero_or_one(am), sn = pow2_normalizer(a);
+  for (int j = 0; j < 2; ++j) {
+    const int64_t i = s.base + int64_t(q) * G + 16 * j;
+    store_code(d.mom[0], i, k[j], exp_avg_code(m[j], a, sn, companded));
+    store_param(i, j);
+  }
+  d.scales[0][s.sidx + q] = f2bf(am);
+  return true;
+}
+
 // One block of FlashLion with an 8-bit moment (Lion::block's quantized branch); the number of skipped groups.
 template <Param P>
 int64_t lion_block(const Desc& d, const Block& s, float beta1, float beta2, float omb1, float omb2, float decay,
@@ -325,18 +343,8 @@ int64_t lion_block(const Desc& d, const Block& s, float beta1, float beta2, floa
       th[j] = _mm512_sub_ps(th[j], _mm512_mul_ps(dir, vf(lr)));
       m[j] = _mm512_maskz_mov_ps(k[j], _mm512_add_ps(_mm512_mul_ps(mo, vf(beta2)), _mm512_mul_ps(g, vf(omb2))));
     }
-    const float am = absmax2(m[0], m[1]);
-    if (!(am <= SCALE_MAX)) {  // the group keeps its old state (skip_groups)
-      ++bad;
-      continue;
-    }
-    const float a = nonzero_or_one(am), sn = pow2_normalizer(a);
-    for (int j = 0; j < 2; ++j) {
-      const int64_t i = s.base + int64_t(q) * G + 16 * j;
-      store_code(d.mom[0], i, k[j], exp_avg_code(m[j], a, sn, companded));
-      store_theta<P>(d, i, k[j], th[j]);
-    }
-    d.scales[0][s.sidx + q] = f2bf(am);
+    bad += !store_signed_group(d, s, q, k, m, false, companded,
+                               [&](int64_t i, int j) { store_theta<P>(d, i, k[j], th[j]); });
   }
   return bad;
 }
@@ -377,15 +385,7 @@ int64_t sgd_block(const Desc& d, const Block& s, float momentum_decay, float mom
       M bad_lanes = _mm512_mask_cmpeq_epi32_mask(k[j], _mm512_and_si512(low, vi(0x7F800000)), vi(0x7F800000));
       nonfinite |= bad_lanes;
     }
-    const float am = absmax2(m[0], m[1]);
-    if (!(am <= SCALE_MAX) || nonfinite) {  // the group keeps its old state (skip_groups)
-      ++bad;
-      continue;
-    }
-    const float a = nonzero_or_one(am), sn = pow2_normalizer(a);
-    for (int j = 0; j < 2; ++j) {
-      const int64_t i = s.base + int64_t(q) * G + 16 * j;
-      store_code(d.mom[0], i, k[j], exp_avg_code(m[j], a, sn, companded));
+    bad += !store_signed_group(d, s, q, k, m, nonfinite != 0, companded, [&](int64_t i, int j) {
       if constexpr (P == FP32) {
         st32(static_cast<float*>(d.param) + i, k[j], theta[j]);
       } else {
@@ -393,8 +393,7 @@ int64_t sgd_block(const Desc& d, const Block& s, float momentum_decay, float mom
         else st16(static_cast<int16_t*>(d.rho) + i, k[j], rho[j]);
         st16(static_cast<uint16_t*>(d.param) + i, k[j], pbits[j]);
       }
-    }
-    d.scales[0][s.sidx + q] = f2bf(am);
+    });
   }
   return bad;
 }
