@@ -539,7 +539,7 @@ def test_file_system_without_locks_warns_and_still_saves(tmp_path, monkeypatch):
         raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
 
     monkeypatch.setattr(fcntl, "flock", no_locks)
-    monkeypatch.setattr(checkpoint.dcp, "_warned_no_flock", False)
+    monkeypatch.setattr(checkpoint.publish, "_warned_no_flock", False)
     model = _model()
     opt = FlashAdamW(model.parameters())
     with pytest.warns(UserWarning, match="cannot lock files.*not serialised"):
