@@ -399,7 +399,6 @@ def _check_options(path, kind: str, tag, master_weight_bits) -> None:
                               "DeepSpeed checkpoints only (master_weight_bits: flashoptim files too)")
 
 
-
 # ----- the plain data of a safetensors file ---------------------------------------------------------------
 
 
