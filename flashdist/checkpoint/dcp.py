@@ -52,11 +52,6 @@ def _rank() -> int:
     return dist.get_rank() if _distributed() else 0
 
 
-def _barrier() -> None:
-    if _distributed():
-        dist.barrier()
-
-
 def _state(model, optimizer, extra, optimizer_format: str | None = None) -> dict:
     return {"model": get_model_state_dict(model),
             "optim": optimizer_state_dict(model, optimizer, format=optimizer_format),

@@ -176,7 +176,7 @@ def verify_shard(file: str | os.PathLike, save_id: str | None, *, crc: bool = Tr
             if body < _HEADER_SIZE:
                 raise CheckpointError(f"flashdist: shard {file} is truncated ({size} bytes)")
             f.seek(body)
-            magic, length, crc = _TRAILER.unpack(f.read(_TRAILER.size))
+            magic, length, written = _TRAILER.unpack(f.read(_TRAILER.size))
             if magic != _TRAILER_MAGIC or length != body:
                 raise CheckpointError(f"flashdist: shard {file} is truncated or damaged (its end marker is missing)")
             if not crc:
@@ -191,8 +191,8 @@ def verify_shard(file: str | os.PathLike, save_id: str | None, *, crc: bool = Tr
                 left -= len(chunk)
     except OSError as e:
         raise CheckpointError(f"flashdist: cannot read shard {file}: {e.strerror or e}") from None
-    if left or actual != crc:
-        raise CheckpointError(f"flashdist: shard {file} is damaged (CRC-32 {actual:08x}, written {crc:08x})")
+    if left or actual != written:
+        raise CheckpointError(f"flashdist: shard {file} is damaged (CRC-32 {actual:08x}, written {written:08x})")
 
 
 class _ShardStream(io.IOBase):
