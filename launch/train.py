@@ -1,4 +1,4 @@
-"""Train a byte-level GPT on the Python standard library's sources with FSDP2 and a flashdist optimizer (or AdamW).
+"""Train a byte-level GPT on installed Python sources (launch/data.py) with FSDP2 and a flashdist optimizer (or AdamW).
 
     torchrun --nproc_per_node=2 launch/train.py --steps 200 --ckpt-dir runs/ckpt --ckpt-every 100
     torchrun --nproc_per_node=2 launch/train.py --steps 300 --ckpt-dir runs/ckpt --resume
