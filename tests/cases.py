@@ -9,7 +9,8 @@ runs "each optimizer" takes the entries from here:
   a run;
 - tests/test_cpu_kernel.py calls each entry's functional step (``Optimizer.functional_step``, with the
   hyper-parameters of its options) on the fused CPU step and the reference, bit for bit;
-- tests/distributed/sharding_cases.py builds its sharded-vs-one-process configurations as ``Case`` values.
+- tests/distributed/sharding_cases.py picks its sharded-vs-one-process configurations as ``Case`` values,
+  at least one per optimizer class.
 
 The error model. After ``k`` steps, ``|flash master weight - float64|`` of an element of row ``r`` stays under
 ``k * (lr * u_r * (arith + quant) + grid)``:

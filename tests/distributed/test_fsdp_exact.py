@@ -15,6 +15,14 @@ pytestmark = pytest.mark.slow  # multi-process
 STEPS = 4
 
 
+def test_every_optimizer_class_is_sharded():
+    """A new optimizer class of tests/cases.py gets a configuration in sharding_cases.CONFIGS too."""
+    from tests.cases import OPTIMIZERS
+
+    missing = {o.cls.__name__ for o in OPTIMIZERS.values()} - {c.opt.cls.__name__ for c in CONFIGS.values()}
+    assert not missing, f"add a configuration of {sorted(missing)} to CONFIGS in tests/distributed/sharding_cases.py"
+
+
 @single_threaded
 def single_process(config: str) -> tuple[dict[str, torch.Tensor], int]:
     model = make_mixed_net()
