@@ -73,7 +73,7 @@ def shard_mixed_net(model: MixedNet, mesh) -> MixedNet:
 
 GRAD_FREE = ("unused", "frozen")  # parameters that never receive a gradient
 
-# The optimizers of tests/cases.py under the options whose sharded step differs most: each optimizer, both
+# The optimizers of tests/cases.py under the options whose sharded step differs most: every optimizer class, both
 # master weight widths, 8-bit companded and linear moments, fp32 moments. The reference step, so that these
 # checks are about sharding alone (tests/test_cpu_kernel.py holds the fused CPU step to it bit for bit).
 CONFIGS = {case.id: case for case in [
