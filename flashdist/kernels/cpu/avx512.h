@@ -60,11 +60,11 @@ inline I load_i8(const int8_t* p, M k) { return _mm512_cvtepi8_epi32(ld8(p, k));
 inline I load_u8(const uint8_t* p, M k) { return _mm512_cvtepu8_epi32(ld8(p, k)); }
 inline I load_i16(const int16_t* p, M k) { return _mm512_cvtepi16_epi32(ld16(p, k)); }
 
-// merge_bf16 on 16 lanes: t the parameter's fp32 bits, r rho (sign-extended). A non-zero finite parameter's
+// merge_bf16 on 16 lanes, any parameter values: t the parameter's fp32 bits, r rho (sign-extended). A non-zero finite parameter's
 // bits move by rho << shift toward its sign (the magnitude stays in range: at least 2^16, rho << shift below
 // 2^15), so moving is one add of rho negated for negative parameters.
 template <int shift>
-inline V merge(I t, I r) {
+inline V merge_any(I t, I r) {
   I d = _mm512_slli_epi32(r, shift);
   I out = _mm512_mask_sub_epi32(_mm512_add_epi32(t, d), _mm512_cmplt_epi32_mask(t, _mm512_setzero_si512()), t, d);
   // +-0 + rho * unit: rho's sign and magnitude (where rho is 0 the parameter stays, -0 included)
@@ -74,11 +74,11 @@ inline V merge(I t, I r) {
   return _mm512_castsi512_ps(_mm512_mask_mov_epi32(out, special, t));
 }
 
-// split_bf16 on 16 lanes: the new parameter's bf16 bits and rho, both in int32 lanes. Its "next value up" is
+// split_bf16 on 16 lanes, any theta: the new parameter's bf16 bits and rho, both in int32 lanes. Its "next value up" is
 // one bf16 value up (pb + 1 for a positive theta, pb - 1 for a negative one: sign and magnitude bits) and
 // 2 * steps off rho.
 template <int shift>
-inline void split(V theta, I& pbits, I& rho) {
+inline void split_any(V theta, I& pbits, I& rho) {
   constexpr int32_t steps = shift ? 128 : 32768, half = shift ? 128 : 0;
   I x = _mm512_castps_si512(theta);
   const M neg = _mm512_cmplt_epi32_mask(x, _mm512_setzero_si512());
@@ -99,6 +99,40 @@ inline void split(V theta, I& pbits, I& rho) {
   // so r is in [-steps, steps] before the step up and in [-steps, steps - 1] after it
   rho = _mm512_mask_mov_epi32(r, special, _mm512_setzero_si512());
   pbits = _mm512_mask_mov_epi32(pb, nan, vi(0xFFFF));
+}
+
+// The common case of each, in fewer operations. merge: a finite, non-zero parameter's bits move by rho << shift
+// toward its sign, which is ((t ^ s) + d) ^ s with s its sign spread over the lane (for s = -1 that is t - d).
+// Lanes with a zero, infinite or NaN parameter take merge_any (``rare``: the caller's test).
+template <int shift>
+inline V merge(I t, I r, bool rare) {
+  if (rare) return merge_any<shift>(t, r);
+  const I s = _mm512_srai_epi32(t, 31);
+  return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_add_epi32(_mm512_xor_si512(t, s), _mm512_slli_epi32(r, shift)), s));
+}
+
+// split: theta's magnitude bits rounded half up to 16 + (16 - shift) bits, R = (mag + half) >> shift, are one
+// integer of bf16 value and rho: split_any's rounding to bf16, its remainder and its step up leave the one
+// pair with pbits * 2^(16 - shift) + rho = R and rho in [-steps, steps - 1] toward theta's sign, that is
+// rho in [-steps, steps - 1] for a positive theta and in [-(steps - 1), steps] for a negative one (magnitude
+// space). So pbits = (R + steps + s) >> (16 - shift), s the sign spread over the lane (-1 or 0), and rho, in
+// the value's direction, is +-R modulo 2^(16 - shift): the low bits that the narrowing store keeps. Theta's
+// sign bit rides along at bit 31 - shift of R and lands on the bf16 sign bit. Lanes whose magnitude comes
+// within a bf16 step of the largest finite value, infinities and NaNs take split_any.
+template <int shift>
+inline void split(V theta, I& pbits, I& rho) {
+  constexpr int32_t steps = shift ? 128 : 32768, half = shift ? 128 : 0;
+  const I x = _mm512_castps_si512(theta);
+  if (_mm512_cmpge_epu32_mask(_mm512_slli_epi32(x, 1), vi(int32_t(0xFEFE0000u)))) return split_any<shift>(theta, pbits, rho);
+  const I s = _mm512_srai_epi32(x, 31);
+  const I r = _mm512_srli_epi32(_mm512_add_epi32(x, vi(half)), shift);
+  pbits = _mm512_srli_epi32(_mm512_add_epi32(r, _mm512_add_epi32(s, vi(steps))), 16 - shift);
+  rho = _mm512_sub_epi32(_mm512_xor_si512(r, s), s);
+}
+
+// Whether a vector of bf16 parameters holds a value merge leaves to merge_any (+-0, inf, NaN)
+inline bool rare_bf16(I t) {
+  return _mm512_cmpge_epu32_mask(_mm512_add_epi32(_mm512_slli_epi32(t, 1), vi(-1)), vi(int32_t(0xFEFFFFFFu)));
 }
 
 // absmax of a group (two vectors) as in absmax() above: NaN when any value is
@@ -122,8 +156,9 @@ template <Param P>
 inline V load_theta(const Desc& d, int64_t i, M k) {
   if constexpr (P == FP32) return ld32(static_cast<const float*>(d.param) + i, k);
   I t = _mm512_castps_si512(load_bf16(static_cast<const uint16_t*>(d.param) + i, k));
-  if constexpr (P == BF16_RHO8) return merge<8>(t, load_i8(static_cast<const int8_t*>(d.rho) + i, k));
-  return merge<0>(t, load_i16(static_cast<const int16_t*>(d.rho) + i, k));
+  const bool rare = rare_bf16(t);
+  if constexpr (P == BF16_RHO8) return merge<8>(t, load_i8(static_cast<const int8_t*>(d.rho) + i, k), rare);
+  return merge<0>(t, load_i16(static_cast<const int16_t*>(d.rho) + i, k), rare);
 }
 template <Param P>
 inline void store_theta(const Desc& d, int64_t i, M k, V theta) {
