@@ -327,3 +327,26 @@ def test_split_and_merge_on_every_bf16_value(bits, lr):
         finite = runs[0][0].float().isfinite() & (param != 0)
         assert_same_bits(runs[0][0][finite], param[finite], "param")
         assert_same_bits(runs[0][1][finite], rho[finite], "rho")
+
+
+@pytest.mark.parametrize("companded", [True, False])
+def test_first_moment_code_minus_128(companded):
+    """-128, a first-moment code quantization never writes (a state from elsewhere may hold it), decodes as the
+    reference decodes it: outside the lookup the fused step uses for companded codes."""
+    gen = torch.Generator().manual_seed(5)
+    shape = (3, 200)
+    param, rho = R.split(torch.randn(shape, generator=gen) * 0.02, torch.bfloat16, R.rho_dtype(24))
+    grad = (torch.randn(shape, generator=gen) * 1e-3).bfloat16()
+    m, ms = Q.quantize_exp_avg(torch.randn(shape, generator=gen) * 1e-3, shape[1], companded)
+    v, vs = Q.quantize_exp_avg_sq(torch.rand(shape, generator=gen) * 1e-6, shape[1], companded)
+    m[0, 5] = m[2, 190] = -128
+    runs = []
+    for backend in ("cpu", "reference"):
+        state = [t.clone() for t in (param, m, v, ms, vs, rho)]
+        flash_adam([state[0]], [grad], [state[1]], [state[2]], [state[3]], [state[4]], [state[5]], cols=[shape[1]],
+                   lr=1e-3, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, step=3, decoupled=True,
+                   companded=companded, backend=backend)
+        runs.append(state)
+    for what, a, b in zip(("param", "exp_avg", "exp_avg_sq", "scales", "sq scales", "rho"), *runs):
+        assert_same_bits(a, b, what)
+    assert not torch.equal(runs[0][0], param)

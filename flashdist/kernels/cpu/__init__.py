@@ -9,7 +9,9 @@ keyed by the source, flags, torch and Python versions and the CPU, so later proc
 with ``-march=native`` (the build runs on the machine that uses it) and ``-ffp-contract=off``, without fast
 math. Where the build machine has AVX-512 (F, BW, VL), FlashAdam(W) with 8-bit moments on bf16 + rho or fp32
 parameters runs an explicitly vectorised path that keeps each quantization group in registers from its codes
-to its new codes (same operations, same bits); ``vector_isa()`` says whether the build has it.
+to its new codes (same operations, same bits; with AVX-512 VBMI the companded first moment's values are
+looked up in a table of the same fp32 values instead of divided); ``vector_isa()`` says whether the build has
+it.
 Where it cannot be built (no compiler, no ninja) the steps fall back to the reference with one warning.
 ``FLASHDIST_CPU_KERNEL=0`` turns the fused step off.
 

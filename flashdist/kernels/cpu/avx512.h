@@ -177,12 +177,88 @@ inline void store_theta(const Desc& d, int64_t i, M k, V theta) {
   }
 }
 
-// factor * first moment of 16 values from int8 codes (dequantize_signed above); scale: the group's
-inline V load_exp_avg(const Desc& d, int64_t i, M k, float scale, bool companded, float factor) {
-  V c = _mm512_cvtepi32_ps(load_i8(static_cast<const int8_t*>(d.mom[0]) + i, k));
-  if (!companded) return _mm512_mul_ps(c, vf((scale * INV127) * factor));
-  V y = _mm512_mul_ps(c, vf(INV127));
-  return _mm512_mul_ps(_mm512_div_ps(y, _mm512_sub_ps(vf(2.0f), vabs(y))), vf(scale * factor));
+// The companded first moment's values y / (2 - |y|), y = code / 127, of a block's codes, before their groups'
+// scales: looked up rather than divided where the build has AVX-512 VBMI (byte permutes), since the divider is
+// what bounds the step. The table holds the values of the codes 0..127, computed with the fp32 operations of
+// dequantize_signed (so of codes.EXP_AVG_TABLE); the value is odd in the code bit for bit (-c: the same
+// product and quotient with the sign flipped), so the sign bit comes from the code. The table is kept as four
+// byte planes of 128 bytes (two registers each), looked up 64 codes at a time (vpermi2b) and put together by
+// interleaving the planes; the codes are permuted first so that the interleaving's order within 128-bit lanes
+// comes out as the codes' order.
+#ifdef __AVX512VBMI__
+struct CompandedTable {
+  I plane[4][2];
+  I order;  // position 16 l + 4 k + e of the permuted codes holds code 16 k + 4 l + e
+  CompandedTable() {
+    alignas(64) uint8_t bytes[4][128], perm[64];
+    for (int c = 0; c < 128; ++c) {
+      const float y = float(c) * INV127;
+      const uint32_t u = f2u(y / (2.0f - std::fabs(y)));
+      for (int b = 0; b < 4; ++b) bytes[b][c] = uint8_t(u >> (8 * b));
+    }
+    for (int l = 0; l < 4; ++l)
+      for (int k = 0; k < 4; ++k)
+        for (int e = 0; e < 4; ++e) perm[16 * l + 4 * k + e] = uint8_t(16 * k + 4 * l + e);
+    for (int b = 0; b < 4; ++b)
+      for (int h = 0; h < 2; ++h) plane[b][h] = _mm512_load_si512(bytes[b] + 64 * h);
+    order = _mm512_load_si512(perm);
+  }
+};
+
+inline const CompandedTable& companded_table() {
+  static const CompandedTable table;
+  return table;
+}
+#endif
+
+// y / (2 - |y|) of 64 codes from p, of which n (at most 64) are the row's (the others read as code 0), in four
+// vectors of 16 in order
+inline void companded_values(const int8_t* p, int n, V out[4]) {
+  const I c = n >= 64 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8((__mmask64(1) << n) - 1, p);
+#ifdef __AVX512VBMI__
+  // -128, never written by quantization but possible in a state loaded from elsewhere, is outside the table
+  if (!_mm512_cmpeq_epi8_mask(c, _mm512_set1_epi8(-128))) {
+    const CompandedTable& t = companded_table();
+    const I idx = _mm512_permutexvar_epi8(t.order, c), a = _mm512_abs_epi8(idx);
+    I b[4];
+    for (int k = 0; k < 4; ++k) b[k] = _mm512_permutex2var_epi8(t.plane[k][0], a, t.plane[k][1]);
+    b[3] = _mm512_ternarylogic_epi32(b[3], idx, _mm512_set1_epi8(char(0x80)), 0xF8);  // | the code's sign
+    const I lo01 = _mm512_unpacklo_epi8(b[0], b[1]), hi01 = _mm512_unpackhi_epi8(b[0], b[1]);
+    const I lo23 = _mm512_unpacklo_epi8(b[2], b[3]), hi23 = _mm512_unpackhi_epi8(b[2], b[3]);
+    out[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(lo01, lo23));
+    out[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(lo01, lo23));
+    out[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(hi01, hi23));
+    out[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(hi01, hi23));
+    return;
+  }
+#endif
+  for (int v = 0; v < 4; ++v) {
+    V y = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(c, v))), vf(INV127));
+    out[v] = _mm512_div_ps(y, _mm512_sub_ps(vf(2.0f), vabs(y)));
+  }
+}
+
+// The first moments of a block (d.mom[0]'s codes) before their scales, 16 values a vector: companded_values
+// where the moments are companded, the codes as floats where they are linear
+inline void first_moment_values(const Desc& d, const Block& s, bool companded, V out[B / 16]) {
+  const int8_t* codes = static_cast<const int8_t*>(d.mom[0]) + s.base;
+  for (int q = 0; q * G < s.n; q += 2) {
+    if (companded) {
+      companded_values(codes + q * G, s.n - q * G, out + 2 * q);
+    } else {
+      for (int v = 0; v < 4 && q * G + 16 * v < s.n; ++v) {
+        const int left = s.n - q * G - 16 * v;
+        out[2 * q + v] = _mm512_cvtepi32_ps(load_i8(codes + q * G + 16 * v, left >= 16 ? ALL : M((1u << left) - 1)));
+      }
+    }
+  }
+}
+
+// factor * first moment of the 16 values of vector v of a block (dequantize_signed above), from
+// first_moment_values; scale: their group's
+inline V exp_avg(const V* values, int v, float scale, bool companded, float factor) {
+  if (companded) return _mm512_mul_ps(values[v], vf(scale * factor));
+  return _mm512_mul_ps(values[v], vf((scale * INV127) * factor));
 }
 
 // int8 codes of 16 values of a first moment (quantize_signed above); a: the group's absmax, not 0, sn its
@@ -194,8 +270,14 @@ inline V exp_avg_code(V m, float a, float sn, bool companded) {
   return _mm512_mul_ps(_mm512_mul_ps(m, vf(lift)), vf(127.0f / (a * lift)));
 }
 
-// Lanes of a group's two vectors that hold values of its row (a row's last group may be partial)
+// Lanes of a group's two vectors that hold values of its row (a row's last group may be partial); every lane
+// in a full block (B values), known when compiling, so that its loads, stores and masking are plain ones
+template <bool full = false>
 inline void group_masks(const Block& s, int q, M k[2]) {
+  if constexpr (full) {
+    k[0] = k[1] = ALL;
+    return;
+  }
   const int left = s.n - q * G;
   k[0] = M(left >= 16 ? 0xFFFF : (1u << left) - 1);
   k[1] = M(left >= 32 ? 0xFFFF : (left <= 16 ? 0 : (1u << (left - 16)) - 1));
@@ -273,23 +355,25 @@ inline I reduce_max16(const I* x) {
 // One block of FlashAdam(W) with 8-bit moments (Adam::block's quantized branch); the number of skipped groups.
 // First every group's new moments and absmaxes, then the per-group values on all groups at once, then the
 // groups' updates and codes.
-template <Param P>
+template <Param P, bool decoupled, bool companded, bool full>
 int64_t adam_block(const Desc& d, const Block& s, float beta1, float beta2, float omb1, float omb2, float eps,
-                   float wd, float decay, float step_size, float ibc2, bool decoupled, bool companded) {
+                   float wd, float decay, float step_size, float ibc2) {
   const uint8_t* vc = static_cast<const uint8_t*>(d.mom[1]);
-  const int groups = (s.n + G - 1) / G;
+  const int groups = full ? B / G : (s.n + G - 1) / G;
   V m[B / G][2], sec[B / G][2], den[B / G][2], th[B / G][2];
   static_assert(B / G == 8, "reduce_max16 takes two moments of 8 groups");
   I amax[16];  // 0..7: the groups' first moments, 8..15: their second moments (or square roots)
   for (int q = groups; q < B / G; ++q) amax[q] = amax[8 + q] = _mm512_setzero_si512();
+  V fm[B / 16];
+  first_moment_values(d, s, companded, fm);
   for (int q = 0; q < groups; ++q) {
     M k[2];
-    group_masks(s, q, k);
+    group_masks<full>(s, q, k);
     const float sm = bf16_value(d.scales[0][s.sidx + q]), sv = bf16_value(d.scales[1][s.sidx + q]);
     for (int j = 0; j < 2; ++j) {
       const int64_t i = s.base + int64_t(q) * G + 16 * j;
       V g = load_grad(d.grad, d.gdt, i, k[j]);
-      V mj = load_exp_avg(d, i, k[j], sm, companded, beta1);
+      V mj = exp_avg(fm, 2 * q + j, sm, companded, beta1);
       V cv = _mm512_cvtepi32_ps(load_u8(vc + i, k[j]));
       V vj;
       if (companded) {
@@ -301,8 +385,12 @@ int64_t adam_block(const Desc& d, const Block& s, float beta1, float beta2, floa
       V t = load_theta<P>(d, i, k[j]);
       if (decoupled) t = _mm512_mul_ps(t, vf(decay));
       else g = _mm512_add_ps(g, _mm512_mul_ps(t, vf(wd)));
-      mj = _mm512_maskz_mov_ps(k[j], _mm512_add_ps(mj, _mm512_mul_ps(g, vf(omb1))));
-      vj = _mm512_maskz_mov_ps(k[j], _mm512_add_ps(vj, _mm512_mul_ps(_mm512_mul_ps(g, g), vf(omb2))));
+      mj = _mm512_add_ps(mj, _mm512_mul_ps(g, vf(omb1)));
+      vj = _mm512_add_ps(vj, _mm512_mul_ps(_mm512_mul_ps(g, g), vf(omb2)));
+      if (!full) {  // a partial group's lanes past the row: zero, as the reference pads
+        mj = _mm512_maskz_mov_ps(k[j], mj);
+        vj = _mm512_maskz_mov_ps(k[j], vj);
+      }
       V u = _mm512_sqrt_ps(vj);
       den[q][j] = _mm512_add_ps(_mm512_mul_ps(u, vf(ibc2)), vf(eps));
       m[q][j] = mj;
@@ -319,7 +407,7 @@ int64_t adam_block(const Desc& d, const Block& s, float beta1, float beta2, floa
   for (int q = 0; q < groups; ++q) {
     if (gv.bad >> q & 1) continue;  // the group keeps its old state (skip_groups)
     M k[2];
-    group_masks(s, q, k);
+    group_masks<full>(s, q, k);
     for (int j = 0; j < 2; ++j) {
       const int64_t i = s.base + int64_t(q) * G + 16 * j;
       const V mj = m[q][j];
@@ -336,6 +424,19 @@ int64_t adam_block(const Desc& d, const Block& s, float beta1, float beta2, floa
     }
   }
   return __builtin_popcount(gv.bad);
+}
+
+// adam_block with its flags known when compiling
+template <Param P>
+int64_t adam_block(const Desc& d, const Block& s, float beta1, float beta2, float omb1, float omb2, float eps,
+                   float wd, float decay, float step_size, float ibc2, bool decoupled, bool companded) {
+  const bool full = s.n == B;
+#define FLASHDIST_ADAM(D, C, F) adam_block<P, D, C, F>(d, s, beta1, beta2, omb1, omb2, eps, wd, decay, step_size, ibc2)
+  if (decoupled && companded) return full ? FLASHDIST_ADAM(true, true, true) : FLASHDIST_ADAM(true, true, false);
+  if (decoupled) return full ? FLASHDIST_ADAM(true, false, true) : FLASHDIST_ADAM(true, false, false);
+  if (companded) return full ? FLASHDIST_ADAM(false, true, true) : FLASHDIST_ADAM(false, true, false);
+  return full ? FLASHDIST_ADAM(false, false, true) : FLASHDIST_ADAM(false, false, false);
+#undef FLASHDIST_ADAM
 }
 
 // The end of a group of FlashLion or FlashSGD(W) with an 8-bit moment: its new first moment ``m`` quantized
@@ -361,6 +462,8 @@ template <Param P>
 int64_t lion_block(const Desc& d, const Block& s, float beta1, float beta2, float omb1, float omb2, float decay,
                    float lr, bool companded) {
   int64_t bad = 0;
+  V fm[B / 16];
+  first_moment_values(d, s, companded, fm);
   for (int q = 0; q * G < s.n; ++q) {
     M k[2];
     group_masks(s, q, k);
@@ -369,7 +472,7 @@ int64_t lion_block(const Desc& d, const Block& s, float beta1, float beta2, floa
     for (int j = 0; j < 2; ++j) {
       const int64_t i = s.base + int64_t(q) * G + 16 * j;
       V g = load_grad(d.grad, d.gdt, i, k[j]);
-      V mo = load_exp_avg(d, i, k[j], sm, companded, 1.0f);
+      V mo = exp_avg(fm, 2 * q + j, sm, companded, 1.0f);
       th[j] = _mm512_mul_ps(load_theta<P>(d, i, k[j]), vf(decay));
       V c = _mm512_add_ps(_mm512_mul_ps(mo, vf(beta1)), _mm512_mul_ps(g, vf(omb1)));
       // float(c > 0) - float(c < 0): +1, -1, or +0 (zero and NaN)
@@ -390,6 +493,8 @@ template <Param P>
 int64_t sgd_block(const Desc& d, const Block& s, float momentum_decay, float momentum_gain, float momentum,
                   float wd, float decay, float lr, bool decoupled, bool nesterov, bool companded) {
   int64_t bad = 0;
+  V fm[B / 16];
+  first_moment_values(d, s, companded, fm);
   for (int q = 0; q * G < s.n; ++q) {
     M k[2];
     group_masks(s, q, k);
@@ -403,7 +508,7 @@ int64_t sgd_block(const Desc& d, const Block& s, float momentum_decay, float mom
       V t = load_theta<P>(d, i, k[j]);
       if (decoupled) t = _mm512_mul_ps(t, vf(decay));
       else g = _mm512_add_ps(g, _mm512_mul_ps(t, vf(wd)));
-      V mj = _mm512_add_ps(load_exp_avg(d, i, k[j], sm, companded, momentum_decay),
+      V mj = _mm512_add_ps(exp_avg(fm, 2 * q + j, sm, companded, momentum_decay),
                            _mm512_mul_ps(g, vf(momentum_gain)));
       V dir = nesterov ? _mm512_add_ps(g, _mm512_mul_ps(mj, vf(momentum))) : mj;
       t = _mm512_sub_ps(t, _mm512_mul_ps(dir, vf(lr)));
