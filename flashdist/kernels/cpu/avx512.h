@@ -458,7 +458,7 @@ inline bool store_signed_group(const Desc& d, const Block& s, int q, const M* k,
 }
 
 // One block of FlashLion with an 8-bit moment (Lion::block's quantized branch); the number of skipped groups.
-template <Param P>
+template <Param P, bool full>
 int64_t lion_block(const Desc& d, const Block& s, float beta1, float beta2, float omb1, float omb2, float decay,
                    float lr, bool companded) {
   int64_t bad = 0;
@@ -466,7 +466,7 @@ int64_t lion_block(const Desc& d, const Block& s, float beta1, float beta2, floa
   first_moment_values(d, s, companded, fm);
   for (int q = 0; q * G < s.n; ++q) {
     M k[2];
-    group_masks(s, q, k);
+    group_masks<full>(s, q, k);
     const float sm = bf16_value(d.scales[0][s.sidx + q]);
     V m[2], th[2];
     for (int j = 0; j < 2; ++j) {
@@ -479,7 +479,8 @@ int64_t lion_block(const Desc& d, const Block& s, float beta1, float beta2, floa
       V dir = _mm512_mask_mov_ps(_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(c, vf(0.f), _CMP_GT_OQ), vf(1.0f)),
                                  _mm512_cmp_ps_mask(c, vf(0.f), _CMP_LT_OQ), vf(-1.0f));
       th[j] = _mm512_sub_ps(th[j], _mm512_mul_ps(dir, vf(lr)));
-      m[j] = _mm512_maskz_mov_ps(k[j], _mm512_add_ps(_mm512_mul_ps(mo, vf(beta2)), _mm512_mul_ps(g, vf(omb2))));
+      m[j] = _mm512_add_ps(_mm512_mul_ps(mo, vf(beta2)), _mm512_mul_ps(g, vf(omb2)));
+      if (!full) m[j] = _mm512_maskz_mov_ps(k[j], m[j]);
     }
     bad += !store_signed_group(d, s, q, k, m, false, companded,
                                [&](int64_t i, int j) { store_theta<P>(d, i, k[j], th[j]); });
@@ -487,9 +488,16 @@ int64_t lion_block(const Desc& d, const Block& s, float beta1, float beta2, floa
   return bad;
 }
 
+template <Param P>
+int64_t lion_block(const Desc& d, const Block& s, float beta1, float beta2, float omb1, float omb2, float decay,
+                   float lr, bool companded) {
+  return s.n == B ? lion_block<P, true>(d, s, beta1, beta2, omb1, omb2, decay, lr, companded)
+                  : lion_block<P, false>(d, s, beta1, beta2, omb1, omb2, decay, lr, companded);
+}
+
 // One block of FlashSGD(W) with an 8-bit momentum (SGD::block's quantized branch); the number of skipped
 // groups. A group is also skipped where its new parameter is not finite (SGD's step has no bound).
-template <Param P>
+template <Param P, bool full>
 int64_t sgd_block(const Desc& d, const Block& s, float momentum_decay, float momentum_gain, float momentum,
                   float wd, float decay, float lr, bool decoupled, bool nesterov, bool companded) {
   int64_t bad = 0;
@@ -497,7 +505,7 @@ int64_t sgd_block(const Desc& d, const Block& s, float momentum_decay, float mom
   first_moment_values(d, s, companded, fm);
   for (int q = 0; q * G < s.n; ++q) {
     M k[2];
-    group_masks(s, q, k);
+    group_masks<full>(s, q, k);
     const float sm = bf16_value(d.scales[0][s.sidx + q]);
     V m[2], theta[2];
     I pbits[2], rho[2];
@@ -512,7 +520,7 @@ int64_t sgd_block(const Desc& d, const Block& s, float momentum_decay, float mom
                            _mm512_mul_ps(g, vf(momentum_gain)));
       V dir = nesterov ? _mm512_add_ps(g, _mm512_mul_ps(mj, vf(momentum))) : mj;
       t = _mm512_sub_ps(t, _mm512_mul_ps(dir, vf(lr)));
-      m[j] = _mm512_maskz_mov_ps(k[j], mj);
+      m[j] = full ? mj : _mm512_maskz_mov_ps(k[j], mj);
       I low;  // the new parameter's bits as stored (bf16 in the upper half of the fp32 bits)
       if constexpr (P == FP32) {
         theta[j] = t;
@@ -536,6 +544,15 @@ int64_t sgd_block(const Desc& d, const Block& s, float momentum_decay, float mom
     });
   }
   return bad;
+}
+
+template <Param P>
+int64_t sgd_block(const Desc& d, const Block& s, float momentum_decay, float momentum_gain, float momentum,
+                  float wd, float decay, float lr, bool decoupled, bool nesterov, bool companded) {
+  return s.n == B ? sgd_block<P, true>(d, s, momentum_decay, momentum_gain, momentum, wd, decay, lr, decoupled,
+                                       nesterov, companded)
+                  : sgd_block<P, false>(d, s, momentum_decay, momentum_gain, momentum, wd, decay, lr, decoupled,
+                                        nesterov, companded);
 }
 
 }  // namespace simd
