@@ -135,13 +135,6 @@ inline bool rare_bf16(I t) {
   return _mm512_cmpge_epu32_mask(_mm512_add_epi32(_mm512_slli_epi32(t, 1), vi(-1)), vi(int32_t(0xFEFFFFFFu)));
 }
 
-// absmax of a group (two vectors) as in absmax() above: NaN when any value is
-inline float absmax2(V a, V b) {
-  I m = _mm512_max_epu32(_mm512_castps_si512(vabs(a)), _mm512_castps_si512(vabs(b)));
-  uint32_t r = _mm512_reduce_max_epu32(m);
-  return r > 0x7F800000u ? std::numeric_limits<float>::quiet_NaN() : u2f(r);
-}
-
 // rint and the conversion to an integer in one instruction (round to nearest even): the codes of a group that is
 // written are integers in [-127, 255], so rounding first and truncating after changes nothing
 inline void store_code(void* p, int64_t i, M k, V x) {
@@ -261,15 +254,6 @@ inline V exp_avg(const V* values, int v, float scale, bool companded, float fact
   return _mm512_mul_ps(values[v], vf((scale * INV127) * factor));
 }
 
-// int8 codes of 16 values of a first moment (quantize_signed above); a: the group's absmax, not 0, sn its
-// pow2_normalizer
-inline V exp_avg_code(V m, float a, float sn, bool companded) {
-  if (companded)
-    return _mm512_div_ps(_mm512_mul_ps(m, vf(254.0f * sn)), _mm512_add_ps(vf(a * sn), _mm512_mul_ps(vabs(m), vf(sn))));
-  const float lift = a < TINY ? LIFT : 1.0f;
-  return _mm512_mul_ps(_mm512_mul_ps(m, vf(lift)), vf(127.0f / (a * lift)));
-}
-
 // Lanes of a group's two vectors that hold values of its row (a row's last group may be partial); every lane
 // in a full block (B values), known when compiling, so that its loads, stores and masking are plain ones
 template <bool full = false>
@@ -295,20 +279,26 @@ inline V nonzero_or_one_bits(I bits) {  // absmax bits (no sign): 0 -> 1.0
   return _mm512_castsi512_ps(_mm512_mask_mov_epi32(bits, _mm512_testn_epi32_mask(bits, bits), vi(0x3F800000)));
 }
 
-// am, au: lane q the absmax bits of group q's first and second moment
-inline void group_values(I am, I au, int groups, float step_size, bool companded, uint16_t* scale_m,
-                         uint16_t* scale_u, GroupValues& out) {
-  const M lanes = M((1u << groups) - 1);
-  // !(am <= SCALE_MAX) || !(au <= max): on the magnitudes' bits (a NaN's are above both bounds)
-  M bad = _mm512_cmpgt_epu32_mask(am, vi(int32_t(f2u(SCALE_MAX)))) |
-          _mm512_cmpgt_epu32_mask(au, vi(int32_t(f2u(companded ? SQRT_SCALE_MAX : SCALE_MAX))));
-  out.bad = bad & lanes;
-  V a = nonzero_or_one_bits(am), b = nonzero_or_one_bits(au);
-  // pow2_normalizer(a) = 2^(127 - e), e the exponent clamped to [8, 253]; 1 / sn = 2^(e - 127) exactly
-  I e = _mm512_min_epi32(_mm512_max_epi32(_mm512_srli_epi32(_mm512_castps_si512(a), 23), vi(8)), vi(253));
+// bf16 bits of fp32 bits (f2bf: round to nearest even), one per lane
+inline I bf16_bits(I x) {
+  return _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(x, vi(0x7FFF)), _mm512_and_si512(_mm512_srli_epi32(x, 16), vi(1))), 16);
+}
+
+// The new scales of the groups kept (lanes of keep): bf16 of their absmaxes' bits
+inline void store_scales(uint16_t* scales, M keep, I absmax) {
+  _mm256_mask_storeu_epi16(scales, keep, _mm512_cvtepi32_epi16(bf16_bits(absmax)));
+}
+
+// The first moment's per-group values (quantize_signed's; FlashAdam(W), FlashLion and FlashSGD(W) alike) from
+// am, lane q the absmax bits of group q: sn, and k254 and as (companded) or mlift and mrcp (linear), into
+// out. Returns the groups (lanes) whose moment does not fit its scale: !(am <= SCALE_MAX), on the magnitudes'
+// bits (a NaN's are above the bound); e: the exponent of pow2_normalizer (1 / sn = 2^(e - 127) exactly).
+inline M signed_group_values(I am, bool companded, GroupValues& out, I& e) {
+  V a = nonzero_or_one_bits(am);
+  // pow2_normalizer(a) = 2^(127 - e), e the exponent clamped to [8, 253]
+  e = _mm512_min_epi32(_mm512_max_epi32(_mm512_srli_epi32(_mm512_castps_si512(a), 23), vi(8)), vi(253));
   V sn = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_sub_epi32(vi(254), e), 23));
   _mm512_store_ps(out.sn, sn);
-  _mm512_store_ps(out.step, _mm512_mul_ps(vf(step_size), _mm512_castsi512_ps(_mm512_slli_epi32(e, 23))));
   if (companded) {
     _mm512_store_ps(out.k254, _mm512_mul_ps(vf(254.0f), sn));
     _mm512_store_ps(out.as, _mm512_mul_ps(a, sn));
@@ -317,17 +307,33 @@ inline void group_values(I am, I au, int groups, float step_size, bool companded
     _mm512_store_ps(out.mlift, lift);
     _mm512_store_ps(out.mrcp, _mm512_div_ps(vf(127.0f), _mm512_mul_ps(a, lift)));
   }
+  return _mm512_cmpgt_epu32_mask(am, vi(int32_t(f2u(SCALE_MAX))));
+}
+
+// int8 codes (before rounding) of 16 values m of group q of a first moment, from its signed_group_values
+inline V signed_code(V m, const GroupValues& gv, int q, bool companded) {
+  if (companded)
+    return _mm512_div_ps(_mm512_mul_ps(m, vf(gv.k254[q])), _mm512_add_ps(vf(gv.as[q]), _mm512_mul_ps(vabs(m), vf(gv.sn[q]))));
+  return _mm512_mul_ps(_mm512_mul_ps(m, vf(gv.mlift[q])), vf(gv.mrcp[q]));
+}
+
+// am, au: lane q the absmax bits of group q's first and second moment
+inline void group_values(I am, I au, int groups, float step_size, bool companded, uint16_t* scale_m,
+                         uint16_t* scale_u, GroupValues& out) {
+  const M lanes = M((1u << groups) - 1);
+  I e;
+  // !(am <= SCALE_MAX) || !(au <= max): on the magnitudes' bits (a NaN's are above both bounds)
+  M bad = signed_group_values(am, companded, out, e) |
+          _mm512_cmpgt_epu32_mask(au, vi(int32_t(f2u(companded ? SQRT_SCALE_MAX : SCALE_MAX))));
+  out.bad = bad & lanes;
+  _mm512_store_ps(out.step, _mm512_mul_ps(vf(step_size), _mm512_castsi512_ps(_mm512_slli_epi32(e, 23))));
+  V b = nonzero_or_one_bits(au);
   V lift = _mm512_mask_mov_ps(vf(1.0f), _mm512_cmp_ps_mask(b, vf(TINY), _CMP_LT_OQ), vf(LIFT));
   _mm512_store_ps(out.vlift, lift);
   _mm512_store_ps(out.vrcp, _mm512_div_ps(vf(255.0f), _mm512_mul_ps(b, lift)));
-  // the new scales, bf16 of the absmaxes (f2bf: round to nearest even; written for the groups kept)
-  auto bf16_bits = [](I x) {
-    return _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(x, vi(0x7FFF)),
-                                              _mm512_and_si512(_mm512_srli_epi32(x, 16), vi(1))), 16);
-  };
   const M keep = lanes & ~bad;
-  _mm256_mask_storeu_epi16(scale_m, keep, _mm512_cvtepi32_epi16(bf16_bits(am)));
-  _mm256_mask_storeu_epi16(scale_u, keep, _mm512_cvtepi32_epi16(bf16_bits(au)));
+  store_scales(scale_m, keep, am);
+  store_scales(scale_u, keep, au);
 }
 
 // Lane-wise max of the magnitudes' bits of a group's two vectors; its largest lane is the group's absmax bits
@@ -414,9 +420,7 @@ int64_t adam_block(const Desc& d, const Block& s, float beta1, float beta2, floa
       V x = _mm512_mul_ps(mj, vf(gv.sn[q]));
       x = _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(vabs(x), vf(UPDATE_FLUSH), _CMP_LT_OQ), vf(0.f));
       V theta = _mm512_sub_ps(th[q][j], _mm512_mul_ps(_mm512_div_ps(x, den[q][j]), vf(gv.step[q])));
-      V code_m = companded ? _mm512_div_ps(_mm512_mul_ps(mj, vf(gv.k254[q])),
-                                           _mm512_add_ps(vf(gv.as[q]), _mm512_mul_ps(vabs(mj), vf(gv.sn[q]))))
-                           : _mm512_mul_ps(_mm512_mul_ps(mj, vf(gv.mlift[q])), vf(gv.mrcp[q]));
+      V code_m = signed_code(mj, gv, q, companded);
       V lifted = gv.vlift[q] == 1.0f ? sec[q][j] : _mm512_mul_ps(sec[q][j], vf(gv.vlift[q]));  // x * 1 is x
       store_code(d.mom[0], i, k[j], code_m);
       store_code(d.mom[1], i, k[j], _mm512_mul_ps(lifted, vf(gv.vrcp[q])));
@@ -439,53 +443,66 @@ int64_t adam_block(const Desc& d, const Block& s, float beta1, float beta2, floa
 #undef FLASHDIST_ADAM
 }
 
-// The end of a group of FlashLion or FlashSGD(W) with an 8-bit moment: its new first moment ``m`` quantized
-// and stored with its parameter values (``store_param(i, j)`` for the 16 values at i, half j), or the whole
-// group left as it was (skip_groups) when the moment overflows the bf16 scale or ``skip``. Whether it stored.
-template <class StoreParam>
-inline bool store_signed_group(const Desc& d, const Block& s, int q, const M* k, const V* m, bool skip,
-                               bool companded, StoreParam store_param) {
-  const float am = absmax2(m[0], m[1]);
-  if (!(am <= SCALE_MAX) || skip) return false;
-  const float a = nonzero_or_one(am), sn = pow2_normalizer(a);
-  for (int j = 0; j < 2; ++j) {
-    const int64_t i = s.base + int64_t(q) * G + 16 * j;
-    store_code(d.mom[0], i, k[j], exp_avg_code(m[j], a, sn, companded));
-    store_param(i, j);
+// The end of a block of FlashLion or FlashSGD(W) with an 8-bit moment: the new first moments m of its groups
+// quantized, each group's codes, scale and parameter values (``store_param(q, j)``, the 16 values of half j)
+// stored, or the group left as it was (skip_groups) where its moment overflows the bf16 scale or it is in
+// ``skip`` (bit q: group q). The per-group values are computed on all groups at once, as adam_block's. The
+// number of groups skipped.
+template <bool full, class StoreParam>
+inline int64_t store_signed_block(const Desc& d, const Block& s, int groups, const V (*m)[2], const I* amax,
+                                  uint32_t skip, bool companded, StoreParam store_param) {
+  I all[16];
+  for (int q = 0; q < 8; ++q) all[q] = q < groups ? amax[q] : _mm512_setzero_si512();
+  for (int q = 8; q < 16; ++q) all[q] = _mm512_setzero_si512();
+  const I am = reduce_max16(all);
+  GroupValues gv;
+  I e;
+  const M lanes = M((1u << groups) - 1);
+  const M bad = (signed_group_values(am, companded, gv, e) | M(skip)) & lanes;
+  store_scales(d.scales[0] + s.sidx, lanes & ~bad, am);
+  for (int q = 0; q < groups; ++q) {
+    if (bad >> q & 1) continue;
+    M k[2];
+    group_masks<full>(s, q, k);
+    for (int j = 0; j < 2; ++j) {
+      store_code(d.mom[0], s.base + int64_t(q) * G + 16 * j, k[j], signed_code(m[q][j], gv, q, companded));
+      store_param(q, j, k[j]);
+    }
   }
-  d.scales[0][s.sidx + q] = f2bf(am);
-  return true;
+  return __builtin_popcount(bad);
 }
 
 // One block of FlashLion with an 8-bit moment (Lion::block's quantized branch); the number of skipped groups.
 template <Param P, bool full>
 int64_t lion_block(const Desc& d, const Block& s, float beta1, float beta2, float omb1, float omb2, float decay,
                    float lr, bool companded) {
-  int64_t bad = 0;
+  const int groups = full ? B / G : (s.n + G - 1) / G;
   V fm[B / 16];
   first_moment_values(d, s, companded, fm);
-  for (int q = 0; q * G < s.n; ++q) {
+  V m[B / G][2], th[B / G][2];
+  I amax[B / G];
+  for (int q = 0; q < groups; ++q) {
     M k[2];
     group_masks<full>(s, q, k);
     const float sm = bf16_value(d.scales[0][s.sidx + q]);
-    V m[2], th[2];
     for (int j = 0; j < 2; ++j) {
       const int64_t i = s.base + int64_t(q) * G + 16 * j;
       V g = load_grad(d.grad, d.gdt, i, k[j]);
       V mo = exp_avg(fm, 2 * q + j, sm, companded, 1.0f);
-      th[j] = _mm512_mul_ps(load_theta<P>(d, i, k[j]), vf(decay));
+      V t = _mm512_mul_ps(load_theta<P>(d, i, k[j]), vf(decay));
       V c = _mm512_add_ps(_mm512_mul_ps(mo, vf(beta1)), _mm512_mul_ps(g, vf(omb1)));
       // float(c > 0) - float(c < 0): +1, -1, or +0 (zero and NaN)
       V dir = _mm512_mask_mov_ps(_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(c, vf(0.f), _CMP_GT_OQ), vf(1.0f)),
                                  _mm512_cmp_ps_mask(c, vf(0.f), _CMP_LT_OQ), vf(-1.0f));
-      th[j] = _mm512_sub_ps(th[j], _mm512_mul_ps(dir, vf(lr)));
-      m[j] = _mm512_add_ps(_mm512_mul_ps(mo, vf(beta2)), _mm512_mul_ps(g, vf(omb2)));
-      if (!full) m[j] = _mm512_maskz_mov_ps(k[j], m[j]);
+      th[q][j] = _mm512_sub_ps(t, _mm512_mul_ps(dir, vf(lr)));
+      m[q][j] = _mm512_add_ps(_mm512_mul_ps(mo, vf(beta2)), _mm512_mul_ps(g, vf(omb2)));
+      if (!full) m[q][j] = _mm512_maskz_mov_ps(k[j], m[q][j]);
     }
-    bad += !store_signed_group(d, s, q, k, m, false, companded,
-                               [&](int64_t i, int j) { store_theta<P>(d, i, k[j], th[j]); });
+    amax[q] = absmax_lanes(m[q][0], m[q][1]);
   }
-  return bad;
+  return store_signed_block<full>(d, s, groups, m, amax, 0, companded, [&](int q, int j, M k) {
+    store_theta<P>(d, s.base + int64_t(q) * G + 16 * j, k, th[q][j]);
+  });
 }
 
 template <Param P>
@@ -500,50 +517,55 @@ int64_t lion_block(const Desc& d, const Block& s, float beta1, float beta2, floa
 template <Param P, bool full>
 int64_t sgd_block(const Desc& d, const Block& s, float momentum_decay, float momentum_gain, float momentum,
                   float wd, float decay, float lr, bool decoupled, bool nesterov, bool companded) {
-  int64_t bad = 0;
+  const int groups = full ? B / G : (s.n + G - 1) / G;
   V fm[B / 16];
   first_moment_values(d, s, companded, fm);
-  for (int q = 0; q * G < s.n; ++q) {
+  V m[B / G][2], theta[B / G][2];  // theta: the new parameter (fp32), or its bf16 bits and rho (as int32 lanes)
+  I amax[B / G];
+  uint32_t nonfinite = 0;  // bit q: group q has a new parameter that is inf or NaN
+  for (int q = 0; q < groups; ++q) {
     M k[2];
     group_masks<full>(s, q, k);
     const float sm = bf16_value(d.scales[0][s.sidx + q]);
-    V m[2], theta[2];
-    I pbits[2], rho[2];
-    M nonfinite = 0;  // lanes of either vector whose new parameter is inf or NaN
+    M bad_lanes = 0;
     for (int j = 0; j < 2; ++j) {
       const int64_t i = s.base + int64_t(q) * G + 16 * j;
       V g = load_grad(d.grad, d.gdt, i, k[j]);
       V t = load_theta<P>(d, i, k[j]);
       if (decoupled) t = _mm512_mul_ps(t, vf(decay));
       else g = _mm512_add_ps(g, _mm512_mul_ps(t, vf(wd)));
-      V mj = _mm512_add_ps(exp_avg(fm, 2 * q + j, sm, companded, momentum_decay),
-                           _mm512_mul_ps(g, vf(momentum_gain)));
+      V mj = _mm512_add_ps(exp_avg(fm, 2 * q + j, sm, companded, momentum_decay), _mm512_mul_ps(g, vf(momentum_gain)));
       V dir = nesterov ? _mm512_add_ps(g, _mm512_mul_ps(mj, vf(momentum))) : mj;
       t = _mm512_sub_ps(t, _mm512_mul_ps(dir, vf(lr)));
-      m[j] = full ? mj : _mm512_maskz_mov_ps(k[j], mj);
+      m[q][j] = full ? mj : _mm512_maskz_mov_ps(k[j], mj);
       I low;  // the new parameter's bits as stored (bf16 in the upper half of the fp32 bits)
       if constexpr (P == FP32) {
-        theta[j] = t;
+        theta[q][j] = t;
         low = _mm512_castps_si512(t);
       } else {
-        if constexpr (P == BF16_RHO8) split<8>(t, pbits[j], rho[j]);
-        else split<0>(t, pbits[j], rho[j]);
-        low = _mm512_slli_epi32(pbits[j], 16);
+        I pbits, rho;
+        if constexpr (P == BF16_RHO8) split<8>(t, pbits, rho);
+        else split<0>(t, pbits, rho);
+        // bf16 bits in the upper half, rho in the lower: one vector to keep per 16 values
+        low = _mm512_slli_epi32(pbits, 16);
+        theta[q][j] = _mm512_castsi512_ps(_mm512_or_si512(low, _mm512_and_si512(rho, vi(0xFFFF))));
       }
-      M bad_lanes = _mm512_mask_cmpeq_epi32_mask(k[j], _mm512_and_si512(low, vi(0x7F800000)), vi(0x7F800000));
-      nonfinite |= bad_lanes;
+      bad_lanes |= _mm512_mask_cmpeq_epi32_mask(k[j], _mm512_and_si512(low, vi(0x7F800000)), vi(0x7F800000));
     }
-    bad += !store_signed_group(d, s, q, k, m, nonfinite != 0, companded, [&](int64_t i, int j) {
-      if constexpr (P == FP32) {
-        st32(static_cast<float*>(d.param) + i, k[j], theta[j]);
-      } else {
-        if constexpr (P == BF16_RHO8) st8(static_cast<int8_t*>(d.rho) + i, k[j], rho[j]);
-        else st16(static_cast<int16_t*>(d.rho) + i, k[j], rho[j]);
-        st16(static_cast<uint16_t*>(d.param) + i, k[j], pbits[j]);
-      }
-    });
+    nonfinite |= uint32_t(bad_lanes != 0) << q;
+    amax[q] = absmax_lanes(m[q][0], m[q][1]);
   }
-  return bad;
+  return store_signed_block<full>(d, s, groups, m, amax, nonfinite, companded, [&](int q, int j, M k) {
+    const int64_t i = s.base + int64_t(q) * G + 16 * j;
+    if constexpr (P == FP32) {
+      st32(static_cast<float*>(d.param) + i, k, theta[q][j]);
+    } else {
+      const I x = _mm512_castps_si512(theta[q][j]);
+      if constexpr (P == BF16_RHO8) st8(static_cast<int8_t*>(d.rho) + i, k, x);
+      else st16(static_cast<int16_t*>(d.rho) + i, k, x);
+      st16(static_cast<uint16_t*>(d.param) + i, k, _mm512_srli_epi32(x, 16));
+    }
+  });
 }
 
 template <Param P>
