@@ -60,9 +60,9 @@ inline I load_i8(const int8_t* p, M k) { return _mm512_cvtepi8_epi32(ld8(p, k));
 inline I load_u8(const uint8_t* p, M k) { return _mm512_cvtepu8_epi32(ld8(p, k)); }
 inline I load_i16(const int16_t* p, M k) { return _mm512_cvtepi16_epi32(ld16(p, k)); }
 
-// merge_bf16 on 16 lanes, any parameter values: t the parameter's fp32 bits, r rho (sign-extended). A non-zero finite parameter's
-// bits move by rho << shift toward its sign (the magnitude stays in range: at least 2^16, rho << shift below
-// 2^15), so moving is one add of rho negated for negative parameters.
+// merge_bf16 on 16 lanes, any parameter values: t the parameter's fp32 bits, r rho (sign-extended). A non-zero
+// finite parameter's bits move by rho << shift toward its sign (the magnitude stays in range: at least 2^16,
+// rho << shift below 2^15), so moving is one add of rho negated for negative parameters.
 template <int shift>
 inline V merge_any(I t, I r) {
   I d = _mm512_slli_epi32(r, shift);
@@ -74,9 +74,9 @@ inline V merge_any(I t, I r) {
   return _mm512_castsi512_ps(_mm512_mask_mov_epi32(out, special, t));
 }
 
-// split_bf16 on 16 lanes, any theta: the new parameter's bf16 bits and rho, both in int32 lanes. Its "next value up" is
-// one bf16 value up (pb + 1 for a positive theta, pb - 1 for a negative one: sign and magnitude bits) and
-// 2 * steps off rho.
+// split_bf16 on 16 lanes, any theta: the new parameter's bf16 bits and rho, both in int32 lanes. Its "next
+// value up" is one bf16 value up (pb + 1 for a positive theta, pb - 1 for a negative one: sign and magnitude
+// bits) and 2 * steps off rho.
 template <int shift>
 inline void split_any(V theta, I& pbits, I& rho) {
   constexpr int32_t steps = shift ? 128 : 32768, half = shift ? 128 : 0;
@@ -101,14 +101,16 @@ inline void split_any(V theta, I& pbits, I& rho) {
   pbits = _mm512_mask_mov_epi32(pb, nan, vi(0xFFFF));
 }
 
-// The common case of each, in fewer operations. merge: a finite, non-zero parameter's bits move by rho << shift
-// toward its sign, which is ((t ^ s) + d) ^ s with s its sign spread over the lane (for s = -1 that is t - d).
+// The common case of each, in fewer operations. merge: a finite, non-zero parameter's bits move by
+// rho << shift toward its sign, which is ((t ^ s) + d) ^ s with s its sign spread over the lane (for s = -1
+// that is t - d).
 // Lanes with a zero, infinite or NaN parameter take merge_any (``rare``: the caller's test).
 template <int shift>
 inline V merge(I t, I r, bool rare) {
   if (rare) return merge_any<shift>(t, r);
   const I s = _mm512_srai_epi32(t, 31);
-  return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_add_epi32(_mm512_xor_si512(t, s), _mm512_slli_epi32(r, shift)), s));
+  const I moved = _mm512_add_epi32(_mm512_xor_si512(t, s), _mm512_slli_epi32(r, shift));
+  return _mm512_castsi512_ps(_mm512_xor_si512(moved, s));
 }
 
 // split: theta's magnitude bits rounded half up to 16 + (16 - shift) bits, R = (mag + half) >> shift, are one
@@ -123,7 +125,8 @@ template <int shift>
 inline void split(V theta, I& pbits, I& rho) {
   constexpr int32_t steps = shift ? 128 : 32768, half = shift ? 128 : 0;
   const I x = _mm512_castps_si512(theta);
-  if (_mm512_cmpge_epu32_mask(_mm512_slli_epi32(x, 1), vi(int32_t(0xFEFE0000u)))) return split_any<shift>(theta, pbits, rho);
+  if (_mm512_cmpge_epu32_mask(_mm512_slli_epi32(x, 1), vi(int32_t(0xFEFE0000u))))  // magnitude >= 0x7F7F0000
+    return split_any<shift>(theta, pbits, rho);
   const I s = _mm512_srai_epi32(x, 31);
   const I r = _mm512_srli_epi32(_mm512_add_epi32(x, vi(half)), shift);
   pbits = _mm512_srli_epi32(_mm512_add_epi32(r, _mm512_add_epi32(s, vi(steps))), 16 - shift);
@@ -171,8 +174,9 @@ inline void store_theta(const Desc& d, int64_t i, M k, V theta) {
 }
 
 // The companded first moment's values y / (2 - |y|), y = code / 127, of a block's codes, before their groups'
-// scales: looked up rather than divided where the build has AVX-512 VBMI (byte permutes), since the divider is
-// what bounds the step. The table holds the values of the codes 0..127, computed with the fp32 operations of
+// scales: looked up rather than divided where the build has AVX-512 VBMI (byte permutes), which takes one of
+// the divisions per value off the divider (FlashLion and FlashSGD(W) measured faster, FlashAdam(W) the same).
+// The table holds the values of the codes 0..127, computed with the fp32 operations of
 // dequantize_signed (so of codes.EXP_AVG_TABLE); the value is odd in the code bit for bit (-c: the same
 // product and quotient with the sign flipped), so the sign bit comes from the code. The table is kept as four
 // byte planes of 128 bytes (two registers each), looked up 64 codes at a time (vpermi2b) and put together by
@@ -281,7 +285,8 @@ inline V nonzero_or_one_bits(I bits) {  // absmax bits (no sign): 0 -> 1.0
 
 // bf16 bits of fp32 bits (f2bf: round to nearest even), one per lane
 inline I bf16_bits(I x) {
-  return _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(x, vi(0x7FFF)), _mm512_and_si512(_mm512_srli_epi32(x, 16), vi(1))), 16);
+  const I odd = _mm512_and_si512(_mm512_srli_epi32(x, 16), vi(1));
+  return _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(x, vi(0x7FFF)), odd), 16);
 }
 
 // The new scales of the groups kept (lanes of keep): bf16 of their absmaxes' bits
@@ -313,7 +318,8 @@ inline M signed_group_values(I am, bool companded, GroupValues& out, I& e) {
 // int8 codes (before rounding) of 16 values m of group q of a first moment, from its signed_group_values
 inline V signed_code(V m, const GroupValues& gv, int q, bool companded) {
   if (companded)
-    return _mm512_div_ps(_mm512_mul_ps(m, vf(gv.k254[q])), _mm512_add_ps(vf(gv.as[q]), _mm512_mul_ps(vabs(m), vf(gv.sn[q]))));
+    return _mm512_div_ps(_mm512_mul_ps(m, vf(gv.k254[q])),
+                         _mm512_add_ps(vf(gv.as[q]), _mm512_mul_ps(vabs(m), vf(gv.sn[q]))));
   return _mm512_mul_ps(_mm512_mul_ps(m, vf(gv.mlift[q])), vf(gv.mrcp[q]));
 }
 
