@@ -4,6 +4,7 @@
     python launch/bench_cpu_step.py --threads 2 --out runs/cpu_step_2.json  # the same on 2 threads
     python launch/bench_cpu_step.py --scale 0.25                            # a quarter of the rows
     python launch/bench_cpu_step.py --baseline /tmp/old/step.cpp            # and an earlier step, row by row
+    python launch/bench_cpu_step.py --threads 2 --scale 0.25 --interleave 30 --baseline /tmp/old/step.cpp
 
 Workload: 157 M parameters in Llama-7B-like matrices, four of 4096 x 4096 and two of 4096 x 11008 (``--scale``
 scales the row counts), random non-zero gradients. Each row is the median of ``--steps`` timed steps after
@@ -20,6 +21,11 @@ Rows:
   it is slow, so it runs on the first matrix only (``--reference-params`` rows limit it further).
 - ``--baseline OLD/step.cpp``: each fused row again, right after it, with the step built from that source (an
   earlier version kept outside the repository), so that both see the same load on a shared machine.
+- ``--interleave ROUNDS``: on a machine shared with other work, every row's optimizer is built first and
+  the rows then take turns, two steps each per round, for ROUNDS rounds; a row's best step (and median) is
+  reported, and its pace against torch's best. Other work slows torch's memory-bound step and flashdist's
+  arithmetic-bound one differently, so rows timed minutes apart do not compare; rows that alternate do.
+  The fused rows (and ``--baseline``) only; the reference rows are left out.
 - ``--compile``: the eager reference under torch.compile (inductor's C++ backend) on the first matrix, the
   alternative the fused step was measured against; its first (compiling) step is reported separately.
 """
@@ -27,6 +33,7 @@ Rows:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -85,6 +92,34 @@ def _row(name, params, make, steps):
             "cpu_ms": cpu * 1e3, "mparams_per_s": n / med / 1e6, "mparams_per_cpu_s": n / cpu / 1e6}
 
 
+def _interleaved(cases, rounds: int) -> list[dict]:
+    """cases: (name, params, make, module or None). Every optimizer is built and stepped once, then all take
+    turns for ``rounds`` rounds of two steps; each row gets its best and median step."""
+    built = [(name, params, make(params), module) for name, params, make, module in cases]
+    times = {name: [] for name, *_ in built}
+    for r in range(rounds + 1):
+        for name, params, opt, module in built:
+            with cpu_kernel.using(module) if module is not None else contextlib.nullcontext():
+                for _ in range(2):
+                    t0 = time.perf_counter()
+                    opt.step()
+                    if r:  # round 0 warms up (and builds the steps)
+                        times[name].append(time.perf_counter() - t0)
+    rows = []
+    for name, params, _, _ in built:
+        n = sum(p.numel() for p in params)
+        best, med = min(times[name]), statistics.median(times[name])
+        rows.append({"case": name, "params": n, "best_ms": best * 1e3, "step_ms": med * 1e3,
+                     "mparams_per_s": n / best / 1e6, "steps": len(times[name])})
+    torch_best = rows[0]["best_ms"]
+    for row in rows:
+        row["vs_torch"] = torch_best / row["best_ms"]
+        print(f"{row['case']:<56} {row['params'] / 1e6:7.1f} M  best {row['best_ms']:8.2f} ms "
+              f"(median {row['step_ms']:.2f})  {row['mparams_per_s']:8.1f} M params/s  vs torch {row['vs_torch']:.2f}",
+              flush=True)
+    return rows
+
+
 def _reference_compiled(params):
     """The reference step under torch.compile: FlashAdamW's backend forced to the reference, its step
     compiled (graph breaks where dynamo cannot trace fall back to eager)."""
@@ -103,12 +138,37 @@ def main():
     ap.add_argument("--compile", action="store_true", help="also time torch.compile of the eager reference")
     ap.add_argument("--baseline", type=Path, default=None,
                     help="a step.cpp (e.g. an earlier version) to build and time after each fused row")
+    ap.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
+                    help="time the fused rows taking turns for this many rounds (best step per row)")
     ap.add_argument("--out", type=Path, default=None, help="write the rows and the machine as JSON here")
     args = ap.parse_args()
     baseline = cpu_kernel.build_from(args.baseline) if args.baseline else None
     if args.threads:
         torch.set_num_threads(args.threads)
     shapes = _shapes(args.scale)
+    flash = dict(lr=1e-3, weight_decay=0.1)
+    if args.interleave:
+        cases = [("torch AdamW fused, fp32 params", _params(shapes, torch.float32),
+                  lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1, fused=True), None)]
+        for name, dtype, make in [
+                ("flashdist FlashAdamW 24-bit, fused CPU step", torch.bfloat16,
+                 lambda ps: FlashAdamW(ps, **flash, backend="cpu")),
+                ("flashdist FlashAdamW fp32 params, fused CPU step", torch.float32,
+                 lambda ps: FlashAdamW(ps, **flash, backend="cpu")),
+                ("flashdist FlashSGD m=0.9 24-bit, fused CPU step", torch.bfloat16,
+                 lambda ps: FlashSGD(ps, lr=1e-3, momentum=0.9, backend="cpu")),
+                ("flashdist FlashLion 24-bit, fused CPU step", torch.bfloat16,
+                 lambda ps: FlashLion(ps, lr=1e-4, weight_decay=0.1, backend="cpu"))]:
+            cases.append((name, _params(shapes, dtype), make, None))
+            if baseline is not None:  # its own tensors, stepped by the baseline's step
+                cases.append((f"{name} [baseline]", _params(shapes, dtype), make, baseline))
+        rows = _interleaved(cases, args.interleave)
+    else:
+        rows = _sequential(args, shapes, baseline, flash)
+    _finish(args, rows)
+
+
+def _sequential(args, shapes, baseline, flash) -> list[dict]:
     small = [(min(args.reference_rows, shapes[0][0]), shapes[0][1])]
     rows = []
 
@@ -128,7 +188,6 @@ def main():
             with cpu_kernel.using(baseline):
                 add(_row(f"{name} [baseline]", _params(shapes_, dtype), make, args.steps))
 
-    flash = dict(lr=1e-3, weight_decay=0.1)
     add(_row("torch AdamW fused, fp32 params", _params(shapes, torch.float32),
              lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1, fused=True), args.steps))
     fused("flashdist FlashAdamW 24-bit, fused CPU step", shapes, torch.bfloat16,
@@ -149,9 +208,13 @@ def main():
         add(_row("flashdist FlashAdamW 24-bit, torch.compile(reference)", _params(small, torch.bfloat16),
                  _reference_compiled, min(args.steps, 3)))
 
+    return rows
+
+
+def _finish(args, rows):
     target = next((r for r in rows if r["case"].startswith("torch AdamW") and "error" not in r), None)
     fused = next((r for r in rows if r["case"] == "flashdist FlashAdamW 24-bit, fused CPU step"), None)
-    if target and fused and "error" not in fused:
+    if target and fused and "error" not in fused and "mparams_per_cpu_s" in fused:
         print(f"\nflashdist 24-bit / torch fused AdamW fp32: params/s {fused['mparams_per_s'] / target['mparams_per_s']:.2f}"
               f", params/cpu-s {fused['mparams_per_cpu_s'] / target['mparams_per_cpu_s']:.2f}")
     if args.out:
