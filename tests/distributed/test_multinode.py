@@ -47,10 +47,10 @@ def _free_port() -> int:
 class Agent:
     """One torchrun agent (a "node") in a session of its own, its output in a file."""
 
-    def __init__(self, log: Path, argv: list[str]):
+    def __init__(self, log: Path, argv: list[str], env: dict | None = None):
         self.log = log
         with open(log, "w") as out:
-            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=ENV, cwd=ROOT,
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env or ENV, cwd=ROOT,
                                          start_new_session=True)
 
     def output(self) -> str:
@@ -230,20 +230,30 @@ def test_a_rank_killed_mid_run_is_restarted_by_torchrun_from_the_last_checkpoint
     _assert_same_run(tmp_path / "out", tmp_path / "ck", reference, f"killed and resumed at step {resumed}")
 
 
-def test_a_node_killed_mid_run_ends_the_job_and_a_resubmitted_job_resumes(tmp_path, reference):
-    """Node 1 dies (agent and workers killed) after a checkpoint: node 0's workers fail and its agent, with no
-    restarts left, ends; the job submitted again (a SLURM requeue) continues from the last checkpoint to the
-    uninterrupted run's losses and state."""
+def test_a_node_whose_agent_is_killed_is_started_again_and_the_job_resumes(tmp_path, reference):
+    """launch/multinode.sh on 2 nodes x 1 rank; node 1's torchrun agent and its worker are killed (SIGKILL)
+    after a checkpoint, and node 1's multinode.sh (AGENT_RESTARTS=1, the supervisor) starts its agent again:
+    node 0's agent, whose worker failed with node 1, meets it in a new rendezvous round, and the job continues
+    from the last checkpoint to the uninterrupted run's losses and state."""
     deadline = time.monotonic() + TIMEOUT
-    args = ["--ckpt-dir", str(tmp_path / "ck"), "--ckpt-every", "1", "--auto-resume", "--out-dir",
-            str(tmp_path / "out")]
+    settings = dict(ENV, NNODES="2", NPROC_PER_NODE="1", RDZV_HOST="127.0.0.1", RDZV_PORT=str(_free_port()),
+                    JOB_ID="elastic", MAX_RESTARTS="1", CKPT_DIR=str(tmp_path / "ck"), CKPT_EVERY="1",
+                    PYTHON=sys.executable)
+    argv = ["bash", str(ROOT / "launch" / "multinode.sh"), *TINY, "--out-dir", str(tmp_path / "out")]
     with Cluster(tmp_path) as cluster:
-        node0, node1 = cluster.job("first", 2, 2, args)
+        # is_host: node 0 serves the rendezvous store (both would match 127.0.0.1); it outlives node 1's agent
+        node0 = Agent(tmp_path / "node0.log", argv, dict(settings, RDZV_CONF="is_host=true"))
+        node1 = Agent(tmp_path / "node1.log", argv, dict(settings, RDZV_CONF="is_host=false", AGENT_RESTARTS="1"))
+        cluster.agents += [node0, node1]
         _wait_for(r"saved \S+ at step", [node0, node1], deadline)
-        node1.kill()
-        code = node0.proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        assert code != 0, "the job went on without node 1:\n" + node0.output()[-3000:]
-        _wait(cluster.job("requeued", 2, 2, args), deadline)
+        for pid in _descendants(node1.proc.pid):  # the agent and its worker; the node's multinode.sh lives on
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        _wait([node0, node1], deadline)
+        output = node0.output() + node1.output()
+    assert "starting it again (1 of 1)" in node1.output(), node1.output()[-3000:]
+    starts = output.split("HSDP: 2 replicas x 1 shards")
+    assert len(starts) == 3, "the job was not restarted once:\n" + output[-3000:]
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-    assert summary["world_size"] == 4 and 1 <= summary["resumed_from"] < STEPS
-    _assert_same_run(tmp_path / "out", tmp_path / "ck", reference, f"resubmitted at step {summary['resumed_from']}")
+    assert (summary["world_size"], summary["mesh"]) == (2, [2, 1]) and 1 <= summary["resumed_from"] < STEPS
+    _assert_same_run(tmp_path / "out", tmp_path / "ck", reference, f"node 1 back at step {summary['resumed_from']}")
