@@ -21,6 +21,9 @@
 #                   costs every surviving agent one restart
 #   AGENT_RESTARTS  times this script starts torchrun again on this node after the agent exits with an error
 #                   or is killed (default 0); a restarted agent rejoins the running job (c10d rendezvous only)
+#   RDZV_STORE      "serve" on the RDZV_HOST node, "join" on the others: the rendezvous store is a process of its
+#                   own (launch/rdzv_store.py, started here) instead of part of the first agent, so node 0's
+#                   agent too can die and be started again (c10d only; default: the first agent serves it)
 #   RDZV_CONF       extra --rdzv-conf settings, e.g. is_host=false,join_timeout=900 (c10d only)
 #   CKPT_DIR        checkpoint directory on shared storage (required); CKPT_EVERY steps (default 100)
 #   PYTHON          the interpreter (default: python)
@@ -36,6 +39,16 @@ if [[ -n "${NODE_RANK:-}" ]]; then
   RDZV=(--node-rank="$NODE_RANK" --master-addr="$RDZV_HOST" --master-port="${RDZV_PORT:-29500}")
 else
   RDZV=(--rdzv-backend=c10d --rdzv-endpoint="$RDZV_HOST:${RDZV_PORT:-29500}" --rdzv-id="${JOB_ID:-flashdist}")
+  case "${RDZV_STORE:-}" in
+    "") ;;
+    serve) "$PY" -m launch.rdzv_store --port "${RDZV_PORT:-29500}" &
+           store_pid=$!
+           trap 'kill "$store_pid" 2>/dev/null || true' EXIT
+           RDZV_CONF="is_host=false${RDZV_CONF:+,$RDZV_CONF}" ;;
+    join) RDZV_CONF="is_host=false${RDZV_CONF:+,$RDZV_CONF}" ;;
+    *) echo "multinode.sh: RDZV_STORE=$RDZV_STORE: use serve (on the RDZV_HOST node) or join (elsewhere)" >&2
+       exit 2 ;;
+  esac
   [[ -z "${RDZV_CONF:-}" ]] || RDZV+=(--rdzv-conf="$RDZV_CONF")
   # Each rendezvous round then publishes a fresh address for the workers' store (rank 0's worker serves it).
   # With torch's default (the rank-0 agent serves it and caches its address after the first round), an agent
@@ -46,7 +59,7 @@ TORCHRUN=("$PY" -m torch.distributed.run --nnodes="$NNODES" --nproc-per-node="$N
   --max-restarts="${MAX_RESTARTS:-3}" -m launch.train --ckpt-dir "$CKPT_DIR" --ckpt-every "${CKPT_EVERY:-100}"
   --auto-resume "$@")
 restarts=${AGENT_RESTARTS:-0}
-((restarts > 0)) || exec "${TORCHRUN[@]}"
+((restarts > 0)) || [[ -n "${store_pid:-}" ]] || exec "${TORCHRUN[@]}"  # else stay, to stop the store
 stopping=0
 trap 'stopping=1' TERM INT  # a job being stopped (scancel, Ctrl-C) is not an agent to bring back
 for ((attempt = 1; ; attempt++)); do

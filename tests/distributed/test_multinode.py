@@ -230,30 +230,37 @@ def test_a_rank_killed_mid_run_is_restarted_by_torchrun_from_the_last_checkpoint
     _assert_same_run(tmp_path / "out", tmp_path / "ck", reference, f"killed and resumed at step {resumed}")
 
 
-def test_a_node_whose_agent_is_killed_is_started_again_and_the_job_resumes(tmp_path, reference):
-    """launch/multinode.sh on 2 nodes x 1 rank; node 1's torchrun agent and its worker are killed (SIGKILL)
-    after a checkpoint, and node 1's multinode.sh (AGENT_RESTARTS=1, the supervisor) starts its agent again:
-    node 0's agent, whose worker failed with node 1, meets it in a new rendezvous round, and the job continues
-    from the last checkpoint to the uninterrupted run's losses and state."""
+@pytest.mark.parametrize("killed, store", [(1, "first agent"), (0, "own process")],
+                         ids=["node1-agent-store", "node0-own-store"])
+def test_a_node_whose_agent_is_killed_is_started_again_and_the_job_resumes(tmp_path, reference, killed, store):
+    """launch/multinode.sh on 2 nodes x 1 rank; one node's torchrun agent and its worker are killed (SIGKILL)
+    after a checkpoint, and that node's multinode.sh (AGENT_RESTARTS=1, the supervisor) starts its agent again:
+    the other agent, whose worker failed with it, meets it in a new rendezvous round, and the job continues from
+    the last checkpoint to the uninterrupted run's losses and state. Node 1 dies while node 0's agent serves the
+    rendezvous store (torchrun's default); node 0 dies while the store is a process of its own (RDZV_STORE)."""
     deadline = time.monotonic() + TIMEOUT
     settings = dict(ENV, NNODES="2", NPROC_PER_NODE="1", RDZV_HOST="127.0.0.1", RDZV_PORT=str(_free_port()),
                     JOB_ID="elastic", MAX_RESTARTS="1", CKPT_DIR=str(tmp_path / "ck"), CKPT_EVERY="1",
                     PYTHON=sys.executable)
+    # is_host: without RDZV_STORE node 0's agent serves the store (both nodes would match 127.0.0.1)
+    nodes = [dict(settings, RDZV_STORE="serve"), dict(settings, RDZV_STORE="join")] if store == "own process" else \
+        [dict(settings, RDZV_CONF="is_host=true"), dict(settings, RDZV_CONF="is_host=false")]
+    nodes[killed]["AGENT_RESTARTS"] = "1"
     argv = ["bash", str(ROOT / "launch" / "multinode.sh"), *TINY, "--out-dir", str(tmp_path / "out")]
     with Cluster(tmp_path) as cluster:
-        # is_host: node 0 serves the rendezvous store (both would match 127.0.0.1); it outlives node 1's agent
-        node0 = Agent(tmp_path / "node0.log", argv, dict(settings, RDZV_CONF="is_host=true"))
-        node1 = Agent(tmp_path / "node1.log", argv, dict(settings, RDZV_CONF="is_host=false", AGENT_RESTARTS="1"))
-        cluster.agents += [node0, node1]
-        _wait_for(r"saved \S+ at step", [node0, node1], deadline)
-        for pid in _descendants(node1.proc.pid):  # the agent and its worker; the node's multinode.sh lives on
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        _wait([node0, node1], deadline)
-        output = node0.output() + node1.output()
-    assert "starting it again (1 of 1)" in node1.output(), node1.output()[-3000:]
+        cluster.agents += [Agent(tmp_path / f"node{i}.log", argv, env) for i, env in enumerate(nodes)]
+        _wait_for(r"saved \S+ at step", cluster.agents, deadline)
+        victim = cluster.agents[killed]
+        for pid in _descendants(victim.proc.pid):  # the agent and its worker; multinode.sh and the store live on
+            if "launch.rdzv_store" not in _cmdline(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        _wait(cluster.agents, deadline)
+        output = "".join(agent.output() for agent in cluster.agents)
+    assert "starting it again (1 of 1)" in victim.output(), victim.output()[-3000:]
     starts = output.split("HSDP: 2 replicas x 1 shards")
     assert len(starts) == 3, "the job was not restarted once:\n" + output[-3000:]
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert (summary["world_size"], summary["mesh"]) == (2, [2, 1]) and 1 <= summary["resumed_from"] < STEPS
-    _assert_same_run(tmp_path / "out", tmp_path / "ck", reference, f"node 1 back at step {summary['resumed_from']}")
+    _assert_same_run(tmp_path / "out", tmp_path / "ck", reference,
+                     f"node {killed} back at step {summary['resumed_from']}")
