@@ -185,7 +185,9 @@ def incarnation_store() -> dict:
     forms. The joins are counted in the store instead: every rank of an incarnation joins once, so
     (joins - 1) // world_size numbers the incarnations alike on every node (a rank that dies before it
     joins, at import, shifts the count: that job fails at the process-group timeout and needs a fresh
-    start, which --auto-resume continues). {} when not under torchrun."""
+    start, which --auto-resume continues). {} when not under torchrun, or when the agents do not share their
+    store with the workers (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, as launch/multinode.sh sets: then rank 0's
+    worker serves a new store in every incarnation)."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
     from datetime import timedelta

@@ -1,9 +1,10 @@
 """Multi-node training, tested as two nodes on one host: torchrun agents on 127.0.0.1 joined by a c10d
 rendezvous run launch/train.py (tiny model, gloo, CPU) under HSDP, resume its checkpoint on other node
 counts, survive a rank that dies mid-run (torchrun --max-restarts brings the job back from its last
-checkpoint) and a node that dies (the job ends; submitted again, it continues from its last checkpoint). With ``--same-batch`` every rank reads the single-process run's batch, so every layout must
-give that run's losses and checkpoint bit for bit: gradients reduced over copies of one batch sum exactly,
-and the optimizer step on a shard is the step on the whole tensor.
+checkpoint) and a node whose agent dies (launch/multinode.sh starts it again, it rejoins the running job,
+which continues from its last checkpoint). With ``--same-batch`` every rank reads the single-process run's
+batch, so every layout must give that run's losses and checkpoint bit for bit: gradients reduced over copies
+of one batch sum exactly, and the optimizer step on a shard is the step on the whole tensor.
 
 Every agent runs in a process group of its own: a test that fails or times out kills them all."""
 
