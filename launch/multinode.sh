@@ -33,6 +33,8 @@ cd "$(dirname "$0")/.."  # the repository root: torchrun runs the checkout's lau
 : "${NNODES:?set NNODES, the number of nodes}"
 : "${RDZV_HOST:?set RDZV_HOST, an address of one node that every node can reach}"
 : "${CKPT_DIR:?set CKPT_DIR, a checkpoint directory on storage that every node mounts}"
+restarts=${AGENT_RESTARTS:-0}
+[[ "$restarts" =~ ^[0-9]+$ ]] || { echo "multinode.sh: AGENT_RESTARTS=$restarts: give a whole number (0: never)" >&2; exit 2; }
 PY=${PYTHON:-python}
 NPROC=${NPROC_PER_NODE:-$("$PY" -c 'import torch; print(max(1, torch.cuda.device_count()))')}
 if [[ -n "${NODE_RANK:-}" ]]; then
@@ -58,7 +60,6 @@ fi
 TORCHRUN=("$PY" -m torch.distributed.run --nnodes="$NNODES" --nproc-per-node="$NPROC" "${RDZV[@]}"
   --max-restarts="${MAX_RESTARTS:-3}" -m launch.train --ckpt-dir "$CKPT_DIR" --ckpt-every "${CKPT_EVERY:-100}"
   --auto-resume "$@")
-restarts=${AGENT_RESTARTS:-0}
 ((restarts > 0)) || [[ -n "${store_pid:-}" ]] || exec "${TORCHRUN[@]}"  # else stay, to stop the store
 stopping=0
 trap 'stopping=1' TERM INT  # a job being stopped (scancel, Ctrl-C) is not an agent to bring back

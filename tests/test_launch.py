@@ -255,6 +255,10 @@ def test_multinode_scripts_parse_and_refuse_missing_settings():
     proc = subprocess.run(["bash", str(ROOT / "launch" / "multinode.sh")], env=env, capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         "multinode.sh: RDZV_STORE=yes: use serve (on the RDZV_HOST node) or join (elsewhere)"]
+    env.update(RDZV_STORE="join", AGENT_RESTARTS="two")
+    proc = subprocess.run(["bash", str(ROOT / "launch" / "multinode.sh")], env=env, capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "multinode.sh: AGENT_RESTARTS=two: give a whole number (0: never)"]
 
 
 def test_rdzv_store_refuses_a_taken_port_in_one_line():
