@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The main job: from a fresh clone, set up .venv, then train a byte-level GPT on the Python standard
-# library's sources with FSDP2 on 2 ranks and FlashAdamW (CPU + gloo, or CUDA + NCCL where GPUs exist):
+# The main job: from a fresh clone, set up .venv, then train a byte-level GPT on the installed Python
+# sources (standard library and site-packages) with FSDP2 on 2 ranks and FlashAdamW (CPU + gloo, or CUDA + NCCL where GPUs exist):
 # 100 steps and a checkpoint, a resume from that checkpoint to step 150, a short torch.optim.AdamW run
 # for the memory comparison, and a summary. Takes a few minutes on 2 CPU cores.
 set -euo pipefail

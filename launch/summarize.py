@@ -11,7 +11,7 @@ def main(flash_path: str, adamw_path: str) -> None:
     mf, ma = flash["memory_report"], adamw["memory_report"]
     print("\n== Summary")
     print(f"model: byte-level GPT, {flash['params']:,} parameters; {flash['world_size']} ranks (FSDP2) on "
-          f"{flash['device']}; corpus: {flash['corpus']['train_files']} stdlib files "
+          f"{flash['device']}; corpus: {flash['corpus']['train_files']} Python source files "
           f"({flash['corpus']['train_bytes'] / 2**20:.1f} MiB train, {flash['corpus']['val_bytes'] / 2**20:.1f} MiB val)")
     print()
     print("| bytes per parameter, measured on rank 0 | FlashAdamW (24-bit) | torch.optim.AdamW (fp32 master) |")

@@ -1,4 +1,4 @@
-"""Train a byte-level GPT on the Python standard library's sources with FSDP2 and a flashdist optimizer (or AdamW).
+"""Train a byte-level GPT on installed Python sources (launch/data.py) with FSDP2 and a flashdist optimizer (or AdamW).
 
     torchrun --nproc_per_node=2 launch/train.py --steps 200 --ckpt-dir runs/ckpt --ckpt-every 100
     torchrun --nproc_per_node=2 launch/train.py --steps 300 --ckpt-dir runs/ckpt --resume
@@ -379,6 +379,11 @@ def save_weights(model, opt, path: str, run: Run) -> None:
         save_file({k: v.contiguous() for k, v in weights.items()}, path)
 
 
+def _number(value, spec: str) -> str:
+    """``value`` formatted, or "-" when the run has none (a run resumed at its last step takes no step)."""
+    return "-" if value is None else format(value, spec)
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     run = Run(args.threads)
@@ -504,8 +509,8 @@ def main(argv=None) -> dict:
                 ("ranks x device", f"{run.world} x {run.device.type}"), ("parameters", f"{n_params:,}"),
                 ("steps", f"{start} -> {end}"), ("final train loss", f"{summary['final_train_loss'] or float('nan'):.4f}"),
                 ("final val loss", f"{last_val:.4f}"),
-                ("bytes/param held (measured, rank 0)", f"{summary['bytes_per_param']:.3f}"),
-                ("throughput", f"{summary['tokens_per_s']:,.0f} tok/s"), ("checkpoint", summary["checkpoint"]),
+                ("bytes/param held (measured, rank 0)", _number(summary["bytes_per_param"], ".3f")),
+                ("throughput", _number(summary["tokens_per_s"], ",.0f") + " tok/s"), ("checkpoint", summary["checkpoint"]),
                 ("loss plot", summary["plot"]), ("summary", str(out / "summary.json"))]
         width = max(len(k) for k, _ in rows)
         print("\n".join(f"  {k:<{width}}  {v}" for k, v in rows), flush=True)

@@ -1,10 +1,16 @@
 """The optimizer test cases: every flashdist optimizer, its float64 reference and its error model, and the
 matrix of options (parameter dtype x master_weight_bits x moment storage) each runs under.
 
-Adding an optimizer is one entry of ``OPTIMIZERS``: its class and options, the float64 optimizer it must
-follow, and the size of its update (what its tolerances are stated in). tests/test_optim.py runs every entry
-through the same checks: the trajectory against float64, the backends against the eager reference bit for
-bit, odd shapes, and a state_dict round trip in the middle of a run.
+Adding an optimizer is one entry of ``OPTIMIZERS``: its class and options, its functional step, the float64
+optimizer it must follow, and the size of its update (what its tolerances are stated in). Every test that
+runs "each optimizer" takes the entries from here:
+- tests/test_optim.py runs every entry through the same checks: the trajectory against float64, the
+  backends against the eager reference bit for bit, odd shapes, and a state_dict round trip in the middle of
+  a run;
+- tests/test_cpu_kernel.py calls each entry's functional step (``Optimizer.functional_step``, with the
+  hyper-parameters of its options) on the fused CPU step and the reference, bit for bit;
+- tests/distributed/sharding_cases.py picks its sharded-vs-one-process configurations as ``Case`` values,
+  at least one per optimizer class.
 
 The error model. After ``k`` steps, ``|flash master weight - float64|`` of an element of row ``r`` stays under
 ``k * (lr * u_r * (arith + quant) + grid)``:
@@ -22,13 +28,16 @@ These are bounds a correct implementation stays under, not fitted values.
 
 from __future__ import annotations
 
+import inspect
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property, partial
 
 import torch
 
 from flashdist import FlashAdam, FlashAdamW, FlashLion, FlashSGD, FlashSGDW
+from flashdist.functional import flash_adam, flash_lion, flash_sgd
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MANTISSA = {"bf16": 8, "fp16": 11}  # significant bits: half an ulp at |w| in [2^e, 2^e+1) is 2^(e - MANTISSA)
@@ -69,13 +78,20 @@ def _torch(cls):
     return lambda p, **kw: cls([p], foreach=False, **kw)
 
 
+# what the caller of a functional step gives on each call; the rest of its keywords are hyper-parameters
+_PER_CALL = {"cols", "step", "companded", "skipped", "backend"}
+
+
 @dataclass(frozen=True)
 class Optimizer:
-    """One optimizer configuration under test: what tests/test_optim.py needs to run it and judge it."""
+    """One optimizer configuration under test: what the tests need to run it, call its functional step and
+    judge it. ``dtypes``, ``bits`` and ``quant`` bound the float64 comparisons of tests/test_optim.py (where
+    its error model holds); bit-for-bit comparisons run every combination."""
 
     name: str  # the pytest id's first part
     cls: type  # the flashdist optimizer
     kwargs: dict  # its options, given to the reference too (lr, master weights and moments come from the Case)
+    step: Callable  # its functional step, with the arguments the class fixes (decoupled=) bound
     reference: Callable  # reference(p, lr=, **kwargs): the float64 optimizer that steps the float64 copy p
     lr: float
     update: str  # "unit" (|update| = lr: Adam, Lion) or "gradient" (lr times the gradients' size: SGD)
@@ -90,32 +106,68 @@ class Optimizer:
         return self.cls(params, lr=self.lr if lr is None else lr, master_weight_bits=bits,
                         quantize_states=quantize, companded=companded, **self.kwargs, **options)
 
+    @cached_property
+    def _group(self) -> tuple[dict, tuple[str, ...]]:
+        optimizer = self.make([torch.nn.Parameter(torch.zeros(1, dtype=torch.bfloat16))])
+        group = optimizer.param_groups[0]
+        return group, optimizer.moments_of(group)
+
+    @property
+    def moments(self) -> tuple[str, ...]:
+        """The state names of the moments it keeps, in the functional step's order (none: SGD without
+        momentum)."""
+        return self._group[1]
+
+    @property
+    def hyperparameters(self) -> dict:
+        """The functional step's hyper-parameters (lr, betas as beta1 and beta2, ...), read from the param
+        group the optimizer builds from ``lr`` and ``kwargs``: the class's defaults fill in the rest, as for
+        a user."""
+        group = self._group[0]
+        values = dict(group, **dict(zip(("beta1", "beta2"), group.get("betas", ()))))
+        return {p.name: values[p.name] for p in inspect.signature(self.step).parameters.values()
+                if p.kind is p.KEYWORD_ONLY and p.name in values and p.name not in _PER_CALL}
+
+    def functional_step(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], moments: list,
+                        scales: list, rhos, *, step: int, **per_call):
+        """One call of its functional step on lists of local tensors: ``moments`` and ``scales`` hold one
+        list per entry of ``moments`` (a scale list is None for fp32 moments); ``per_call`` holds cols,
+        companded, skipped and backend."""
+        signature = inspect.signature(self.step).parameters
+        if not moments:  # SGD without momentum: None where the buffer and its scales would be
+            slots = sum(p.kind is p.POSITIONAL_OR_KEYWORD for p in signature.values()) - 3  # params, grads, rhos
+            moments, scales = [None] * (slots // 2), [None] * (slots // 2)
+        if "step" in signature:  # Lion's update has no bias correction: its step takes no step count
+            per_call["step"] = step
+        self.step(params, grads, *moments, *scales, rhos, **self.hyperparameters, **per_call)
+
 
 # companded 8-bit moments: a few code steps of the group scale, a few percent of the update (coupled L2 decay
 # is the worst case: docs/method.md explains its sticky +-1 codes); SGD's buffer is <= 10 gradients with
 # momentum 0.9, so a few percent of it is 0.15 of a gradient
 ADAM_QUANT = {"q-comp": 0.1, "q-linear": 5.0, "fp32m": 0.0}
 SGD_QUANT = {"q-comp": 0.15, "fp32m": 0.0}
-_SGD = dict(cls=FlashSGD, reference=_torch(torch.optim.SGD), lr=1e-2, update="gradient", arith=1e-3, quant=SGD_QUANT)
+_SGD = dict(cls=FlashSGD, step=partial(flash_sgd, decoupled=False), reference=_torch(torch.optim.SGD), lr=1e-2,
+            update="gradient", arith=1e-3, quant=SGD_QUANT)
 
 OPTIMIZERS = {o.name: o for o in [
-    Optimizer("adamw", FlashAdamW, dict(weight_decay=0.1), _torch(torch.optim.AdamW), lr=1e-3, update="unit",
-              arith=1e-5, quant=ADAM_QUANT),
+    Optimizer("adamw", FlashAdamW, dict(weight_decay=0.1), partial(flash_adam, decoupled=True),
+              _torch(torch.optim.AdamW), lr=1e-3, update="unit", arith=1e-5, quant=ADAM_QUANT),
     # L2 decay adds wd * theta to the gradient; a small wd keeps that term from dominating tiny-gradient rows,
     # where 8-bit momentum codes stuck at +-1 (a property of round-to-nearest EMAs) would dominate the
     # comparison (docs/method.md)
-    Optimizer("adam-l2", FlashAdam, dict(weight_decay=1e-3), _torch(torch.optim.Adam), lr=1e-3, update="unit",
-              arith=1e-5, quant=ADAM_QUANT, dtypes=("bf16",)),
+    Optimizer("adam-l2", FlashAdam, dict(weight_decay=1e-3), partial(flash_adam, decoupled=False),
+              _torch(torch.optim.Adam), lr=1e-3, update="unit", arith=1e-5, quant=ADAM_QUANT, dtypes=("bf16",)),
     Optimizer("sgd-momentum", kwargs=dict(momentum=0.9, weight_decay=1e-3), **_SGD),
     Optimizer("sgd-nesterov", kwargs=dict(momentum=0.9, nesterov=True, weight_decay=1e-3), **_SGD),
     Optimizer("sgd-dampening", kwargs=dict(momentum=0.9, dampening=0.5), **_SGD),
     Optimizer("sgd-plain", kwargs=dict(weight_decay=1e-3), **{**_SGD, "quant": {"q-comp": 0.0, "fp32m": 0.0}}),
-    Optimizer("sgdw", FlashSGDW, dict(momentum=0.9, weight_decay=0.1), SGDW64, lr=1e-2, update="gradient",
-              arith=1e-3, quant=SGD_QUANT),
+    Optimizer("sgdw", FlashSGDW, dict(momentum=0.9, weight_decay=0.1), partial(flash_sgd, decoupled=True), SGDW64,
+              lr=1e-2, update="gradient", arith=1e-3, quant=SGD_QUANT),
     # Without rho, Lion's lr-sized steps below half a bf16/fp16 ulp are lost: test_rho_beats_plain_bf16. With
     # 8-bit momentum a flipped sign costs 2 lr at that step; max_flipped keeps that rare
-    Optimizer("lion", FlashLion, dict(betas=(0.9, 0.99), weight_decay=0.1), Lion64, lr=1e-2, update="unit",
-              arith=1e-3, quant={"q-comp": 2.0, "fp32m": 0.0}, max_flipped=0.05, bits=(24, 32)),
+    Optimizer("lion", FlashLion, dict(betas=(0.9, 0.99), weight_decay=0.1), flash_lion, Lion64, lr=1e-2,
+              update="unit", arith=1e-3, quant={"q-comp": 2.0, "fp32m": 0.0}, max_flipped=0.05, bits=(24, 32)),
 ]}
 
 

@@ -453,6 +453,22 @@ def test_damaged_shard_is_refused(tmp_path):
     _expect_refusal(a, rf"shard .*{shard.name} is damaged \(CRC-32")
 
 
+def test_verify_shard_reads_the_whole_file_only_when_asked(tmp_path):
+    """crc=False checks the shard's id and length only (the rank that does not own the file's CRC check):
+    a flipped bit inside passes it, and fails the full check."""
+    from flashdist.checkpoint.dcp import read_metadata, verify_shard
+
+    a, _ = _two_saves(tmp_path)
+    shard = next(a.glob("*.distcp"))
+    save_id = read_metadata(a).storage_meta.save_id
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1
+    shard.write_bytes(bytes(data))
+    verify_shard(shard, save_id, crc=False)
+    with pytest.raises(checkpoint.CheckpointError, match="is damaged"):
+        verify_shard(shard, save_id, crc=True)
+
+
 def test_checkpoints_without_save_ids_still_load_and_plain_dcp_reads_ours(tmp_path):
     """A checkpoint written by plain dcp.save (as flashdist did before shards carried ids) loads; and
     torch's own DCP reader reads a flashdist checkpoint."""
@@ -539,7 +555,7 @@ def test_file_system_without_locks_warns_and_still_saves(tmp_path, monkeypatch):
         raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
 
     monkeypatch.setattr(fcntl, "flock", no_locks)
-    monkeypatch.setattr(checkpoint.dcp, "_warned_no_flock", False)
+    monkeypatch.setattr(checkpoint.publish, "_warned_no_flock", False)
     model = _model()
     opt = FlashAdamW(model.parameters())
     with pytest.warns(UserWarning, match="cannot lock files.*not serialised"):

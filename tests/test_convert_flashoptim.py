@@ -23,6 +23,7 @@ from torch import nn
 
 import flashdist
 from flashdist.checkpoint import convert as C
+from flashdist.checkpoint import sources as S
 from flashdist.checkpoint.dcp import CheckpointError
 from flashdist.checkpoint.flashoptim_import import is_flashoptim_file, master_weight, read_flashoptim
 from flashdist.cli import main
@@ -150,7 +151,7 @@ def test_layout_matches_flashdists_own_file(tmp_path):
     ours = read_flashoptim(FILES["tiny"])
 
     def layout(state):
-        flat, rest = C._flat_tensors(state)
+        flat, rest = S.flat_tensors(state)
         return {".".join(map(str, k)): (v.dtype, tuple(v.shape)) for k, v in flat.items()}
 
     assert layout(ours) == layout(native)

@@ -19,6 +19,7 @@ from torch import nn
 import flashdist
 from flashdist import checkpoint
 from flashdist.checkpoint import convert as C
+from flashdist.checkpoint import sources as S
 from _cli import run_cli as _cli  # tests/_cli.py
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -247,8 +248,8 @@ def test_torch_round_trip_keeps_plain_data_as_it_was(tied, tmp_path):
     a, b = (torch.load(tmp_path / n, weights_only=True) for n in ("a.pt", "b.pt"))
     assert a["optim"]["param_groups"] == b["optim"]["param_groups"]
     assert isinstance(b["optim"]["param_groups"][0]["betas"], tuple) and b["extra"] == {"dtype": torch.bfloat16}
-    flat_a, _ = C._flat_tensors(a)
-    flat_b, _ = C._flat_tensors(b)
+    flat_a, _ = S.flat_tensors(a)
+    flat_b, _ = S.flat_tensors(b)
     assert flat_a.keys() == flat_b.keys() and all(torch.equal(flat_a[k], flat_b[k]) for k in flat_a)
 
 

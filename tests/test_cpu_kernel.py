@@ -1,10 +1,11 @@
-"""The fused CPU step (flashdist.kernels.cpu) against the eager reference: bitwise, over a registry of cases.
+"""The fused CPU step (flashdist.kernels.cpu) against the eager reference: bitwise, over a matrix of cases.
 
-Every optimizer x parameter dtype x master weight bits x moment layout (8-bit companded, 8-bit linear, fp32)
-x group layout (row-aligned, flat), on tensors with odd row lengths, over several steps whose gradients
-hold NaN and Inf groups and the largest finite values (steps that overflow), parameters that are zero, negative zero, powers of two, subnormal or near the
-format's largest value. Equal means the same bits (a NaN matches any NaN: the kernel and torch may write
-different NaN payloads).
+Every optimizer of tests/cases.py (its functional step, with the hyper-parameters of its options) x parameter
+dtype x master weight bits x moment layout (8-bit companded, 8-bit linear, fp32) x group layout (row-aligned,
+flat), on tensors with odd row lengths, over several steps whose gradients hold NaN and Inf groups and the
+largest finite values (steps that overflow), parameters that are zero, negative zero, powers of two,
+subnormal or near the format's largest value. Equal means the same bits (a NaN matches any NaN: the kernel
+and torch may write different NaN payloads).
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from flashdist.functional import flash_adam, flash_lion, flash_sgd
+from flashdist.functional import flash_adam, flash_sgd
 from flashdist.kernels import cpu
 from flashdist.quant import codes as Q
 from flashdist.quant import rho as R
+from tests.cases import DTYPES, MOMENTS, OPTIMIZERS
 
 # Where a compiler and ninja are present the kernel must build; without them the reference is the CPU path.
 TOOLCHAIN = bool(shutil.which(os.environ.get("CXX", "c++"))) and bool(
@@ -68,18 +70,7 @@ def test_build_from_and_using_swap_the_step_for_a_block(tmp_path):
     with pytest.raises(FileNotFoundError, match="missing.cpp"):
         cpu.build_from(tmp_path / "missing.cpp")
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-# (optimizer, its functional keyword arguments): SGD variants cover momentum off, plain, Nesterov, dampening
-OPTIMIZERS = {
-    "adamw": dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, decoupled=True),
-    "adam": dict(lr=1e-2, beta1=0.8, beta2=0.999, eps=1e-6, weight_decay=0.05, decoupled=False),
-    "sgd": dict(lr=1e-2, momentum=0.0, dampening=0.0, weight_decay=0.01, nesterov=False, decoupled=False),
-    "sgd-momentum": dict(lr=1e-2, momentum=0.9, dampening=0.0, weight_decay=0.01, nesterov=False, decoupled=False),
-    "sgd-nesterov": dict(lr=1e-2, momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=True, decoupled=False),
-    "sgdw-dampening": dict(lr=1e-2, momentum=0.5, dampening=0.3, weight_decay=0.1, nesterov=False, decoupled=True),
-    "lion": dict(lr=1e-3, beta1=0.9, beta2=0.99, weight_decay=0.1),
-}
-MOMENTS = ("q-comp", "q-linear", "fp32")
+BITS = (24, 32, None)  # master_weight_bits
 # odd rows, a 3-d tensor, one exact group, a short 1-d tensor, rows of a whole block (256) and a partial one
 SHAPES = [(5, 70), (2, 3, 11), (1, 32), (7,), (3, 300)]
 STEPS = 3
@@ -87,7 +78,7 @@ STEPS = 3
 
 @dataclass(frozen=True)
 class Case:
-    opt: str
+    opt: str  # a name of tests/cases.py's OPTIMIZERS
     dtype: str
     bits: int | None
     moments: str
@@ -100,13 +91,12 @@ class Case:
 
 
 def _cases():
-    for opt, dtype, bits, moments, flat in itertools.product(OPTIMIZERS, DTYPES, (24, 32, None), MOMENTS,
-                                                             (False, True)):
+    for opt, dtype, bits, moments, flat in itertools.product(OPTIMIZERS, DTYPES, BITS, MOMENTS, (False, True)):
         if dtype == "fp32" and bits is not None:
             continue  # fp32 parameters are not split
-        if moments == "fp32" and flat:
+        if moments == "fp32m" and flat:
             continue  # the group layout only matters to 8-bit moments
-        if opt == "sgd" and moments != "fp32":
+        if not OPTIMIZERS[opt].moments and moments != "fp32m":
             continue  # no momentum: no moments
         yield Case(opt, dtype, bits, moments, flat)
 
@@ -144,10 +134,9 @@ def _grads(shape, dtype, gen, step):
 def _state(case: Case, gen):
     """Parameters, their state and grads of every step, for one call of the functional step."""
     dtype = DTYPES[case.dtype]
-    shapes = [s for s in case.shapes if case.moments == "fp32" or case.flat or len(s) >= 2]
+    quantized, companded = MOMENTS[case.moments]
+    shapes = [s for s in case.shapes if not quantized or case.flat or len(s) >= 2]
     params = [_params(s, dtype, gen) for s in shapes]
-    quantized = case.moments != "fp32"
-    companded = case.moments == "q-comp"
     cols = [p.numel() if case.flat else p.numel() // p.shape[0] for p in params] if quantized else None
     rhos = None
     if case.bits is not None and dtype != torch.float32:
@@ -155,9 +144,8 @@ def _state(case: Case, gen):
         splits = [R.split(t, dtype, R.rho_dtype(case.bits)) for t in thetas]
         params = [s[0] for s in splits]
         rhos = [s[1] for s in splits]
-    n_moments = {"sgd": 0, "lion": 1}.get(case.opt, 1 if case.opt.startswith("sgd") else 2)
     moments, scales = [], []
-    for k in range(n_moments):
+    for k in range(len(OPTIMIZERS[case.opt].moments)):
         vals = [torch.randn(p.shape, generator=gen) * 1e-2 for p in params]
         if k == 1:
             vals = [v * v for v in vals]
@@ -181,18 +169,9 @@ def _clone(state):
 
 
 def _step(case: Case, s, step: int, backend: str, skipped: torch.Tensor):
-    kw = OPTIMIZERS[case.opt]
-    grads = s["grads"][step]
-    common = dict(cols=s["cols"], companded=s["companded"], skipped=skipped, backend=backend)
-    if case.opt.startswith("adam"):
-        (m, v), (ms, vs) = s["moments"], s["scales"]
-        flash_adam(s["params"], grads, m, v, ms, vs, s["rhos"], step=step + 1, **kw, **common)
-    elif case.opt == "lion":
-        flash_lion(s["params"], grads, s["moments"][0], s["scales"][0], s["rhos"], **kw, **common)
-    else:
-        momentum = bool(s["moments"])
-        flash_sgd(s["params"], grads, s["moments"][0] if momentum else None, s["scales"][0] if momentum else None,
-                  s["rhos"], step=step + 1, **kw, **common)
+    OPTIMIZERS[case.opt].functional_step(s["params"], s["grads"][step], s["moments"], s["scales"], s["rhos"],
+                                         step=step + 1, cols=s["cols"], companded=s["companded"],
+                                         skipped=skipped, backend=backend)
 
 
 def _tensors(s):
@@ -237,8 +216,8 @@ def test_bitwise_against_reference(case):
 
 
 @pytest.mark.parametrize("case", [Case("adamw", "bf16", 24, "q-comp", False, ((300, 130),)),
-                                  Case("lion", "fp16", 32, "fp32", False, ((41, 1000),)),
-                                  Case("sgdw-dampening", "fp32", None, "q-linear", True, ((40, 1001),))],
+                                  Case("lion", "fp16", 32, "fp32m", False, ((41, 1000),)),
+                                  Case("sgdw", "fp32", None, "q-linear", True, ((40, 1001),))],
                          ids=lambda c: c.id)
 def test_bitwise_multithreaded(case):
     """Tensors large enough to be spread over the intra-op threads."""

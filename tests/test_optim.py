@@ -18,9 +18,9 @@ import pytest
 import torch
 
 import flashdist
-from cases import CASES, DTYPES, OPTIMIZERS, Case, run_pair
 from flashdist import FlashAdamW, FlashLion, FlashSGD, FlashSGDW
 from flashdist.kernels import cpu
+from tests.cases import CASES, DTYPES, OPTIMIZERS, Case, run_pair
 
 # ----- the runner ---------------------------------------------------------------------------------------
 
@@ -473,29 +473,19 @@ def test_step_counts_follow_each_parameter_when_the_set_with_grads_changes():
 
 # ----- finite gradients whose step overflows fp32 -----------------------------------------------------------
 
-OVERFLOW_OPTIMIZERS = {
-    "adamw": lambda ps, **kw: flashdist.FlashAdamW(ps, lr=1e-2, **kw),
-    "adam-l2": lambda ps, **kw: flashdist.FlashAdam(ps, lr=1e-2, weight_decay=0.1, **kw),
-    "sgd-momentum-dampening": lambda ps, **kw: flashdist.FlashSGD(ps, lr=1e-2, momentum=0.9, dampening=0.1,
-                                                                   weight_decay=0.1, **kw),
-    "sgd-nesterov": lambda ps, **kw: flashdist.FlashSGD(ps, lr=1e-2, momentum=0.9, nesterov=True, **kw),
-    "sgd-plain": lambda ps, **kw: flashdist.FlashSGD(ps, lr=1e-2, **kw),
-    "sgdw": lambda ps, **kw: flashdist.FlashSGDW(ps, lr=1e-2, momentum=0.9, weight_decay=0.1, **kw),
-    "lion": lambda ps, **kw: flashdist.FlashLion(ps, lr=1e-2, weight_decay=0.1, **kw),
-}
 # the largest finite gradient of each dtype; 1e30 for those that hold it
 HUGE = {torch.bfloat16: (1e30, torch.finfo(torch.bfloat16).max), torch.float16: (torch.finfo(torch.float16).max,),
         torch.float32: (1e30, torch.finfo(torch.float32).max)}
-OVERFLOW_OPTIONS = {  # (param dtype, optimizer options)
+OVERFLOW_OPTIONS = {  # (param dtype, options of Optimizer.make)
     "bf16-q-comp": (torch.bfloat16, {}),
-    "bf16-q-linear": (torch.bfloat16, dict(companded=False)),
-    "bf16-fp32m": (torch.bfloat16, dict(quantize_states=False)),
-    "bf16-32bit": (torch.bfloat16, dict(master_weight_bits=32)),
-    "bf16-nosplit-flat": (torch.bfloat16, dict(master_weight_bits=None, flat_layout=True)),
+    "bf16-q-linear": (torch.bfloat16, dict(moments="q-linear")),
+    "bf16-fp32m": (torch.bfloat16, dict(moments="fp32m")),
+    "bf16-32bit": (torch.bfloat16, dict(bits=32)),
+    "bf16-nosplit-flat": (torch.bfloat16, dict(bits=None, flat_layout=True)),
     "fp16-q-comp": (torch.float16, {}),
-    "fp16-fp32m-32bit": (torch.float16, dict(quantize_states=False, master_weight_bits=32)),
+    "fp16-fp32m-32bit": (torch.float16, dict(moments="fp32m", bits=32)),
     "fp32-q-comp": (torch.float32, {}),
-    "fp32-fp32m-flat": (torch.float32, dict(quantize_states=False, flat_layout=True)),
+    "fp32-fp32m-flat": (torch.float32, dict(moments="fp32m", flat_layout=True)),
 }
 
 
@@ -506,7 +496,7 @@ def _all_finite(opt, params) -> bool:
 
 
 @pytest.mark.parametrize("options", OVERFLOW_OPTIONS)
-@pytest.mark.parametrize("name", OVERFLOW_OPTIMIZERS)
+@pytest.mark.parametrize("name", OPTIMIZERS)
 def test_finite_gradients_never_make_a_weight_or_state_non_finite(name, options):
     """Gradients up to the largest finite value of their dtype, in one element and in a whole tensor: the
     parameters, master weights and state stay finite at every step, a group whose step would overflow is
@@ -515,11 +505,12 @@ def test_finite_gradients_never_make_a_weight_or_state_non_finite(name, options)
     dtype, kwargs = OVERFLOW_OPTIONS[options]
     for value in HUGE[dtype]:
         gen = torch.Generator().manual_seed(3)
-        # small weights: fine spacing, so that single steps move them also without rho
+        # small weights and lr 1e-2: fine spacing and large steps, so that single steps move them also
+        # without rho
         w = torch.nn.Parameter((torch.randn(4, 64, generator=gen) * 0.05).to(dtype))
         b = torch.nn.Parameter((torch.randn(8, generator=gen) * 0.05).to(dtype))
         params = [w, b]
-        opt = OVERFLOW_OPTIMIZERS[name](params, **kwargs)
+        opt = OPTIMIZERS[name].make(params, lr=1e-2, **kwargs)
 
         def step(huge_w=None, huge_b=None):
             for p, huge in ((w, huge_w), (b, huge_b)):

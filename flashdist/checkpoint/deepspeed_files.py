@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from .dcp import CheckpointError
+from .errors import CheckpointError
 
 DEEPSPEED_GLOBALS = ("deepspeed.runtime.zero.config.ZeroStageEnum",
                      "deepspeed.runtime.fp16.loss_scaler.LossScaler",

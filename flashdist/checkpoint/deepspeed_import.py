@@ -44,7 +44,7 @@ import torch
 
 from ..optim.layout import check_master_weight_bits
 from ..quant import rho as R
-from .dcp import CheckpointError
+from .errors import CheckpointError
 from ..quant.moment import QuantizedMoment
 from .deepspeed_files import (HINT, ZERO12_MODEL_FILE, OptimizerFile, load_file, missing, model_states_file,
                               optimizer_files, read_optimizer_file, stage3_model_files, tag_folder)

@@ -64,7 +64,7 @@ import torch
 
 from ..optim.layout import check_master_weight_bits
 from ..quant import rho as R
-from .dcp import CheckpointError
+from .errors import CheckpointError
 from .state import FORMAT_VERSION
 
 GROUP_SIZE = 32  # flashoptim's quantization group: consecutive values of the flattened tensor

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .dcp import CheckpointError
+from .errors import CheckpointError
 from .output import Spec, atomic_output, write_safetensors
 
 

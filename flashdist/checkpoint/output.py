@@ -33,7 +33,8 @@ from typing import Any
 
 import torch
 
-from .dcp import CheckpointError, error_summary, shard_writer
+from .dcp_files import shard_writer
+from .errors import CheckpointError, error_summary
 
 Spec = tuple[tuple[int, ...], torch.dtype]
 Fetch = Callable[[Any], torch.Tensor]

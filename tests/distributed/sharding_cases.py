@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from flashdist import FlashAdam, FlashAdamW, FlashLion, FlashSGD, FlashSGDW
 from flashdist import distributed as D
 from flashdist.quant.moment import MomentLayout
+from tests.cases import OPTIMIZERS, Case
 
 def single_threaded(fn):
     """Run a single-process reference with one intra-op thread, as the ranks do: tiny tensors on a busy
@@ -73,24 +73,28 @@ def shard_mixed_net(model: MixedNet, mesh) -> MixedNet:
 
 GRAD_FREE = ("unused", "frozen")  # parameters that never receive a gradient
 
-OPTIMIZERS = {
-    "adamw-24bit-companded": (FlashAdamW, dict(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1)),
-    "adam-32bit-linear": (FlashAdam, dict(lr=3e-3, weight_decay=0.01, master_weight_bits=32, companded=False)),
-    "adamw-fp32-moments": (FlashAdamW, dict(lr=1e-2, quantize_states=False)),
-    "sgd-nesterov": (FlashSGD, dict(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=1e-3)),
-    "sgdw-dampened-linear": (FlashSGDW, dict(lr=1e-2, momentum=0.8, dampening=0.1, weight_decay=0.1,
-                                             companded=False)),
-    "lion": (FlashLion, dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)),
-}
+# The optimizers of tests/cases.py under the options whose sharded step differs most: every optimizer class, both
+# master weight widths, 8-bit companded and linear moments, fp32 moments. The reference step, so that these
+# checks are about sharding alone (tests/test_cpu_kernel.py holds the fused CPU step to it bit for bit).
+CONFIGS = {case.id: case for case in [
+    Case(OPTIMIZERS["adamw"], backend="reference"),
+    Case(OPTIMIZERS["adam-l2"], bits=32, moments="q-linear", backend="reference"),
+    Case(OPTIMIZERS["adamw"], moments="fp32m", backend="reference"),
+    Case(OPTIMIZERS["sgd-nesterov"], backend="reference"),
+    Case(OPTIMIZERS["sgdw"], moments="q-linear", backend="reference"),
+    Case(OPTIMIZERS["lion"], backend="reference"),
+]}
+ADAMW = Case(OPTIMIZERS["adamw"], backend="reference").id  # FlashAdamW as a user gets it: 24 bits, companded
 
 
-def make_optimizer(model: nn.Module, config: str):
-    cls, kwargs = OPTIMIZERS[config]
+def make_optimizer(model: nn.Module, config: str = ADAMW):
+    """The optimizer of ``CONFIGS[config]`` over ``model``'s parameters."""
+    case = CONFIGS[config]
     named = list(model.named_parameters())
     fast = [(n, p) for n, p in named if n.startswith(("few", "cube"))]
     rest = [(n, p) for n, p in named if not n.startswith(("few", "cube"))]
     # two groups, so that a second learning rate and per-group buckets are covered too
-    return cls([{"params": rest}, {"params": fast, "lr": kwargs["lr"] * 3}], backend="reference", **kwargs)
+    return case.make([{"params": rest}, {"params": fast, "lr": case.opt.lr * 3}])
 
 
 def global_grads(model: nn.Module, step: int) -> dict[str, torch.Tensor]:

@@ -11,8 +11,9 @@ from harness import run_ranks
 from torch import nn
 
 import flashdist
-from flashdist import FlashAdamW, FlashLion, FlashSGD, checkpoint
+from flashdist import checkpoint
 from flashdist import distributed as D
+from tests.cases import OPTIMIZERS
 
 STEPS_BEFORE, STEPS_AFTER = 2, 2
 
@@ -46,19 +47,12 @@ def _shard(model):
     return model
 
 
-OPTIMIZERS = {
-    "adamw": (FlashAdamW, dict(lr=1e-2)),
-    "sgd-nesterov": (FlashSGD, dict(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=1e-3)),
-    "lion": (FlashLion, dict(lr=1e-3, weight_decay=0.1)),
-}
-
-
 def _build(fmt: str, distributed: bool, name: str = "adamw"):
+    """The model and the optimizer ``name`` of tests/cases.py, with its options and ``fmt``."""
     model = _model()
     if distributed:
         _shard(model)
-    cls, kwargs = OPTIMIZERS[name]
-    return model, cls(model.named_parameters(), state_dict_format=fmt, **kwargs)
+    return model, OPTIMIZERS[name].make(model.named_parameters(), state_dict_format=fmt)
 
 
 def _train(model, opt, first: int, n: int):

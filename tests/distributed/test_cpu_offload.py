@@ -20,7 +20,6 @@ from flashdist import distributed as D
 pytestmark = pytest.mark.slow  # multi-process
 
 STEPS = 4
-CONFIG = "adamw-24bit-companded"
 
 
 def _shard_offloaded(model, mesh):
@@ -39,7 +38,7 @@ def _offloaded_params(model) -> list[bool]:
 
 def _make_fused_optimizer(model):
     """The test configuration with the backend a user gets: "auto", the fused CPU step for host tensors."""
-    optimizer = make_optimizer(model, CONFIG)
+    optimizer = make_optimizer(model)
     for group in optimizer.param_groups:
         group["backend"] = "auto"
     return optimizer
@@ -48,7 +47,7 @@ def _make_fused_optimizer(model):
 @single_threaded
 def _single_process() -> dict[str, torch.Tensor]:
     model = make_mixed_net()
-    optimizer = make_optimizer(model, CONFIG)
+    optimizer = make_optimizer(model)
     for step in range(STEPS):
         set_grads(model, global_grads(model, step))
         optimizer.step()

@@ -7,13 +7,20 @@ from __future__ import annotations
 import pytest
 import torch
 from harness import run_ranks
-from sharding_cases import (OPTIMIZERS, NoCollectives, assert_bitwise_equal, check_state_layout, global_grads,
+from sharding_cases import (CONFIGS, NoCollectives, assert_bitwise_equal, check_state_layout, global_grads,
                             make_mixed_net, make_optimizer, set_grads, shard_mixed_net, single_threaded, snapshot)
 
 pytestmark = pytest.mark.slow  # multi-process
 
 STEPS = 4
-CONFIGS = tuple(OPTIMIZERS)
+
+
+def test_every_optimizer_class_is_sharded():
+    """A new optimizer class of tests/cases.py gets a configuration in sharding_cases.CONFIGS too."""
+    from tests.cases import OPTIMIZERS
+
+    missing = {o.cls.__name__ for o in OPTIMIZERS.values()} - {c.opt.cls.__name__ for c in CONFIGS.values()}
+    assert not missing, f"add a configuration of {sorted(missing)} to CONFIGS in tests/distributed/sharding_cases.py"
 
 
 @single_threaded
@@ -58,10 +65,10 @@ def _compare(results: dict, label: str) -> None:
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4], ids=lambda n: f"{n}ranks")
 def test_fsdp2_step_is_bit_identical_to_one_process(world_size):
-    results = run_ranks(_sharded_run, world_size, (world_size,), CONFIGS)[0]
+    results = run_ranks(_sharded_run, world_size, (world_size,), tuple(CONFIGS))[0]
     _compare(results, f"FSDP2 on {world_size} ranks")
 
 
 def test_hsdp_2x2_step_is_bit_identical_to_one_process():
-    results = run_ranks(_sharded_run, 4, (2, 2), CONFIGS[:1])[0]
+    results = run_ranks(_sharded_run, 4, (2, 2), tuple(CONFIGS)[:1])[0]
     _compare(results, "HSDP (Replicate, Shard(0)) on a 2x2 mesh")

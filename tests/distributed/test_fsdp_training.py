@@ -88,7 +88,7 @@ def _clip_and_step(model, optimizer) -> tuple[list[float], dict[str, torch.Tenso
 @single_threaded
 def single_process_clipped():
     model = make_mixed_net()
-    optimizer = make_optimizer(model, "adamw-24bit-companded")
+    optimizer = make_optimizer(model)
     norms, grads = _clip_and_step(model, optimizer)
     return norms, grads, snapshot(model, optimizer)
 
@@ -97,7 +97,7 @@ def _sharded_clip(rank: int, world_size: int):
     from torch.distributed.device_mesh import init_device_mesh
 
     model = shard_mixed_net(make_mixed_net(), init_device_mesh("cpu", (world_size,)))
-    optimizer = make_optimizer(model, "adamw-24bit-companded")
+    optimizer = make_optimizer(model)
     norms, grads = _clip_and_step(model, optimizer)
     state = snapshot(model, optimizer)
     return (norms, grads, state) if rank == 0 else None

@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 from harness import run_ranks
-from sharding_cases import (OPTIMIZERS, MixedNet, assert_bitwise_equal, make_mixed_net, make_optimizer,
+from sharding_cases import (CONFIGS, MixedNet, assert_bitwise_equal, make_mixed_net, make_optimizer,
                             shard_mixed_net, snapshot)
 from torch import nn
 
@@ -104,8 +104,7 @@ def pair():
     """The same model and optimizer twice."""
     model = make_mixed_net()
     other = copy.deepcopy(model)
-    config = "adamw-24bit-companded"
-    return (model, make_optimizer(model, config)), (other, make_optimizer(other, config))
+    return (model, make_optimizer(model)), (other, make_optimizer(other))
 
 
 def test_release_matches_ordinary_step_bitwise(pair):
@@ -116,7 +115,7 @@ def test_release_matches_ordinary_step_bitwise(pair):
     assert int(optimizer.state[model.uneven.weight]["step"]) == STEPS
 
 
-@pytest.mark.parametrize("config", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("config", sorted(CONFIGS))
 def test_release_matches_ordinary_step_for_every_optimizer(config):
     model, ref = make_mixed_net(), make_mixed_net()
     optimizer, ref_optimizer = make_optimizer(model, config), make_optimizer(ref, config)
@@ -225,8 +224,8 @@ def test_parameter_without_gradient_in_some_steps():
     """A parameter that skips a step falls one step count behind the others, as with the ordinary step; the
     batch that lacks it is another list of parameters, whose stepping must not disturb the step counts."""
     model, ref = make_gated_net(), make_gated_net()
-    optimizer = make_optimizer(model, "adamw-24bit-companded")
-    ref_optimizer = make_optimizer(ref, "adamw-24bit-companded")
+    optimizer = make_optimizer(model)
+    ref_optimizer = make_optimizer(ref)
     _train_gated(model, optimizer, release=True)
     _train_gated(ref, ref_optimizer, release=False)
     assert_bitwise_equal(snapshot(model, optimizer), snapshot(ref, ref_optimizer), "gated release")
@@ -335,7 +334,7 @@ def _fsdp2_release(rank: int, world_size: int, mesh_shape: tuple[int, ...]):
     if world_size == 2:  # DDP reduces after the hooks: refused
         ddp = torch.nn.parallel.DistributedDataParallel(make_mixed_net())
         try:
-            enable_gradient_release(ddp, make_optimizer(ddp.module, "adamw-24bit-companded"))
+            enable_gradient_release(ddp, make_optimizer(ddp.module))
         except TypeError as e:
             assert "DistributedDataParallel" in str(e), str(e)
         else:
@@ -344,8 +343,8 @@ def _fsdp2_release(rank: int, world_size: int, mesh_shape: tuple[int, ...]):
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard")[-len(mesh_shape):])
     model = shard_mixed_net(make_mixed_net(), mesh)
     ref = shard_mixed_net(make_mixed_net(), mesh)
-    optimizer = make_optimizer(model, "adamw-24bit-companded")
-    ref_optimizer = make_optimizer(ref, "adamw-24bit-companded")
+    optimizer = make_optimizer(model)
+    ref_optimizer = make_optimizer(ref)
 
     # the hooks fire on the sharded parameters with their reduced gradients (after the reduce-scatter and,
     # for HSDP, the all-reduce across replicas): the same result as the ordinary step. With bucket_mb=0 one
@@ -461,8 +460,8 @@ def _fsdp2_batches(rank: int, world_size: int):
     assert _stack_release_vs_ordinary(mesh, rank, 64, one_batch, "FSDP2 stack, one batch") == 2
 
     gated, gated_ref = (shard_mixed_net(make_gated_net(), mesh) for _ in range(2))
-    gated_optimizer = make_optimizer(gated, "adamw-24bit-companded")
-    gated_ref_optimizer = make_optimizer(gated_ref, "adamw-24bit-companded")
+    gated_optimizer = make_optimizer(gated)
+    gated_ref_optimizer = make_optimizer(gated_ref)
     _train_gated(gated, gated_optimizer, release=True, rank=rank)
     _train_gated(gated_ref, gated_ref_optimizer, release=False, rank=rank)
     assert_bitwise_equal(snapshot(gated, gated_optimizer), snapshot(gated_ref, gated_ref_optimizer),

@@ -1,0 +1,432 @@
+"""Reading checkpoints of every kind flashdist knows, whole (:func:`read`) or tensor by tensor
+(:func:`open_source`, :class:`Fetcher`), into the nested dict that :func:`flashdist.checkpoint.save` writes:
+``{"model": {fqn: tensor}, "optim": {"state": {fqn: {...}}, "param_groups": [...]}, "extra": {...}}``.
+
+- DCP directory: read through the safe reader (no code-running pickles), one tensor at a time where the
+  operation allows.
+- torch file: ``torch.save`` of that dict; read with ``weights_only=True``.
+- safetensors file: tensors under flat keys (``model.<fqn>``, ``optim.state.<fqn>.<key>``, ``extra.<key>``);
+  everything else (param groups, plain extras) as JSON in the header metadata under ``flashdist``
+  (:func:`json_header`).
+- DeepSpeed ZeRO 1/2/3 folder (``engine.save_checkpoint`` with a flashdist optimizer): read only, through
+  :func:`flashdist.checkpoint.deepspeed_import.read_deepspeed` (every rank's partitions reassembled per
+  parameter; portable optimizer state; parameter + rho).
+- flashoptim torch file (``{"model": ..., "optimizer": ...}`` of the FlashOptim paper's library): read only,
+  through :func:`flashdist.checkpoint.flashoptim_import.read_flashoptim`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+from .dcp_files import SafeFileSystemReader, SafeLoadPlanner
+from .errors import CheckpointError, error_summary
+from .output import Spec
+from .publish import resolve
+
+KINDS = ("dcp", "torch", "safetensors", "deepspeed", "flashoptim")
+Progress = Callable[[str, int, int], None]
+
+
+def quiet(_what: str, _done: int, _total: int) -> None:
+    """A :data:`Progress` callback that reports nothing (the default of every long operation)."""
+
+
+def detect(path: str | os.PathLike) -> str:
+    """What ``path`` is: one of KINDS. Raises CheckpointError if it is none of them."""
+    path = Path(path)
+    if path.is_dir():
+        if (path / ".metadata").exists():
+            return "dcp"
+        if ((path / "latest").exists() or any(path.glob("*/mp_rank_*_model_states.pt"))
+                or any(path.glob("*/zero_pp_rank_*")) or any(path.glob("*_optim_states.pt"))):
+            return "deepspeed"
+        raise CheckpointError(f"flashdist: {path} is a directory but neither a DCP checkpoint (.metadata) nor a "
+                              "DeepSpeed checkpoint (latest, */mp_rank_*_model_states.pt, *_optim_states.pt)")
+    if not path.exists():
+        old = path.with_name(path.name + ".old")
+        if (old / ".metadata").exists():
+            return "dcp"
+        raise CheckpointError(f"flashdist: no such file or directory: {path}")
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if head[:2] == b"PK":
+        from .flashoptim_import import is_flashoptim_file
+
+        return "flashoptim" if is_flashoptim_file(path) else "torch"
+    if len(head) == 8:
+        n = int.from_bytes(head, "little")
+        if 0 < n < 100 * 2**20 and path.stat().st_size >= 8 + n:
+            with open(path, "rb") as f:
+                f.seek(8)
+                if f.read(1) == b"{":
+                    return "safetensors"
+    raise CheckpointError(f"flashdist: {path} is not a DCP directory, a torch file or a safetensors file")
+
+
+# ----- reading ----------------------------------------------------------------------------------------------
+
+
+def _set(root: dict, route: tuple, value) -> None:
+    node = root
+    for i, part in enumerate(route[:-1]):
+        nxt = route[i + 1]
+        if isinstance(node, list):
+            while len(node) <= part:
+                node.append({} if not isinstance(nxt, int) else [])
+            node = node[part]
+        else:
+            node = node.setdefault(part, [] if isinstance(nxt, int) else {})
+    last = route[-1]
+    if isinstance(node, list):
+        while len(node) <= last:
+            node.append(None)
+        node[last] = value
+    else:
+        node[last] = value
+
+
+def dcp_entries(path: str | os.PathLike, metadata=None) -> dict[str, tuple]:
+    """Flat key -> (route in the nested dict, size or None for plain data, dtype or None), metadata only."""
+    md = metadata if metadata is not None else SafeFileSystemReader(str(resolve(path))).read_metadata()
+    routes = md.planner_data or {}
+    out = {}
+    for key, meta in md.state_dict_metadata.items():
+        route = tuple(routes.get(key, key.split(".")))
+        if isinstance(meta, BytesStorageMetadata):
+            out[key] = (route, None, None)
+        else:
+            out[key] = (route, tuple(meta.size), meta.properties.dtype)
+    return out
+
+
+class _KnownMetadataReader(SafeFileSystemReader):
+    """A reader for one more dcp.load of a checkpoint whose metadata was read already (once per conversion,
+    not once per tensor: the metadata of a large checkpoint takes a while to unpickle). Each shard file goes
+    through the safe reader's checks on its first read; the files in ``checked`` (shared by the reads of one
+    conversion) are read without checking them again."""
+
+    def __init__(self, path: str, metadata, checked: set | None = None):
+        super().__init__(path)
+        self.known, self.checked = metadata, checked if checked is not None else set()
+
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        return self.known
+
+    def read_data(self, plan, planner):
+        files = {self.storage_data[item.storage_index].relative_path for item in plan.items}
+        if files <= self.checked:
+            return FileSystemReader.read_data(self, plan, planner)
+        result = super().read_data(plan, planner)
+        self.checked |= files
+        return result
+
+
+def read_dcp(path: str | os.PathLike, keys: list[str] | None = None, *, metadata=None, checked: set | None = None
+             ) -> dict:
+    """Load (some flat keys of) a DCP checkpoint into a nested dict of full CPU tensors, in this process.
+    ``metadata``: the checkpoint's, when the caller has read it already; ``checked``: its shard files already
+    checked by an earlier read (see :class:`_KnownMetadataReader`)."""
+    where = resolve(path)
+    if metadata is None:
+        metadata = SafeFileSystemReader(str(where)).read_metadata()
+    entries = dcp_entries(where, metadata)
+    wanted = entries if keys is None else {k: entries[k] for k in keys}
+    nested: dict = {}
+    for route, size, dtype in wanted.values():
+        _set(nested, route, torch.empty(size, dtype=dtype) if size is not None else None)
+    try:
+        # the top level must be dicts: dcp.load copies it, and plain-data entries land in nested dicts
+        dcp.load(nested, storage_reader=_KnownMetadataReader(str(where), metadata, checked), planner=SafeLoadPlanner(),
+                 no_dist=True)
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as e:  # DCP wraps read failures (missing/truncated shard files)
+        raise CheckpointError(f"flashdist: could not read checkpoint {where}: {error_summary(e)}") from e
+    return nested
+
+
+def _read_safetensors(path: Path) -> dict:
+    from safetensors import safe_open
+
+    nested: dict = {}
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        if "flashdist" in meta:
+            nested = _from_json(meta["flashdist"])
+        for key in f.keys():
+            route = tuple(json.loads(meta.get(f"route:{key}", "null")) or key.split("."))
+            _set(nested, route, f.get_tensor(key))
+    return nested
+
+
+def read(path: str | os.PathLike, *, tag: str | None = None, master_weight_bits: int | None = None,
+         progress: Progress = quiet) -> dict:
+    """The whole checkpoint as a nested dict (tensors on the CPU). ``tag`` and ``master_weight_bits`` apply to
+    DeepSpeed folders only (see :func:`flashdist.checkpoint.deepspeed_import.read_deepspeed`)."""
+    kind = detect(path)
+    _check_options(path, kind, tag, master_weight_bits)
+    if kind == "flashoptim":
+        from .flashoptim_import import read_flashoptim
+
+        return read_flashoptim(path, master_weight_bits=master_weight_bits)
+    if kind == "dcp":
+        return read_dcp(path)
+    if kind == "torch":
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - truncated zip, refused pickle global, ...
+            raise CheckpointError(f"flashdist: could not read {path}: {str(e).splitlines()[0][:300]}") from None
+    if kind == "safetensors":
+        try:
+            return _read_safetensors(Path(path))
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"flashdist: could not read {path}: {str(e).splitlines()[0][:300]}") from None
+    from .deepspeed_import import read_deepspeed
+
+    return read_deepspeed(path, tag, master_weight_bits=master_weight_bits, progress=progress)
+
+
+# ----- streaming sources ------------------------------------------------------------------------------------
+
+
+def flat_tensors(nested, prefix: tuple = ()) -> tuple[dict[tuple, torch.Tensor], Any]:
+    """Split a nested checkpoint into {route: tensor} and the same structure with each tensor as None."""
+    if isinstance(nested, torch.Tensor):
+        return {prefix: nested}, None
+    tensors: dict[tuple, torch.Tensor] = {}
+    if isinstance(nested, dict):
+        rest = {}
+        for k, v in nested.items():
+            t, rest[k] = flat_tensors(v, prefix + (k,))
+            tensors.update(t)
+        return tensors, rest
+    if isinstance(nested, (list, tuple)):
+        rest = []
+        for i, v in enumerate(nested):
+            t, r = flat_tensors(v, prefix + (i,))
+            tensors.update(t)
+            rest.append(r)
+        # a tuple of plain data stays a tuple (param groups' betas); one holding tensors becomes a list
+        return tensors, (tuple(rest) if isinstance(nested, tuple) and not tensors else rest)
+    return tensors, nested
+
+
+class Source:
+    """A checkpoint opened for streaming: ``rest`` (the nested dict, each tensor None), ``specs`` (route ->
+    (shape, dtype), in the checkpoint's order) and :meth:`get`, which reads the tensors of a few routes. A DCP
+    folder, a torch file and a safetensors file are read tensor by tensor; a DeepSpeed folder or a flashoptim
+    file is reassembled in memory first (:func:`read`)."""
+
+    def __init__(self, rest, specs: dict[tuple, Spec]):
+        self.rest, self.specs = rest, specs
+
+    def get(self, routes: list[tuple]) -> dict[tuple, torch.Tensor]:
+        raise NotImplementedError
+
+
+class MemorySource(Source):
+    """A checkpoint already in memory (a nested dict of tensors) as a :class:`Source`."""
+
+    def __init__(self, state: dict):
+        self.tensors, rest = flat_tensors(state)
+        super().__init__(rest, {r: (tuple(t.shape), t.dtype) for r, t in self.tensors.items()})
+
+    def get(self, routes):
+        return {r: self.tensors[r] for r in routes}
+
+
+class _DcpSource(Source):
+    def __init__(self, path):
+        self.path = resolve(path)
+        self.metadata = SafeFileSystemReader(str(self.path)).read_metadata()
+        self.checked: set = set()
+        entries = dcp_entries(self.path, self.metadata)
+        self.keys = {route: key for key, (route, size, _) in entries.items() if size is not None}
+        plain = [k for k, (_, size, _) in entries.items() if size is None]
+        rest = read_dcp(self.path, plain, metadata=self.metadata, checked=self.checked) if plain else {}
+        for key, (route, size, dtype) in entries.items():
+            if size is not None:
+                _set(rest, route, None)
+        super().__init__(rest, {route: (size, dtype) for route, size, dtype in entries.values() if size is not None})
+
+    def get(self, routes):
+        nested = read_dcp(self.path, [self.keys[r] for r in routes], metadata=self.metadata, checked=self.checked)
+        return {r: value_at(nested, r) for r in routes}
+
+
+class _TorchSource(Source):
+    # torch.load(mmap=True) maps the file without reading it; each get maps it afresh and copies its tensors out,
+    # so the pages it touched are unmapped when the copies are returned
+    def __init__(self, path: Path):
+        self.path = path
+        state = self._load()
+        tensors, rest = flat_tensors(state)
+        super().__init__(rest, {r: (tuple(t.shape), t.dtype) for r, t in tensors.items()})
+
+    def _load(self):
+        try:
+            return torch.load(self.path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:  # noqa: BLE001 - truncated zip, refused pickle global, ...
+            raise CheckpointError(f"flashdist: could not read {self.path}: {str(e).splitlines()[0][:300]}") from None
+
+    def get(self, routes):
+        state = self._load()
+        return {r: value_at(state, r).clone() for r in routes}
+
+
+class _SafetensorsSource(Source):
+    def __init__(self, path: Path):
+        from safetensors import safe_open
+
+        self.path = path
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+                rest = _from_json(meta["flashdist"]) if "flashdist" in meta else {}
+                self.keys, specs = {}, {}
+                for key in f.keys():
+                    route = tuple(json.loads(meta.get(f"route:{key}", "null")) or key.split("."))
+                    sl = f.get_slice(key)
+                    self.keys[route] = key
+                    specs[route] = (tuple(sl.get_shape()), _dtype_of(sl.get_dtype()))
+                    _set(rest, route, None)
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"flashdist: could not read {path}: {str(e).splitlines()[0][:300]}") from None
+        super().__init__(rest, specs)
+
+    def get(self, routes):
+        from safetensors import safe_open
+
+        with safe_open(str(self.path), framework="pt") as f:  # mapped for this read only
+            return {r: f.get_tensor(self.keys[r]).clone() for r in routes}
+
+
+def _dtype_of(name: str) -> torch.dtype:
+    from .output import SAFETENSORS_DTYPES
+
+    for dtype, code in SAFETENSORS_DTYPES.items():
+        if code == name:
+            return dtype
+    raise CheckpointError(f"flashdist: safetensors dtype {name} is not supported")
+
+
+def value_at(nested, route):
+    """The value at ``route`` (keys and list indices, outermost first) in a nested checkpoint dict."""
+    for part in route:
+        nested = nested[part]
+    return nested
+
+
+def open_source(path: str | os.PathLike, *, tag: str | None = None, master_weight_bits: int | None = None,
+                progress: Progress = quiet) -> Source:
+    """``path`` (any KIND) opened for streaming (see :class:`Source`)."""
+    kind = detect(path)
+    if kind == "dcp":
+        _check_options(path, kind, tag, master_weight_bits)
+        return _DcpSource(path)
+    if kind == "torch":
+        _check_options(path, kind, tag, master_weight_bits)
+        try:
+            return _TorchSource(Path(path))
+        except CheckpointError:  # e.g. a file of torch's legacy format, which cannot be mapped: read it whole
+            return MemorySource(read(path))
+    if kind == "safetensors":
+        _check_options(path, kind, tag, master_weight_bits)
+        return _SafetensorsSource(Path(path))
+    return MemorySource(read(path, tag=tag, master_weight_bits=master_weight_bits, progress=progress))
+
+
+class Fetcher:
+    """Random-access ``fetch(route)`` over a source, for writers that ask in their own order. ``compute`` maps
+    a group of routes (one parameter's optimizer state) to their tensors at once; those not yet asked for are
+    kept, within ``budget`` bytes (oldest dropped first, recomputed if asked again)."""
+
+    def __init__(self, source: Source, derived: dict[tuple, tuple] | None = None,
+                 compute: Callable[[tuple], dict[tuple, torch.Tensor]] | None = None, budget: int = 16 * 2**20,
+                 order: list[tuple] | None = None):
+        self.source, self.derived, self.compute, self.budget = source, derived or {}, compute, budget
+        self.kept: dict[tuple, torch.Tensor] = {}
+        # each read also takes the next routes of ``order`` (default: the source's, which most writers follow),
+        # within the budget: one read per batch of small tensors rather than one per tensor
+        self.order = order if order is not None else [r for r in source.specs if r not in self.derived]
+        self.position = {r: i for i, r in enumerate(self.order)}
+
+    def _batch(self, route: tuple) -> list[tuple]:
+        batch, size = [route], _spec_bytes(self.source.specs[route])
+        if route not in self.position:
+            return batch
+        for nxt in self.order[self.position[route] + 1:]:
+            size += _spec_bytes(self.source.specs[nxt])
+            if size > self.budget:
+                break
+            if nxt not in self.kept and nxt not in batch:
+                batch.append(nxt)
+        return batch
+
+    def __call__(self, route: tuple) -> torch.Tensor:
+        if route in self.kept:
+            return self.kept.pop(route)
+        if route not in self.derived:
+            out = self.source.get(self._batch(route))
+        else:
+            out = self.compute(self.derived[route])
+        t = out.pop(route)
+        self.kept.update(out)
+        while self.kept and sum(v.numel() * v.element_size() for v in self.kept.values()) > self.budget:
+            self.kept.pop(next(iter(self.kept)))
+        return t
+
+
+def _spec_bytes(spec: Spec) -> int:
+    return int(torch.Size(spec[0]).numel()) * spec[1].itemsize
+
+
+def _check_options(path, kind: str, tag, master_weight_bits) -> None:
+    if (kind != "deepspeed" and tag is not None) or (kind not in ("deepspeed", "flashoptim") and
+                                                     master_weight_bits is not None):
+        raise CheckpointError(f"flashdist: {path} is a {kind} checkpoint; a tag and master_weight_bits apply to "
+                              "DeepSpeed checkpoints only (master_weight_bits: flashoptim files too)")
+
+
+# ----- the plain data of a safetensors file ---------------------------------------------------------------
+
+
+def json_header(rest, dst) -> str:
+    """The plain data of a checkpoint as JSON (safetensors keeps it in its header); torch dtypes as their names.
+    Read back by this module's safetensors readers. Raises :class:`CheckpointError` naming ``dst`` (the file
+    being written) when the data is not JSON."""
+    def plain(x):
+        if isinstance(x, torch.dtype):
+            return {_DTYPE_TAG: str(x).removeprefix("torch.")}
+        if isinstance(x, torch.Size):
+            return list(x)
+        raise TypeError(f"a {type(x).__name__} ({x!r:.60})")
+
+    try:
+        return json.dumps(rest, default=plain)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"flashdist: cannot store the checkpoint's plain data in {dst}: {e} is not JSON; "
+                              "convert --to torch or --to dcp instead") from None
+
+
+_DTYPE_TAG = "__torch.dtype__"
+
+
+def _from_json(text: str):
+    def hook(obj):
+        if len(obj) == 1 and _DTYPE_TAG in obj and isinstance(getattr(torch, str(obj[_DTYPE_TAG]), None), torch.dtype):
+            return getattr(torch, obj[_DTYPE_TAG])
+        return obj
+
+    return json.loads(text, object_hook=hook)
