@@ -265,3 +265,60 @@ def test_a_node_whose_agent_is_killed_is_started_again_and_the_job_resumes(tmp_p
     assert (summary["world_size"], summary["mesh"]) == (2, [2, 1]) and 1 <= summary["resumed_from"] < STEPS
     _assert_same_run(tmp_path / "out", tmp_path / "ck", reference,
                      f"node {killed} back at step {summary['resumed_from']}")
+
+
+# A rank of launch/train.py that leaves the process group. Rank 1 takes its time to shut down (a slow
+# destroy_process_group) and says when it is done; with "lost", rank 1 reports to a store namespace rank 0 does
+# not read, as a rank that never arrives. Each process prints when it has closed.
+_CLOSE = """
+import sys, time
+import torch.distributed as dist
+from launch.train import Run
+
+run = Run(threads=1)
+if run.rank == 1:
+    destroy = dist.destroy_process_group
+
+    def slow_destroy():
+        time.sleep(1.5)
+        destroy()
+        print("destroyed", time.time(), flush=True)
+
+    dist.destroy_process_group = slow_destroy
+    if sys.argv[1] == "lost":
+        run.store = dist.PrefixStore("elsewhere", run.store)
+run.close(timeout=float(sys.argv[2]))
+print("closed", time.time(), flush=True)
+"""
+
+
+def _close_two_ranks(mode: str, timeout: float) -> list[str]:
+    """Two ranks of train.py's Run, the workers' store served by rank 0's process (as under
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): each one's output."""
+    env = dict(ENV, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2")
+    env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    procs = [subprocess.Popen([sys.executable, "-c", _CLOSE, mode, str(timeout)], env=dict(env, RANK=str(r)),
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(2)]
+    outputs = [proc.communicate(timeout=60)[0] for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], outputs
+    return outputs
+
+
+def _stamp(output: str, word: str) -> float:
+    return float(re.search(rf"^{word} (\S+)$", output, re.M).group(1))
+
+
+def test_rank_0_which_serves_the_workers_store_closes_after_every_other_rank():
+    """Run.close on rank 0 returns (and its process, the store's server, exits) only after rank 1 has destroyed
+    its process group, however long that takes."""
+    rank0, rank1 = _close_two_ranks("slow", timeout=60)
+    assert _stamp(rank0, "closed") >= _stamp(rank1, "destroyed"), (rank0, rank1)
+
+
+def test_rank_0_stops_waiting_for_a_rank_that_never_closes_after_the_timeout():
+    """A rank that does not report (stuck or gone) holds rank 0 for the timeout only, with one line that says so."""
+    t0 = time.time()
+    rank0, _ = _close_two_ranks("lost", timeout=2)
+    assert "train.py: not every rank had closed its process group after 2 s; rank 0 exits anyway" in rank0, rank0
+    assert 2 <= _stamp(rank0, "closed") - t0 < 30, rank0
