@@ -34,6 +34,7 @@ import json
 import math
 import os
 import resource
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -402,6 +403,22 @@ def save_weights(model, opt, path: str, run: Run) -> None:
         save_file({k: v.contiguous() for k, v in weights.items()}, path)
 
 
+def exit_now(code: int = 0):
+    """Flush stdout and stderr and end the process at once, without the interpreter's shutdown.
+
+    A run ends this way once everything it writes is closed and its process group destroyed. torch's gloo
+    process groups outlive ``destroy_process_group`` (FSDP2 and the device mesh hold them) with their worker
+    threads, and such a thread drops its reference to a finished collective only after the rank has moved on
+    (``ProcessGroupGloo::runLoop``). When the collective's tensors have Python objects, dropping it takes the
+    GIL (``TensorImpl::decref_pyobject``); if the interpreter is shutting down by then, CPython ends the thread
+    with ``pthread_exit``, whose unwinding through the work's destructor calls ``std::terminate``: the rank
+    aborts ("terminate called without an active exception") after a finished run, and torchrun counts a
+    failed worker. Not shutting the interpreter down leaves those threads nothing to trip over."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _number(value, spec: str) -> str:
     """``value`` formatted, or "-" when the run has none (a run resumed at its last step takes no step)."""
     return "-" if value is None else format(value, spec)
@@ -543,3 +560,4 @@ def main(argv=None) -> dict:
 
 if __name__ == "__main__":
     main()
+    exit_now()

@@ -35,7 +35,8 @@ TINY = ["--d-model", "32", "--n-layer", "1", "--n-head", "2", "--seq-len", "32",
         "--steps", str(STEPS), "--threads", "1", "--same-batch", "--compute-dtype", "bf16", "--clip", "0",
         "--state-dict-format", "compressed"]
 TIMEOUT = 240.0  # one job, from the first agent's start to the last agent's exit
-ENV = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+# PYTHONFAULTHANDLER: a worker that crashes prints every thread's Python stack into its agent's log
+ENV = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONFAULTHANDLER="1",
            PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
 
 
@@ -322,3 +323,14 @@ def test_rank_0_stops_waiting_for_a_rank_that_never_closes_after_the_timeout():
     rank0, _ = _close_two_ranks("lost", timeout=2)
     assert "train.py: not every rank had closed its process group after 2 s; rank 0 exits anyway" in rank0, rank0
     assert 2 <= _stamp(rank0, "closed") - t0 < 30, rank0
+
+
+def test_a_finished_rank_ends_without_the_interpreters_shutdown():
+    """train.py ends a finished run with exit_now: its output flushed, its exit code kept, and no interpreter
+    shutdown (an atexit handler does not run), during which gloo's worker threads, still releasing the last
+    collective, would be stopped mid-release and abort the process."""
+    script = ("import atexit, sys\nfrom launch.train import exit_now\natexit.register(print, 'shutdown ran')\n"
+              "print('trained', end='')\nsys.stderr.write('closed')\nexit_now(3)")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=120)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (3, "trained", "closed")
