@@ -254,10 +254,10 @@ class Run:
     def close(self, timeout: float = 60.0):
         """Leave the process group; every rank calls it at the end of a run.
 
-        Rank 0's process may serve the workers' store (``worker_store``), so it leaves last: it exits only when
-        every rank has said, through the store, that it has destroyed its process group (or after ``timeout``
-        seconds, with a warning: a rank that has not arrived by then is stuck or gone). A rank that lost the
-        store's server while shutting down could abort at exit, which torchrun counts as a failed worker."""
+        Rank 0's process may serve the workers' store (``worker_store``), which has to outlive every rank that
+        may still use it, so rank 0 leaves last: it returns only when every rank has said, through the store,
+        that it has destroyed its process group (or after ``timeout`` seconds, with a warning: a rank that has
+        not arrived by then is stuck or gone)."""
         if not self.distributed:
             return
         dist.barrier()  # every rank is past its last collective before any rank tears its process group down
