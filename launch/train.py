@@ -34,7 +34,9 @@ import json
 import math
 import os
 import resource
+import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -175,27 +177,33 @@ def mesh_shape(world: int, local_world: int, replicas: int | None = None,
     return replicas, shards
 
 
-def incarnation_store() -> dict:
-    """init_process_group arguments that give each incarnation of a torchrun job a store namespace of its own.
+def worker_store() -> dist.Store:
+    """The store a torchrun worker's process group meets in, namespaced to this incarnation of the job.
 
-    torchrun's workers meet in the TCPStore of the rank-0 agent, which outlives a restart after a failure:
-    the keys of the failed incarnation (its ranks' addresses) are still there, and in torch 2.13 the
-    workers of the restart read them (their store prefix is the LOCAL restart count, which differs between
-    a node whose worker failed and one whose workers were only restarted), so the new process group never
-    forms. The joins are counted in the store instead: every rank of an incarnation joins once, so
-    (joins - 1) // world_size numbers the incarnations alike on every node (a rank that dies before it
-    joins, at import, shifts the count: that job fails at the process-group timeout and needs a fresh
-    start, which --auto-resume continues). {} when not under torchrun."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return {}
-    from datetime import timedelta
+    Two cases, as torchrun sets them up:
 
+    - The agents share their store with the workers (torch's default, ``TORCHELASTIC_USE_AGENT_STORE=True``): the
+      workers meet in the TCPStore of the rank-0 agent, which outlives a restart after a failure. The keys of
+      the failed incarnation (its ranks' addresses) are still there, and in torch 2.13 the workers of the
+      restart read them (their store prefix is the LOCAL restart count, which differs between a node whose
+      worker failed and one whose workers were only restarted), so the new process group never forms. The
+      joins are counted in the store instead: every rank of an incarnation joins once, so
+      (joins - 1) // world_size numbers the incarnations alike on every node (a rank that dies before it
+      joins, at import, shifts the count: that job fails at the process-group timeout and needs a fresh
+      start, which --auto-resume continues).
+    - They do not (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, as launch/multinode.sh sets): rank 0's worker
+      serves a new store at the address its agent published, as torch's ``env://`` rendezvous would make it.
+      It is made here so that :meth:`Run.close` can keep rank 0 serving it until every rank is done with it.
+    """
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
-                          timeout=timedelta(minutes=10))
-    incarnation = (store.add("flashdist/joins", 1) - 1) // world
-    return {"store": dist.PrefixStore(f"flashdist/incarnation{incarnation}", store), "rank": rank,
-            "world_size": world}
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    timeout = timedelta(minutes=10)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        store = dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
+        incarnation = (store.add("flashdist/joins", 1) - 1) // world
+        return dist.PrefixStore(f"flashdist/incarnation{incarnation}", store)
+    # multi_tenant: as env://, so that another store of this process may serve the same port
+    return dist.TCPStore(addr, port, world, is_master=rank == 0, timeout=timeout, multi_tenant=True)
 
 
 class Run:
@@ -208,7 +216,10 @@ class Run:
             local = int(os.environ.get("LOCAL_RANK", 0))
             if self.cuda:
                 torch.cuda.set_device(local)
-            dist.init_process_group("nccl" if self.cuda else "gloo", **incarnation_store())
+            self.store = worker_store()
+            # the process group's keys apart from close()'s, as init_process_group keeps them apart from others'
+            dist.init_process_group("nccl" if self.cuda else "gloo", store=dist.PrefixStore("default_pg", self.store),
+                                    rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
         self.rank = dist.get_rank() if self.distributed else 0
         self.world = dist.get_world_size() if self.distributed else 1
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
@@ -240,9 +251,24 @@ class Run:
             return torch.cuda.max_memory_allocated() / 2**30
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
-    def close(self):
-        if self.distributed:
-            dist.destroy_process_group()
+    def close(self, timeout: float = 60.0):
+        """Leave the process group; every rank calls it at the end of a run.
+
+        Rank 0's process may serve the workers' store (``worker_store``), which has to outlive every rank that
+        may still use it, so rank 0 leaves last: it returns only when every rank has said, through the store,
+        that it has destroyed its process group (or after ``timeout`` seconds, with a warning: a rank that has
+        not arrived by then is stuck or gone)."""
+        if not self.distributed:
+            return
+        dist.barrier()  # every rank is past its last collective before any rank tears its process group down
+        dist.destroy_process_group()
+        self.store.set(f"flashdist/closed/{self.rank}", "1")
+        if self.rank == 0:
+            try:
+                self.store.wait([f"flashdist/closed/{r}" for r in range(self.world)], timedelta(seconds=timeout))
+            except dist.DistError as e:
+                print(f"train.py: not every rank had closed its process group after {timeout:g} s; rank 0 exits "
+                      f"anyway ({str(e).splitlines()[0]})", flush=True)
 
 
 def build(args, run: Run):
@@ -375,6 +401,22 @@ def save_weights(model, opt, path: str, run: Run) -> None:
 
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         save_file({k: v.contiguous() for k, v in weights.items()}, path)
+
+
+def exit_now(code: int = 0):
+    """Flush stdout and stderr and end the process at once, without the interpreter's shutdown.
+
+    A run ends this way once everything it writes is closed and its process group destroyed. torch's gloo
+    process groups outlive ``destroy_process_group`` (FSDP2 and the device mesh hold them) with their worker
+    threads, and such a thread drops its reference to a finished collective only after the rank has moved on
+    (``ProcessGroupGloo::runLoop``). When the collective's tensors have Python objects, dropping it takes the
+    GIL (``TensorImpl::decref_pyobject``); if the interpreter is shutting down by then, CPython ends the thread
+    with ``pthread_exit``, whose unwinding through the work's destructor calls ``std::terminate``: the rank
+    aborts ("terminate called without an active exception") after a finished run, and torchrun counts a
+    failed worker. Not shutting the interpreter down leaves those threads nothing to trip over."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _number(value, spec: str) -> str:
@@ -518,3 +560,4 @@ def main(argv=None) -> dict:
 
 if __name__ == "__main__":
     main()
+    exit_now()

@@ -251,6 +251,28 @@ def test_multinode_scripts_parse_and_refuse_missing_settings():
     env = {k: v for k, v in os.environ.items() if k not in ("NNODES", "RDZV_HOST", "CKPT_DIR")}
     proc = subprocess.run(["bash", str(ROOT / "launch" / "multinode.sh")], env=env, capture_output=True, text=True)
     assert proc.returncode != 0 and "set NNODES" in proc.stderr
+    env.update(NNODES="2", RDZV_HOST="127.0.0.1", CKPT_DIR="/nonexistent/ck", NPROC_PER_NODE="1", RDZV_STORE="yes")
+    proc = subprocess.run(["bash", str(ROOT / "launch" / "multinode.sh")], env=env, capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "multinode.sh: RDZV_STORE=yes: use serve (on the RDZV_HOST node) or join (elsewhere)"]
+    env.update(RDZV_STORE="join", AGENT_RESTARTS="two")
+    proc = subprocess.run(["bash", str(ROOT / "launch" / "multinode.sh")], env=env, capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "multinode.sh: AGENT_RESTARTS=two: give a whole number (0: never)"]
+
+
+def test_rdzv_store_refuses_a_taken_port_in_one_line():
+    """launch/rdzv_store.py (multinode.sh RDZV_STORE=serve) on a port that something already listens on."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "launch.rdzv_store", "--port", str(port)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith(f"rdzv_store: cannot serve on port {port} (") and "choose another --port" in proc.stderr
 
 
 def test_offload_benchmark_runs_and_measures_host_bytes(tmp_path):
