@@ -28,10 +28,10 @@ import torch.distributed as dist
 import flashdist
 
 if __package__:  # python -m launch.bench_fsdp
-    from .benchlib import run_or_record
+    from .benchlib import exit_now, run_or_record
     from .llama import Llama, LlamaConfig, tensor_parallel
 else:  # run as a file (python or torchrun launch/bench_fsdp.py): its own folder is on sys.path
-    from benchlib import run_or_record
+    from benchlib import exit_now, run_or_record
     from llama import Llama, LlamaConfig, tensor_parallel
 
 CASES = ("adamw_fp32_master", "flash_24bit", "flash_24bit_release", "flashoptim_24bit")
@@ -323,3 +323,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()  # gloo's worker threads and the interpreter's shutdown: benchlib.exit_now

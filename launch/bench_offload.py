@@ -46,10 +46,10 @@ import flashdist
 from flashdist import distributed as D
 
 if __package__:  # python -m launch.bench_offload
-    from .benchlib import run_or_record, timed_steps
+    from .benchlib import exit_now, run_or_record, timed_steps
     from .llama import Llama, LlamaConfig
 else:  # run as a file (python or torchrun launch/bench_offload.py): its own folder is on sys.path
-    from benchlib import run_or_record, timed_steps
+    from benchlib import exit_now, run_or_record, timed_steps
     from llama import Llama, LlamaConfig
 
 CASES = ("ds_cpu_adam", "ds_flash", "fsdp2_adamw", "fsdp2_flash")
@@ -239,3 +239,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()  # gloo's worker threads and the interpreter's shutdown: benchlib.exit_now

@@ -48,11 +48,11 @@ from flashdist import distributed as D
 
 if __package__:  # python -m launch.bench_scaling
     from . import bench_fsdp
-    from .benchlib import run_or_record
+    from .benchlib import exit_now, run_or_record
     from .llama import LlamaConfig
 else:  # run as a file (python or torchrun launch/bench_scaling.py): its own folder is on sys.path
     import bench_fsdp
-    from benchlib import run_or_record
+    from benchlib import exit_now, run_or_record
     from llama import LlamaConfig
 
 CASES = ("adamw_fp32_master", "flash_24bit", "flash_24bit_release")
@@ -328,3 +328,4 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()  # gloo's worker threads and the interpreter's shutdown: benchlib.exit_now

@@ -1,9 +1,11 @@
-"""Helpers shared by the training benchmarks (bench_fsdp.py, bench_deepspeed.py, bench_offload.py)."""
+"""Helpers shared by the training benchmarks (bench_fsdp.py, bench_deepspeed.py, bench_offload.py) and train.py."""
 
 from __future__ import annotations
 
 import gc
+import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -41,3 +43,19 @@ def timed_steps(step: Callable[[], torch.Tensor], warmup: int, steps: int, devic
         losses.append(loss.item())
     return {"step_ms_median": 1e3 * statistics.median(times), "step_ms_min": 1e3 * min(times),
             "first_loss": losses[0], "last_loss": losses[-1]}
+
+
+def exit_now(code: int = 0):
+    """Flush stdout and stderr and end the process at once, without the interpreter's shutdown.
+
+    A run (train.py, a distributed benchmark) ends this way once everything it writes is closed and its process group destroyed. torch's gloo
+    process groups outlive ``destroy_process_group`` (FSDP2 and the device mesh hold them) with their worker
+    threads, and such a thread drops its reference to a finished collective only after the rank has moved on
+    (``ProcessGroupGloo::runLoop``). When the collective's tensors have Python objects, dropping it takes the
+    GIL (``TensorImpl::decref_pyobject``); if the interpreter is shutting down by then, CPython ends the thread
+    with ``pthread_exit``, whose unwinding through the work's destructor calls ``std::terminate``: the rank
+    aborts ("terminate called without an active exception") after a finished run, and torchrun counts a
+    failed worker. Not shutting the interpreter down leaves those threads nothing to trip over."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -34,7 +34,6 @@ import json
 import math
 import os
 import resource
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -47,9 +46,11 @@ from flashdist import checkpoint
 from flashdist import distributed as D
 
 if __package__:  # python -m launch.train
+    from .benchlib import exit_now
     from .data import VOCAB, batch, load_corpus
     from .model import GPT, GPTConfig, clip_grad_norm_, tensor_parallel
 else:  # run as a file (python or torchrun launch/train.py): its own folder is on sys.path
+    from benchlib import exit_now
     from data import VOCAB, batch, load_corpus
     from model import GPT, GPTConfig, clip_grad_norm_, tensor_parallel
 
@@ -401,22 +402,6 @@ def save_weights(model, opt, path: str, run: Run) -> None:
 
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         save_file({k: v.contiguous() for k, v in weights.items()}, path)
-
-
-def exit_now(code: int = 0):
-    """Flush stdout and stderr and end the process at once, without the interpreter's shutdown.
-
-    A run ends this way once everything it writes is closed and its process group destroyed. torch's gloo
-    process groups outlive ``destroy_process_group`` (FSDP2 and the device mesh hold them) with their worker
-    threads, and such a thread drops its reference to a finished collective only after the rank has moved on
-    (``ProcessGroupGloo::runLoop``). When the collective's tensors have Python objects, dropping it takes the
-    GIL (``TensorImpl::decref_pyobject``); if the interpreter is shutting down by then, CPython ends the thread
-    with ``pthread_exit``, whose unwinding through the work's destructor calls ``std::terminate``: the rank
-    aborts ("terminate called without an active exception") after a finished run, and torchrun counts a
-    failed worker. Not shutting the interpreter down leaves those threads nothing to trip over."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def _number(value, spec: str) -> str:

@@ -329,7 +329,7 @@ def test_a_finished_rank_ends_without_the_interpreters_shutdown():
     """train.py ends a finished run with exit_now: its output flushed, its exit code kept, and no interpreter
     shutdown (an atexit handler does not run), during which gloo's worker threads, still releasing the last
     collective, would be stopped mid-release and abort the process."""
-    script = ("import atexit, sys\nfrom launch.train import exit_now\natexit.register(print, 'shutdown ran')\n"
+    script = ("import atexit, sys\nfrom launch.benchlib import exit_now\natexit.register(print, 'shutdown ran')\n"
               "print('trained', end='')\nsys.stderr.write('closed')\nexit_now(3)")
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=ENV, capture_output=True, text=True,
                           timeout=120)
