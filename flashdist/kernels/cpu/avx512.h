@@ -176,9 +176,9 @@ inline void store_theta(const Desc& d, int64_t i, M k, V theta) {
 // The companded first moment's values y / (2 - |y|), y = code / 127, of a block's codes, before their groups'
 // scales: looked up rather than divided where the build has AVX-512 VBMI (byte permutes), which takes one of
 // the divisions per value off the divider (FlashLion and FlashSGD(W) measured faster, FlashAdam(W) the same).
-// The table holds the values of the codes 0..127, computed with the fp32 operations of
-// dequantize_signed (so of codes.EXP_AVG_TABLE); the value is odd in the code bit for bit (-c: the same
-// product and quotient with the sign flipped), so the sign bit comes from the code. The table is kept as four
+// The table holds the values of the codes 0..127, computed by dequantize_signed (the fp32 operations of
+// codes.EXP_AVG_TABLE); the value is odd in the code bit for bit (-c: the same product and quotient with the
+// sign flipped), so the sign bit comes from the code. The table is kept as four
 // byte planes of 128 bytes (two registers each), looked up 64 codes at a time (vpermi2b) and put together by
 // interleaving the planes; the codes are permuted first so that the interleaving's order within 128-bit lanes
 // comes out as the codes' order.
@@ -188,11 +188,12 @@ struct CompandedTable {
   I order;  // position 16 l + 4 k + e of the permuted codes holds code 16 k + 4 l + e
   CompandedTable() {
     alignas(64) uint8_t bytes[4][128], perm[64];
-    for (int c = 0; c < 128; ++c) {
-      const float y = float(c) * INV127;
-      const uint32_t u = f2u(y / (2.0f - std::fabs(y)));
-      for (int b = 0; b < 4; ++b) bytes[b][c] = uint8_t(u >> (8 * b));
-    }
+    float codes[128], values[128];
+    for (int c = 0; c < 128; ++c) codes[c] = float(c);
+    for (int q = 0; q < 128 / G; ++q)  // scale and factor 1: the values themselves (x * 1 is x)
+      dequantize_signed(codes + q * G, 1.0f, true, 1.0f, values + q * G);
+    for (int c = 0; c < 128; ++c)
+      for (int b = 0; b < 4; ++b) bytes[b][c] = uint8_t(f2u(values[c]) >> (8 * b));
     for (int l = 0; l < 4; ++l)
       for (int k = 0; k < 4; ++k)
         for (int e = 0; e < 4; ++e) perm[16 * l + 4 * k + e] = uint8_t(16 * k + 4 * l + e);
