@@ -248,7 +248,9 @@ def table(stats: dict) -> list[str]:
 
 def plot(results: list[dict], path: Path, title: str, moved: bool) -> bool:
     """Validation loss against tokens, one line per variant (the mean over seeds) in a band from the lowest to
-    the highest seed; with ``moved``, a second panel with the share of bf16 weights an optimizer step changes."""
+    the highest seed. A second panel: with ``moved``, the share of bf16 weights an optimizer step changes; without,
+    each variant's loss relative to AdamW's run of the same seed (in %), where gaps of a fraction of a percent,
+    invisible on the loss curves, show; a variant far off (more than 20% at the end) leaves its scale."""
     try:
         import matplotlib
 
@@ -256,11 +258,20 @@ def plot(results: list[dict], path: Path, title: str, moved: bool) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    panels = 2 if moved else 1
-    fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4.2), squeeze=False)
-    for key, ax in zip(["val_curve", "bf16_moved"][:panels], axes[0]):
+    adamw = {r["seed"]: dict(r["val_curve"]) for r in results if r["variant"] == ADAMW and r["val_curve"]}
+    keys = ["val_curve", "bf16_moved" if moved else "vs_adamw"]
+    if not moved and not adamw:
+        keys = keys[:1]
+    fig, axes = plt.subplots(1, len(keys), figsize=(6.5 * len(keys), 4.2), squeeze=False)
+    finals = []  # the gaps at the end that set the relative panel's scale
+    for key, ax in zip(keys, axes[0]):
         for name in dict.fromkeys(r["variant"] for r in results):
-            curves = [dict(r[key]) for r in results if r["variant"] == name and r[key]]
+            if key == "vs_adamw":
+                curves = [{x: 100 * (v / adamw[r["seed"]][x] - 1) for x, v in r["val_curve"] if x in adamw[r["seed"]]}
+                          for r in results if r["variant"] == name and r["seed"] in adamw]
+                curves = [c for c in curves if c]
+            else:
+                curves = [dict(r[key]) for r in results if r["variant"] == name and r[key]]
             if not curves:
                 continue
             xs = sorted(set.intersection(*(set(c) for c in curves)))
@@ -268,10 +279,17 @@ def plot(results: list[dict], path: Path, title: str, moved: bool) -> bool:
             line, = ax.plot(xs, [statistics.mean(y) for y in ys], marker=".", label=f"{name} ({len(curves)} seeds)")
             if len(curves) > 1:
                 ax.fill_between(xs, [min(y) for y in ys], [max(y) for y in ys], color=line.get_color(), alpha=0.2)
+            if key == "vs_adamw" and xs and abs(statistics.mean(ys[-1])) < 20:
+                finals += [v for y in ys[len(ys) // 2:] for v in y]
         ax.set_xlabel("tokens (bytes) per run")
-        ax.set_ylabel("validation loss (nats/byte)" if key == "val_curve" else "share of bf16 weights moved by a step")
+        ax.set_ylabel({"val_curve": "validation loss (nats/byte)", "bf16_moved": "share of bf16 weights moved by a step",
+                       "vs_adamw": "validation loss vs AdamW, same seed (%)"}[key])
         if key == "bf16_moved":
             ax.set_yscale("log")
+        if key == "vs_adamw" and finals:
+            span = max(1.0, *(abs(v) for v in finals))
+            ax.set_ylim(-1.3 * span, 1.3 * span)
+            ax.axhline(0, color="black", lw=0.8)
         ax.grid(alpha=0.3)
     axes[0][0].set_title(title, fontsize=10)
     axes[0][0].legend(fontsize=8)
