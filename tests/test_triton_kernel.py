@@ -1,13 +1,15 @@
 """The fused Triton step against the eager reference, BITWISE, on CPU under the Triton interpreter.
 
-How the interpreter is switched on. Triton chooses interpreted or compiled when a ``@triton.jit`` function
-is defined, and that includes its own library (``tl.max``, ``tl.sum``) defined when triton is imported:
-one process is in one mode. So:
-- on a machine without CUDA, where interpreting is the only way to run triton anyway, this module sets
-  ``TRITON_INTERPRET=1`` before anything imports triton and the tests run in this process;
+How the interpreter is switched on (tests/_interpreter.py). Triton chooses interpreted or compiled when a
+``@triton.jit`` function is defined, and that includes its own library (``tl.max``, ``tl.sum``) defined when
+triton is imported: one process is in one mode. So:
+- on a machine without CUDA, where interpreting is the only way to run triton anyway, importing
+  ``_interpreter`` first sets ``TRITON_INTERPRET=1`` before anything imports triton, and the tests run in this
+  process;
 - when that did not take (CUDA is present, so the GPU tests of this process need compiled kernels, or an
-  earlier test module imported triton first), the same tests run in a child pytest process with
-  ``TRITON_INTERPRET=1`` and no visible GPU: ``test_in_interpreter_process`` below.
+  earlier test module imported triton first), the same tests run in child pytest processes with
+  ``TRITON_INTERPRET=1`` and no visible GPU, one per core up to 4, each with a share of the tests:
+  ``test_in_interpreter_process`` below.
 
 What the oracle computes. ``reference.adam_step_`` is IEEE arithmetic throughout on CPU, its square root
 included (``codes.sqrt_rn``; torch's own vectorised CPU sqrt is not correctly rounded in some builds), so
@@ -22,18 +24,13 @@ own block sizes have a test of their own.
 
 from __future__ import annotations
 
-import os
-import sys
-
-import torch
-
-if "triton" not in sys.modules and not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+import _interpreter  # first: it decides whether this process interprets triton  # isort: skip
 
 import dataclasses  # noqa: E402
 import itertools  # noqa: E402
-import subprocess  # noqa: E402
 import zlib  # noqa: E402
+
+import torch  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -63,11 +60,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:Runtim
 def test_in_interpreter_process():
     if IN_PROCESS:
         pytest.skip("the interpreter tests run in this process")
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    path = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=path)
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], env=env,
-                          capture_output=True, text=True, timeout=1800)
+    done = _interpreter.run_interpreted(__file__, shards=4)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
 
 
