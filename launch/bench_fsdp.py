@@ -38,9 +38,10 @@ CASES = ("adamw_fp32_master", "flash_24bit", "flash_24bit_release", "flashoptim_
 
 
 def build(case: str, cfg: LlamaConfig, device: torch.device, cpu: bool, *, activation_checkpointing: bool = False,
-          state_dict_format: str = "portable", release_bucket_mb: float = 64.0, tp: int = 1):
+          state_dict_format: str = "portable", release_bucket_mb: float = 64.0, tp: int = 1, wrap_layer=None):
     """The model of ``case``, sharded per decoder layer and at the root, and its optimizer; with
-    ``activation_checkpointing`` each decoder layer recomputes its activations in backward; with ``tp`` > 1
+    ``activation_checkpointing`` each decoder layer recomputes its activations in backward (``wrap_layer``, a
+    module class taking the layer, wraps each one instead: bench_fit's switchable checkpointing); with ``tp`` > 1
     tensor parallelism over groups of ``tp`` consecutive ranks (llama.tensor_parallel) and FSDP2 over the
     rest (a (world / tp, tp) mesh). Returns (model, optimizer, gradient-release handle or None)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -55,7 +56,10 @@ def build(case: str, cfg: LlamaConfig, device: torch.device, cpu: bool, *, activ
         mesh = dp_tp_mesh(device, tp)
         tensor_parallel(model, mesh["tp"])
         mesh = mesh["dp"]
-    if activation_checkpointing:
+    if wrap_layer is not None:
+        for i, layer in enumerate(model.layers):
+            model.layers[i] = wrap_layer(layer)
+    elif activation_checkpointing:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
         for i, layer in enumerate(model.layers):

@@ -32,10 +32,8 @@ then trains ``--resume-steps`` more steps and prints the losses.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -48,11 +46,11 @@ from flashdist import distributed as D
 
 if __package__:  # python -m launch.bench_scaling
     from . import bench_fsdp
-    from .benchlib import exit_now, run_or_record
+    from .benchlib import exit_now, in_process_group, rank_and_device, run_meta, run_or_record, write_json
     from .llama import LlamaConfig
 else:  # run as a file (python or torchrun launch/bench_scaling.py): its own folder is on sys.path
     import bench_fsdp
-    from benchlib import exit_now, run_or_record
+    from benchlib import exit_now, in_process_group, rank_and_device, run_meta, run_or_record, write_json
     from llama import LlamaConfig
 
 CASES = ("adamw_fp32_master", "flash_24bit", "flash_24bit_release")
@@ -280,47 +278,25 @@ def parse_args(argv=None):
 
 def run(args) -> dict:
     """Everything after the process group is up (torchrun, or tests/distributed/harness.run_ranks)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    cuda = dist.get_backend() == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    rank, world, device = rank_and_device()
     cfg = LlamaConfig.named(args.model)
-    result: dict = {"meta": {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "world": world,
-                             "device": torch.cuda.get_device_name() if cuda else "cpu", "args": vars(args),
-                             "config": vars(cfg)}, "rows": []}
-    if cuda:
-        import triton
-
-        result["meta"]["triton"] = triton.__version__
+    result: dict = {"meta": run_meta(args, world, device, config=vars(cfg)), "rows": []}
     if args.cases:
         rows = run_cases(args, cfg, device, rank, world)
         result["rows"] = rows
         if rank == 0:
             n = next((r["params_total"] for r in rows if "params_total" in r), None)
             print_table(rows, args, world, device, n)
-            _write(args.out, result)  # before the resume check, which may be cut short
+            write_json(args.out, result)  # before the resume check, which may be cut short
     if args.resume_check:
         result["resume_check"] = resume_check(args, cfg, device, rank, world)
         if rank == 0:
-            _write(args.out, result)
+            write_json(args.out, result)
     return result
 
 
-def _write(path, result) -> None:
-    if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(result, indent=1, default=str))
-
-
 def main(argv=None) -> None:
-    args = parse_args(argv)
-    cuda = torch.cuda.is_available() and not args.cpu
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if cuda else "gloo")
-    try:
-        result = run(args)
-    finally:
-        dist.destroy_process_group()
+    result = in_process_group(run, parse_args(argv))
     check = result.get("resume_check", {})
     if check.get("master_tensors_differing"):
         sys.exit(f"resume check failed: master weights differ from the saved ones: {check['master_tensors_differing'][:8]}")

@@ -1,13 +1,16 @@
-"""Helpers shared by the training benchmarks (bench_fsdp.py, bench_deepspeed.py, bench_offload.py) and train.py."""
+"""Helpers shared by the training benchmarks (bench_fsdp.py, bench_deepspeed.py, bench_offload.py, bench_scaling.py,
+bench_fit.py) and train.py."""
 
 from __future__ import annotations
 
 import gc
+import json
 import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -43,6 +46,50 @@ def timed_steps(step: Callable[[], torch.Tensor], warmup: int, steps: int, devic
         losses.append(loss.item())
     return {"step_ms_median": 1e3 * statistics.median(times), "step_ms_min": 1e3 * min(times),
             "first_loss": losses[0], "last_loss": losses[-1]}
+
+
+def write_json(path, result: dict) -> None:
+    """``result`` as indented JSON at ``path`` (its folder made first); nothing where ``path`` is None."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(result, indent=1, default=str))
+
+
+def in_process_group(run: Callable, args):
+    """``run(args)`` between the start and the end of torchrun's process group: NCCL on this rank's GPU, or gloo
+    on the CPU (``args.cpu``, or no GPU)."""
+    import torch.distributed as dist
+
+    cuda = torch.cuda.is_available() and not args.cpu
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    try:
+        return run(args)
+    finally:
+        dist.destroy_process_group()
+
+
+def rank_and_device() -> tuple[int, int, torch.device]:
+    """This rank, the world size and the device of the process group: its GPU under NCCL, else the CPU."""
+    import torch.distributed as dist
+
+    cuda = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def run_meta(args, world: int, device: torch.device, **extra) -> dict:
+    """What a benchmark's JSON says about its run: date, versions, device, world size, arguments."""
+    import datetime
+
+    meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "world": world,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "args": vars(args)}
+    if device.type == "cuda":
+        import triton
+
+        meta["triton"] = triton.__version__
+    return {**meta, **extra}
 
 
 def exit_now(code: int = 0):

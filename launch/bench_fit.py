@@ -1,0 +1,294 @@
+"""The comparison a user makes before a run: for each optimizer, the fastest configuration that fits the GPUs
+(sequences per rank, and how many decoder layers recompute their activations), searched by this benchmark,
+and its tokens/s against AdamW's best (issue #21). Llama shapes under FSDP2, as launch/bench_scaling.py builds
+them (``bench_fsdp.build``: bf16 compute, fp32 reduction, one FSDP group per decoder layer).
+
+    torchrun --standalone --nproc_per_node=1 launch/bench_fit.py --model 8b --out runs/fit_w1.json   # one H200
+    torchrun --standalone --nproc_per_node=2 launch/bench_fit.py --model 8b --out runs/fit_w2.json   # two
+    torchrun --standalone --nproc_per_node=1 launch/bench_fit.py --model tiny --cpu --seq 32 --max-batch 4  # smoke
+
+The search (``search``), per optimizer, on one model built once: the count of layers that recompute their
+activations goes from all of them down to none (``--checkpointed``, fractions of the layers), and at each count
+the batch sizes of ``--batches`` in increasing order. A batch is run only if its peak memory, predicted from
+what was measured, stays under ``--memory-gib``: the peak grows linearly with the batch above the memory a
+step holds whatever the batch (parameters, gradients, optimizer state), so one measured batch at a count
+predicts the others, and the smallest batch of a count is predicted from the previous count by the same line
+(more recomputed layers need less memory: the prediction of a count with fewer is a lower bound, and only
+the first batch of each count relies on it). A count stops at the first batch that does not fit and when a
+batch gains less than ``--min-gain`` tokens/s over the one before (the GPU is saturated); the search stops at
+the first count where no batch fits. An out-of-memory error all the same ends that count and rebuilds the
+model; with several ranks it can leave the others waiting in a collective, which the prediction is there to
+avoid. Each trial: ``--warmup`` steps, then ``--steps`` timed (median), with forward, backward, step and
+zero_grad, as bench_fsdp.run_case times them.
+
+Writes the trials and the best configuration of every optimizer as JSON (``--out``) and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+if __package__:  # python -m launch.bench_fit
+    from . import bench_fsdp
+    from .benchlib import exit_now, in_process_group, rank_and_device, run_meta, write_json
+    from .llama import LlamaConfig
+else:  # run as a file (python or torchrun launch/bench_fit.py): its own folder is on sys.path
+    import bench_fsdp
+    from benchlib import exit_now, in_process_group, rank_and_device, run_meta, write_json
+    from llama import LlamaConfig
+
+CASES = ("adamw_fp32_master", "flash_24bit", "flash_24bit_release", "flashoptim_24bit")
+LABELS = {"adamw_fp32_master": "torch.optim.AdamW, fp32 master weights", "flash_24bit": "FlashAdamW 24-bit",
+          "flash_24bit_release": "FlashAdamW 24-bit + gradient release",
+          "flashoptim_24bit": "flashoptim FlashAdamW 24-bit"}
+
+
+class OutOfMemory(Exception):
+    """A trial that did not fit (raised by ``measure`` for torch's out-of-memory errors)."""
+
+
+def search(measure: Callable[[int, int], dict], counts: list[int], batches: list[int], memory_gib: float | None,
+           fixed_gib: float = 0.0, min_gain: float = 0.02) -> list[dict]:
+    """The trials of the search described in the module doc. ``measure(batch, checkpointed)`` runs one trial and
+    returns ``{"tokens_per_s", "peak_gib"}`` (peak None where it cannot be measured: then every batch is tried)
+    or raises ``OutOfMemory``. ``fixed_gib``: the memory a step holds whatever the batch. Returns every trial in
+    order: the measured ones with their results, the others with ``"skipped"`` (predicted over the budget)
+    or ``"error"``."""
+    trials: list[dict] = []
+    slope = None  # GiB per sequence at the previous count: a lower bound for this count's first batch
+    for k in counts:
+        fitted = []  # (batch, peak) measured at this count
+        best_here = None
+        for b in batches:
+            if memory_gib is not None:
+                per = (fitted[-1][1] - fixed_gib) / fitted[-1][0] if fitted else slope
+                predicted = None if per is None else fixed_gib + per * b
+                if predicted is not None and predicted > memory_gib:
+                    trials.append({"batch": b, "checkpointed": k, "skipped": f"predicted {predicted:.1f} GiB"})
+                    break
+            try:
+                r = measure(b, k)
+            except OutOfMemory as e:
+                trials.append({"batch": b, "checkpointed": k, "error": str(e)[:200]})
+                break
+            trials.append({"batch": b, "checkpointed": k, **r})
+            if r.get("peak_gib") is not None:
+                fitted.append((b, r["peak_gib"]))
+            if best_here is not None and r["tokens_per_s"] < best_here * (1 + min_gain):
+                break  # saturated: a larger batch gains too little
+            best_here = max(best_here or 0.0, r["tokens_per_s"])
+        if best_here is None:
+            break  # not even the smallest batch fits: fewer recomputed layers need more memory still
+        if fitted:
+            slope = (fitted[-1][1] - fixed_gib) / fitted[-1][0]
+    return trials
+
+
+def best(trials: list[dict]) -> dict | None:
+    done = [t for t in trials if "tokens_per_s" in t]
+    return max(done, key=lambda t: t["tokens_per_s"]) if done else None
+
+
+def checkpointed_counts(fractions: list[float], n_layers: int) -> list[int]:
+    """Layer counts from fractions of the layers, most first, without repeats."""
+    return sorted({round(f * n_layers) for f in fractions}, reverse=True)
+
+
+class Toggle(torch.nn.Module):
+    """A decoder layer that recomputes its activations in backward while ``checkpointed`` is set (torch's
+    non-reentrant checkpoint, as bench_fsdp's ``checkpoint_wrapper``): the count of checkpointed layers changes
+    between trials without building the model again."""
+
+    def __init__(self, layer: torch.nn.Module):
+        super().__init__()
+        self.layer = layer
+        self.checkpointed = True
+
+    def forward(self, *args, **kwargs):
+        if self.checkpointed and torch.is_grad_enabled():
+            from torch.utils.checkpoint import checkpoint
+
+            return checkpoint(self.layer, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
+        return self.layer(*args, **kwargs)
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+class Case:
+    """One optimizer's model, built on demand (again after an out-of-memory trial), and its trials."""
+
+    def __init__(self, case: str, cfg: LlamaConfig, args, device: torch.device, rank: int):
+        self.case, self.cfg, self.args, self.device, self.rank = case, cfg, args, device, rank
+        self.model = self.opt = self.release = None
+        self.fixed_gib = self.after_backward_gib = 0.0
+
+    def build(self) -> None:
+        self.drop()
+        self.model, self.opt, self.release = bench_fsdp.build(self.case, self.cfg, self.device, self.args.cpu,
+                                                              wrap_layer=Toggle)
+        # the memory a step holds whatever the batch: parameters, gradients and optimizer state, allocated after
+        # the backward pass of a batch of one (its activations freed), at the second step (the state exists)
+        self._steps(self._batch(1), 2)
+        self.fixed_gib = self._max_over_ranks(self.after_backward_gib)
+
+    def drop(self) -> None:
+        if self.release is not None:
+            self.release.remove()
+        self.model = self.opt = self.release = None
+        _free(self.device)
+
+    @property
+    def _cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def _batch(self, b: int) -> torch.Tensor:
+        g = torch.Generator(device="cpu").manual_seed(self.rank)
+        return torch.randint(0, self.cfg.vocab, (b, self.args.seq + 1), generator=g).to(self.device)
+
+    def _steps(self, x: torch.Tensor, n: int) -> list[float]:
+        times = []
+        for _ in range(n):
+            if self._cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            loss = self.model(x[:, :-1], x[:, 1:])
+            loss.backward()
+            if self._cuda:
+                self.after_backward_gib = torch.cuda.memory_allocated() / 2**30
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+            if self._cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return times
+
+    def _max_over_ranks(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t)
+
+    def measure(self, batch: int, checkpointed: int) -> dict:
+        if self.model is None:
+            self.build()
+        for i, layer in enumerate(self.model.layers):
+            layer.checkpointed = i < checkpointed
+        x = self._batch(batch)
+        try:
+            self._steps(x, self.args.warmup)
+            if self._cuda:
+                torch.cuda.reset_peak_memory_stats()
+            times = self._steps(x, self.args.steps)
+        except torch.OutOfMemoryError as e:
+            self.drop()  # FSDP2's state after a failed backward is not trusted: the next trial builds again
+            raise OutOfMemory(f"{type(e).__name__}: {e}") from None
+        peak = self._max_over_ranks(torch.cuda.max_memory_allocated() / 2**30) if self._cuda else None
+        step_s = statistics.median(times)
+        world = dist.get_world_size()
+        row = {"tokens_per_s": batch * self.args.seq * world / step_s, "step_ms": 1e3 * step_s, "peak_gib": peak}
+        if self.rank == 0:
+            print(json.dumps({"case": self.case, "batch": batch, "checkpointed": checkpointed, **row}), flush=True)
+        return row
+
+
+def run(args) -> dict:
+    rank, world, device = rank_and_device()
+    cfg = LlamaConfig.named(args.model)
+    memory = args.memory_gib
+    if memory is None and device.type == "cuda":
+        memory = torch.cuda.get_device_properties(device).total_memory / 2**30 - 2.0  # allocator and NCCL headroom
+    counts = checkpointed_counts(args.checkpointed, cfg.layers)
+    batches = [b for b in args.batches if b <= args.max_batch]
+    result: dict = {"meta": run_meta(args, world, device, config=vars(cfg), memory_gib=memory, counts=counts,
+                                     batches=batches), "cases": {}}
+    for case in args.cases:
+        c = Case(case, cfg, args, device, rank)
+        t0 = time.perf_counter()
+        try:
+            c.build()
+            trials = search(c.measure, counts, batches, memory, c.fixed_gib, args.min_gain)
+            entry = {"fixed_gib": c.fixed_gib, "trials": trials, "best": best(trials)}
+        except Exception as e:  # a case this machine cannot run at all is a finding, not a crash (run_or_record)
+            entry = {"error": f"{type(e).__name__}: {e}"[:400], "trials": [], "best": None}
+        finally:
+            c.drop()
+        entry["search_s"] = time.perf_counter() - t0
+        result["cases"][case] = entry
+        if rank == 0:
+            write_json(args.out, result)
+    if rank == 0:
+        print_table(result, args, cfg)
+    return result
+
+
+def print_table(result: dict, args, cfg: LlamaConfig) -> None:
+    meta = result["meta"]
+    base = (result["cases"].get("adamw_fp32_master") or {}).get("best")
+    budget = f"{meta['memory_gib']:.1f} GiB" if meta["memory_gib"] is not None else "not measured (CPU)"
+    print(f"\n{args.model} Llama shapes, FSDP2 on {meta['world']} rank(s), {meta['device']}, sequences of {args.seq}; "
+          f"memory budget per rank {budget}; the fastest configuration found for each optimizer")
+    print("| optimizer | sequences per rank | layers recomputed | peak GiB/rank | step ms | tokens/s | vs AdamW's best "
+          "| trials |")
+    print("|---|---|---|---|---|---|---|---|")
+    for case, entry in result["cases"].items():
+        b = entry["best"]
+        if b is None:
+            print(f"| {LABELS.get(case, case)} | - | - | - | - | {entry.get('error', 'nothing fits')[:80]} | - | "
+                  f"{len(entry['trials'])} |")
+            continue
+        peak = f"{b['peak_gib']:.1f}" if b.get("peak_gib") is not None else "-"
+        rel = f"{b['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
+        print(f"| {LABELS.get(case, case)} | {b['batch']} | {b['checkpointed']} of {cfg.layers} | {peak} | "
+              f"{b['step_ms']:.0f} | {b['tokens_per_s']:,.0f} | {rel} | {len(entry['trials'])} |")
+
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="8b", choices=["8b", "1b", "tiny"])
+    ap.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8, 12, 16, 24, 32],
+                    help="sequences per rank to try, in increasing order")
+    ap.add_argument("--max-batch", type=int, default=64, help="leave out larger batches of --batches")
+    ap.add_argument("--checkpointed", type=float, nargs="+", default=[1.0, 0.5, 0.25, 0.0],
+                    help="fractions of the decoder layers that recompute their activations")
+    ap.add_argument("--memory-gib", type=float, default=None,
+                    help="peak memory budget per rank (default: the GPU's memory less 2 GiB; none on the CPU)")
+    ap.add_argument("--min-gain", type=float, default=0.02,
+                    help="stop growing the batch when tokens/s gains less than this fraction")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--cpu", action="store_true", help="gloo on the CPU (smoke runs)")
+    ap.add_argument("--out", default=None, help="JSON file for the trials and the best configurations")
+    args = ap.parse_args(argv)
+    if args.batches != sorted(set(args.batches)) or args.batches[0] < 1:
+        ap.error(f"--batches must be positive and increasing, got {args.batches}")
+    if not all(0.0 <= f <= 1.0 for f in args.checkpointed):
+        ap.error(f"--checkpointed takes fractions of the layers in [0, 1], got {args.checkpointed}")
+    if args.memory_gib is not None and args.memory_gib <= 0:
+        ap.error(f"--memory-gib must be positive, got {args.memory_gib}")
+    if args.steps < 1 or args.warmup < 0:
+        ap.error("--steps must be at least 1 and --warmup at least 0")
+    return args
+
+
+def main(argv=None) -> None:
+    in_process_group(run, parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
+    exit_now()  # gloo's worker threads and the interpreter's shutdown: benchlib.exit_now

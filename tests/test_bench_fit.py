@@ -1,0 +1,91 @@
+"""launch/bench_fit.py: the search for each optimizer's fastest configuration that fits, on a model of memory
+and speed where the answer is known, and the benchmark itself on the CPU."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch import bench_fit
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS, BATCHES, BUDGET, FIXED = 8, [1, 2, 3, 4, 6, 8, 12, 16], 60.0, 20.0
+
+
+def model(batch: int, checkpointed: int) -> tuple[float, float]:
+    """Peak GiB and tokens/s of a GPU as the search sees it: activations grow with the batch and with the layers
+    that keep theirs; recomputing costs a third of a layer's time; throughput stops growing at batch 6."""
+    peak = FIXED + batch * (0.5 + 1.5 * (LAYERS - checkpointed))
+    tokens = min(batch, 6) * 1000 / (1 + checkpointed / (3 * LAYERS))
+    return peak, tokens
+
+
+class Gpu:
+    def __init__(self, budget: float = BUDGET):
+        self.budget, self.runs, self.too_big = budget, [], []
+
+    def measure(self, batch: int, checkpointed: int) -> dict:
+        peak, tokens = model(batch, checkpointed)
+        self.runs.append((batch, checkpointed))
+        if peak > self.budget:
+            self.too_big.append((batch, checkpointed))
+            raise bench_fit.OutOfMemory(f"{peak:.0f} GiB")
+        return {"tokens_per_s": tokens, "peak_gib": peak}
+
+
+@pytest.mark.parametrize("budget", [BUDGET, 30.0], ids=["all-counts-fit", "no-recompute-does-not-fit"])
+def test_search_finds_the_fastest_configuration_that_fits(budget):
+    gpu = Gpu(budget)
+    counts = bench_fit.checkpointed_counts([1.0, 0.5, 0.25, 0.0], LAYERS)
+    assert counts == [8, 4, 2, 0]
+    trials = bench_fit.search(gpu.measure, counts, BATCHES, budget, FIXED)
+    fits = [(b, k) for b, k in itertools.product(BATCHES, counts) if model(b, k)[0] <= budget]
+    want = max(fits, key=lambda c: model(*c)[1])
+    got = bench_fit.best(trials)
+    assert (got["batch"], got["checkpointed"]) == want == ((6, 4) if budget == BUDGET else (6, 8))
+    # the memory line predicts every batch after a count's first: a trial runs out of memory only as the first
+    # of a count (predicted from a count that recomputes more layers, a lower bound), and ends the search
+    assert all(b == BATCHES[0] for b, _ in gpu.too_big)
+    if gpu.too_big:
+        assert gpu.too_big == [(1, 0)] and "error" in trials[-1]
+    assert any("skipped" in t for t in trials)
+    assert len(gpu.runs) < len(BATCHES) * len(counts) * 0.6  # the grid has 32
+
+
+def test_search_without_memory_measurements_tries_every_batch_until_saturation():
+    gpu = Gpu()
+    trials = bench_fit.search(lambda b, k: {**gpu.measure(b, k), "peak_gib": None}, [8], [1, 2, 4, 6, 8, 12, 16],
+                              None)
+    assert [t["batch"] for t in trials] == [1, 2, 4, 6, 8]  # 8 gains nothing over 6: the search stops there
+
+
+def test_bad_options_are_refused(capsys):
+    for argv, message in ((["--batches", "4", "2"], "--batches"), (["--checkpointed", "1.5"], "--checkpointed"),
+                          (["--memory-gib", "0"], "--memory-gib")):
+        with pytest.raises(SystemExit):
+            bench_fit.parse_args(argv)
+        assert message in capsys.readouterr().err
+
+
+def test_benchmark_runs_on_the_cpu(tmp_path):
+    """The tiny Llama on one gloo rank: every trial a real training step, the layers' checkpointing switched
+    between trials, the best configuration of each optimizer in the JSON and the table."""
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    out = tmp_path / "fit.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+           str(ROOT / "launch" / "bench_fit.py"), "--model", "tiny", "--cpu", "--seq", "16", "--max-batch", "2",
+           "--checkpointed", "1", "0", "--cases", "adamw_fp32_master", "flash_24bit_release", "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    cases = json.loads(out.read_text())["cases"]
+    assert list(cases) == ["adamw_fp32_master", "flash_24bit_release"]
+    for entry in cases.values():
+        assert {(t["batch"], t["checkpointed"]) for t in entry["trials"]} <= {(1, 2), (2, 2), (1, 0), (2, 0)}
+        assert entry["best"]["tokens_per_s"] > 0 and "error" not in entry
+    assert "FlashAdamW 24-bit + gradient release" in proc.stdout and "vs AdamW's best" in proc.stdout
