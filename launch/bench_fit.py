@@ -60,8 +60,9 @@ def search(measure: Callable[[int, int], dict], counts: list[int], batches: list
     """The trials of the search described in the module doc. ``measure(batch, checkpointed)`` runs one trial and
     returns ``{"tokens_per_s", "peak_gib"}`` (peak None where it cannot be measured: then every batch is tried)
     or raises ``OutOfMemory``. ``fixed_gib``: the memory a step holds whatever the batch. Returns every trial in
-    order: the measured ones with their results, the others with ``"skipped"`` (predicted over the budget)
-    or ``"error"``."""
+    order: the measured ones with their results (``"over_budget"`` where the peak measured exceeds the budget
+    that the GPU's memory does not enforce: such a trial does not count), the others with ``"skipped"``
+    (predicted over the budget) or ``"error"``."""
     trials: list[dict] = []
     slope = None  # GiB per sequence at the previous count: a lower bound for this count's first batch
     for k in counts:
@@ -81,6 +82,9 @@ def search(measure: Callable[[int, int], dict], counts: list[int], batches: list
                 break
             trials.append({"batch": b, "checkpointed": k, **r})
             if r.get("peak_gib") is not None:
+                if memory_gib is not None and r["peak_gib"] > memory_gib:  # ran, on a GPU larger than the budget
+                    trials[-1]["over_budget"] = True
+                    break
                 fitted.append((b, r["peak_gib"]))
             if best_here is not None and r["tokens_per_s"] < best_here * (1 + min_gain):
                 break  # saturated: a larger batch gains too little
@@ -93,7 +97,7 @@ def search(measure: Callable[[int, int], dict], counts: list[int], batches: list
 
 
 def best(trials: list[dict]) -> dict | None:
-    done = [t for t in trials if "tokens_per_s" in t]
+    done = [t for t in trials if "tokens_per_s" in t and not t.get("over_budget")]
     return max(done, key=lambda t: t["tokens_per_s"]) if done else None
 
 
