@@ -9,17 +9,19 @@ them (``bench_fsdp.build``: bf16 compute, fp32 reduction, one FSDP group per dec
 
 The search (``search``), per optimizer, on one model built once: the count of layers that recompute their
 activations goes from all of them down to none (``--checkpointed``, fractions of the layers), and at each count
-the batch sizes of ``--batches`` in increasing order. A batch is run only if its peak memory, predicted from
-what was measured, stays under ``--memory-gib``: the peak grows linearly with the batch above the memory a
-step holds whatever the batch (parameters, gradients, optimizer state), so one measured batch at a count
-predicts the others, and the smallest batch of a count is predicted from the previous count by the same line
-(more recomputed layers need less memory: the prediction of a count with fewer is a lower bound, and only
-the first batch of each count relies on it). A count stops at the first batch that does not fit and when a
-batch gains less than ``--min-gain`` tokens/s over the one before (the GPU is saturated); the search stops at
-the first count where no batch fits. An out-of-memory error all the same ends that count and rebuilds the
-model; with several ranks it can leave the others waiting in a collective, which the prediction is there to
-avoid. Each trial: ``--warmup`` steps, then ``--steps`` timed (median), with forward, backward, step and
-zero_grad, as bench_fsdp.run_case times them.
+the batch sizes of ``--batches`` in increasing order. A batch is run only if its peak memory (what the CUDA
+allocator reserves, the largest over the ranks), predicted from what was measured, stays under
+``--memory-gib``: the peak grows linearly with the batch, so two measured batches of a count predict the
+others; after one, the line through the memory a step holds whatever the batch (parameters, gradients,
+optimizer state) predicts more than that, and the smallest batch of a count is predicted from the previous
+count's line (more recomputed layers need less memory: a lower bound, on which only the first batch of each
+count relies). A count stops at the first batch that does not fit and when a batch gains less than the
+fraction ``--min-gain`` of tokens/s over the one before (the GPU is saturated); the search stops at the first
+count where no batch fits. An out-of-memory error all the same ends that count and rebuilds the model; with
+several ranks it can leave the others waiting in a collective, which the prediction is there to avoid. Each
+trial: ``--warmup`` steps, then ``--steps`` timed (median, the slowest rank's), with forward, backward, step
+and zero_grad, as bench_fsdp.run_case times them. ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` keeps
+the allocator's fragmentation, and so the reserved peaks, low.
 
 Writes the trials and the best configuration of every optimizer as JSON (``--out``) and prints the table.
 """
@@ -70,8 +72,12 @@ def search(measure: Callable[[int, int], dict], counts: list[int], batches: list
         best_here = None
         for b in batches:
             if memory_gib is not None:
-                per = (fitted[-1][1] - fixed_gib) / fitted[-1][0] if fitted else slope
-                predicted = None if per is None else fixed_gib + per * b
+                if len(fitted) >= 2:  # the line through this count's last two peaks
+                    (b1, p1), (b2, p2) = fitted[-2:]
+                    predicted = p2 + (p2 - p1) / (b2 - b1) * (b - b2)
+                else:  # through the fixed memory: a steeper line (memory that does not grow counts as growing)
+                    per = (fitted[-1][1] - fixed_gib) / fitted[-1][0] if fitted else slope
+                    predicted = None if per is None else fixed_gib + per * b
                 if predicted is not None and predicted > memory_gib:
                     trials.append({"batch": b, "checkpointed": k, "skipped": f"predicted {predicted:.1f} GiB"})
                     break
@@ -80,6 +86,9 @@ def search(measure: Callable[[int, int], dict], counts: list[int], batches: list
             except OutOfMemory as e:
                 trials.append({"batch": b, "checkpointed": k, "error": str(e)[:200]})
                 break
+            except Exception as e:  # anything else ends the search; the trials so far stand
+                trials.append({"batch": b, "checkpointed": k, "error": f"{type(e).__name__}: {e}"[:400]})
+                return trials
             trials.append({"batch": b, "checkpointed": k, **r})
             if r.get("peak_gib") is not None:
                 if memory_gib is not None and r["peak_gib"] > memory_gib:  # ran, on a GPU larger than the budget
@@ -91,7 +100,7 @@ def search(measure: Callable[[int, int], dict], counts: list[int], batches: list
             best_here = max(best_here or 0.0, r["tokens_per_s"])
         if best_here is None:
             break  # not even the smallest batch fits: fewer recomputed layers need more memory still
-        if fitted:
+        if fitted:  # (a steep line: safe for the next count's first batch)
             slope = (fitted[-1][1] - fixed_gib) / fitted[-1][0]
     return trials
 
@@ -185,21 +194,28 @@ class Case:
         return float(t)
 
     def measure(self, batch: int, checkpointed: int) -> dict:
-        if self.model is None:
-            self.build()
-        for i, layer in enumerate(self.model.layers):
-            layer.checkpointed = i < checkpointed
-        x = self._batch(batch)
+        failed = None
         try:
+            if self.model is None:
+                self.build()
+            for i, layer in enumerate(self.model.layers):
+                layer.checkpointed = i < checkpointed
+            x = self._batch(batch)
+            _free(self.device)  # the reserved peak below is this trial's
             self._steps(x, self.args.warmup)
             if self._cuda:
                 torch.cuda.reset_peak_memory_stats()
             times = self._steps(x, self.args.steps)
-        except torch.OutOfMemoryError as e:
+        except RuntimeError as e:  # torch.OutOfMemoryError, or an allocation failure of cuBLAS or NCCL
+            if not isinstance(e, torch.OutOfMemoryError) and "ALLOC" not in str(e) and "out of memory" not in str(e):
+                raise
+            failed = f"{type(e).__name__}: {e}"
+        if failed is not None:  # outside the handler, whose traceback holds the trial's tensors
             self.drop()  # FSDP2's state after a failed backward is not trusted: the next trial builds again
-            raise OutOfMemory(f"{type(e).__name__}: {e}") from None
-        peak = self._max_over_ranks(torch.cuda.max_memory_allocated() / 2**30) if self._cuda else None
-        step_s = statistics.median(times)
+            raise OutOfMemory(failed)
+        # reserved, not allocated: what the allocator holds (fragmentation included) is what must fit the GPU
+        peak = self._max_over_ranks(torch.cuda.max_memory_reserved() / 2**30) if self._cuda else None
+        step_s = self._max_over_ranks(statistics.median(times))  # every rank takes the same decisions
         world = dist.get_world_size()
         row = {"tokens_per_s": batch * self.args.seq * world / step_s, "step_ms": 1e3 * step_s, "peak_gib": peak}
         if self.rank == 0:

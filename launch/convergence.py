@@ -192,8 +192,9 @@ def read_run(run: dict) -> dict:
 
 def phase_stats(results: list[dict]) -> dict:
     """Per-variant validation loss at the last evaluation every run of the phase reached (so partial runs compare
-    at equal tokens), its mean and seed spread, the gap to AdamW (paired by seed: the mean of variant minus AdamW
-    over the seeds both ran) in % and in units of the pooled seed sd, and the gain from the starting weights."""
+    at equal tokens), its mean and seed spread, the gap to AdamW (paired by seed: the mean over the seeds both ran of
+    variant minus AdamW, in units of the pooled seed sd, and of variant over AdamW in %), and the gain from the
+    starting weights."""
     curves = [dict(r["val_curve"]) for r in results if r["val_curve"]]
     common = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
     at = common[-1] if common else None  # None: no evaluation in common, each run's last one is used
@@ -213,16 +214,15 @@ def phase_stats(results: list[dict]) -> dict:
     dof = sum(len(vals) - 1 for vals in by_variant.values() if len(vals) > 1)
     seed_sd = (sum(dev) / dof) ** 0.5 if dof else None
     adamw = {r["seed"]: value(r) for r in results if r["variant"] == ADAMW and r["val_curve"]}
-    base = statistics.mean(adamw.values()) if adamw else None
     rows = []
     for name, vals in by_variant.items():
         mean = statistics.mean(vals)
         # paired by seed (same initialisation and data order): a one-seed ablation meets AdamW's run of that seed
-        pairs = [value(r) - adamw[r["seed"]] for r in results
-                 if r["variant"] == name and r["val_curve"] and r["seed"] in adamw]
-        gap = statistics.mean(pairs) if pairs else None
+        paired = [(value(r), adamw[r["seed"]]) for r in results
+                  if r["variant"] == name and r["val_curve"] and r["seed"] in adamw]
+        gap = statistics.mean(v - a for v, a in paired) if paired else None
         rows.append({"variant": name, "val_losses": vals, "mean": mean, "range": max(vals) - min(vals),
-                     "gap": gap, "gap_pct": None if gap is None else 100 * gap / base,
+                     "gap": gap, "gap_pct": statistics.mean(100 * (v / a - 1) for v, a in paired) if paired else None,
                      "gap_in_seed_sd": None if gap is None or not seed_sd else gap / seed_sd,
                      "gain_from_start": statistics.mean(gains[name]) if name in gains else None})
     return {"at_tokens": at, "seed_sd": seed_sd, "rows": rows}

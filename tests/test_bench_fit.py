@@ -91,3 +91,14 @@ def test_benchmark_runs_on_the_cpu(tmp_path):
         assert {(t["batch"], t["checkpointed"]) for t in entry["trials"]} <= {(1, 2), (2, 2), (1, 0), (2, 0)}
         assert entry["best"]["tokens_per_s"] > 0 and "error" not in entry
     assert "FlashAdamW 24-bit + gradient release" in proc.stdout and "vs AdamW's best" in proc.stdout
+
+
+def test_search_keeps_its_trials_when_a_trial_fails_otherwise():
+    def measure(batch, checkpointed):
+        if batch == 3:
+            raise RuntimeError("NCCL watchdog timed out")
+        return {"tokens_per_s": 1000.0 * batch, "peak_gib": FIXED + batch}
+
+    trials = bench_fit.search(measure, [8, 4], BATCHES, BUDGET, FIXED)
+    assert [t["batch"] for t in trials] == [1, 2, 3] and "NCCL" in trials[-1]["error"]
+    assert bench_fit.best(trials)["batch"] == 2
