@@ -29,9 +29,7 @@ Writes the trials and the best configuration of every optimizer as JSON (``--out
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import statistics
 import time
 from collections.abc import Callable
 
@@ -39,18 +37,17 @@ import torch
 import torch.distributed as dist
 
 if __package__:  # python -m launch.bench_fit
-    from . import bench_fsdp
-    from .benchlib import exit_now, in_process_group, rank_and_device, run_meta, write_json
+    from . import bench_fsdp, bench_scaling
+    from .benchlib import exit_now, free_memory, in_process_group, rank_and_device, run_meta, timed_steps, write_json
     from .llama import LlamaConfig
 else:  # run as a file (python or torchrun launch/bench_fit.py): its own folder is on sys.path
     import bench_fsdp
-    from benchlib import exit_now, in_process_group, rank_and_device, run_meta, write_json
+    import bench_scaling
+    from benchlib import exit_now, free_memory, in_process_group, rank_and_device, run_meta, timed_steps, write_json
     from llama import LlamaConfig
 
-CASES = ("adamw_fp32_master", "flash_24bit", "flash_24bit_release", "flashoptim_24bit")
-LABELS = {"adamw_fp32_master": "torch.optim.AdamW, fp32 master weights", "flash_24bit": "FlashAdamW 24-bit",
-          "flash_24bit_release": "FlashAdamW 24-bit + gradient release",
-          "flashoptim_24bit": "flashoptim FlashAdamW 24-bit"}
+CASES = bench_fsdp.CASES
+LABELS = bench_scaling.LABELS
 
 
 class OutOfMemory(Exception):
@@ -133,13 +130,6 @@ class Toggle(torch.nn.Module):
         return self.layer(*args, **kwargs)
 
 
-def _free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-
-
 class Case:
     """One optimizer's model, built on demand (again after an out-of-memory trial), and its trials."""
 
@@ -154,14 +144,15 @@ class Case:
                                                               wrap_layer=Toggle)
         # the memory a step holds whatever the batch: parameters, gradients and optimizer state, allocated after
         # the backward pass of a batch of one (its activations freed), at the second step (the state exists)
-        self._steps(self._batch(1), 2)
+        x = self._batch(1)
+        timed_steps(lambda: self._step(x), 1, 1, self.device)
         self.fixed_gib = self._max_over_ranks(self.after_backward_gib)
 
     def drop(self) -> None:
         if self.release is not None:
             self.release.remove()
         self.model = self.opt = self.release = None
-        _free(self.device)
+        free_memory(self.device)
 
     @property
     def _cuda(self) -> bool:
@@ -171,22 +162,16 @@ class Case:
         g = torch.Generator(device="cpu").manual_seed(self.rank)
         return torch.randint(0, self.cfg.vocab, (b, self.args.seq + 1), generator=g).to(self.device)
 
-    def _steps(self, x: torch.Tensor, n: int) -> list[float]:
-        times = []
-        for _ in range(n):
-            if self._cuda:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            loss = self.model(x[:, :-1], x[:, 1:])
-            loss.backward()
-            if self._cuda:
-                self.after_backward_gib = torch.cuda.memory_allocated() / 2**30
-            self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
-            if self._cuda:
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        return times
+    def _step(self, x: torch.Tensor) -> torch.Tensor:
+        """One training step on the batch ``x``, as bench_fsdp.run_case times it; notes the memory held after the
+        backward pass."""
+        loss = self.model(x[:, :-1], x[:, 1:])
+        loss.backward()
+        if self._cuda:
+            self.after_backward_gib = torch.cuda.memory_allocated() / 2**30
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss
 
     def _max_over_ranks(self, value: float) -> float:
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
@@ -201,11 +186,8 @@ class Case:
             for i, layer in enumerate(self.model.layers):
                 layer.checkpointed = i < checkpointed
             x = self._batch(batch)
-            _free(self.device)  # the reserved peak below is this trial's
-            self._steps(x, self.args.warmup)
-            if self._cuda:
-                torch.cuda.reset_peak_memory_stats()
-            times = self._steps(x, self.args.steps)
+            free_memory(self.device)  # the reserved peak below is this trial's (timed_steps resets it)
+            timed = timed_steps(lambda: self._step(x), self.args.warmup, self.args.steps, self.device)
         except RuntimeError as e:  # torch.OutOfMemoryError, or an allocation failure of cuBLAS or NCCL
             if not isinstance(e, torch.OutOfMemoryError) and "ALLOC" not in str(e) and "out of memory" not in str(e):
                 raise
@@ -215,7 +197,7 @@ class Case:
             raise OutOfMemory(failed)
         # reserved, not allocated: what the allocator holds (fragmentation included) is what must fit the GPU
         peak = self._max_over_ranks(torch.cuda.max_memory_reserved() / 2**30) if self._cuda else None
-        step_s = self._max_over_ranks(statistics.median(times))  # every rank takes the same decisions
+        step_s = self._max_over_ranks(timed["step_ms_median"] / 1e3)  # every rank takes the same decisions
         world = dist.get_world_size()
         row = {"tokens_per_s": batch * self.args.seq * world / step_s, "step_ms": 1e3 * step_s, "peak_gib": peak}
         if self.rank == 0:

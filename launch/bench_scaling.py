@@ -32,7 +32,6 @@ then trains ``--resume-steps`` more steps and prints the losses.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 import time
@@ -46,11 +45,11 @@ from flashdist import distributed as D
 
 if __package__:  # python -m launch.bench_scaling
     from . import bench_fsdp
-    from .benchlib import exit_now, in_process_group, rank_and_device, run_meta, run_or_record, write_json
+    from .benchlib import exit_now, free_memory, in_process_group, rank_and_device, run_meta, run_or_record, write_json
     from .llama import LlamaConfig
 else:  # run as a file (python or torchrun launch/bench_scaling.py): its own folder is on sys.path
     import bench_fsdp
-    from benchlib import exit_now, in_process_group, rank_and_device, run_meta, run_or_record, write_json
+    from benchlib import exit_now, free_memory, in_process_group, rank_and_device, run_meta, run_or_record, write_json
     from llama import LlamaConfig
 
 CASES = ("adamw_fp32_master", "flash_24bit", "flash_24bit_release")
@@ -69,25 +68,18 @@ def build(case: str, cfg: LlamaConfig, device: torch.device, cpu: bool, *, activ
                             state_dict_format=state_dict_format)
 
 
-def _free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-
-
 # ----- the table -----------------------------------------------------------------------------------------
 
 def run_cases(args, cfg, device, rank: int, world: int) -> list[dict]:
     rows = []
     for case in args.cases:
-        _free(device)
+        free_memory(device)
         before = torch.cuda.memory_allocated() / 2**30 if device.type == "cuda" else 0.0
         t0 = time.perf_counter()
         args.activation_checkpointing = not args.no_ac  # read by bench_fsdp.run_case's build
         # (an out-of-memory case, AdamW at 1 rank, is an error row)
         row = run_or_record(case, lambda: bench_fsdp.run_case(case, cfg, args, device, rank), device)
-        _free(device)
+        free_memory(device)
         row["world"] = world
         row["allocated_before_gib"] = before
         row["case_s"] = time.perf_counter() - t0
@@ -193,7 +185,7 @@ def _eval_loss(model, cfg, args, device) -> float:
 def resume_check(args, cfg, device, rank: int, world: int) -> dict:
     root = Path(args.resume_check)
     ckpt, saved_json = root / "ckpt", root / "saved.json"
-    _free(device)
+    free_memory(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
@@ -237,7 +229,7 @@ def resume_check(args, cfg, device, rank: int, world: int) -> dict:
     if device.type == "cuda":
         out["peak_gib_rank0"] = torch.cuda.max_memory_allocated() / 2**30
     del model, opt
-    _free(device)
+    free_memory(device)
     return out
 
 
