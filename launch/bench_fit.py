@@ -13,9 +13,11 @@ the batch sizes of ``--batches`` in increasing order. A batch is run only if its
 allocator reserves, the largest over the ranks), predicted from what was measured, stays under
 ``--memory-gib``: the peak grows linearly with the batch, so two measured batches of a count predict the
 others; after one, the line through the memory a step holds whatever the batch (parameters, gradients,
-optimizer state) predicts more than that, and the smallest batch of a count is predicted from the previous
-count's line (more recomputed layers need less memory: a lower bound, on which only the first batch of each
-count relies). A count stops at the first batch that does not fit and when a batch gains less than the
+optimizer state) predicts more than that, and where that line would skip the second batch, the line through
+the peak of a step on a sequence of 8 tokens (no activations to speak of, but the working memory of a step:
+gathered layers, the loss's logits, workspaces) predicts it instead; the smallest batch of a count is predicted
+from the previous count's line (more recomputed layers need less memory: a lower bound, on which only the
+first batch of each count relies). A count stops at the first batch that does not fit and when a batch gains less than the
 fraction ``--min-gain`` of tokens/s over the one before (the GPU is saturated); the search stops at the first
 count where no batch fits. An out-of-memory error all the same ends that count and rebuilds the model; with
 several ranks it can leave the others waiting in a collective, which the prediction is there to avoid. Each
@@ -55,13 +57,18 @@ class OutOfMemory(Exception):
 
 
 def search(measure: Callable[[int, int], dict], counts: list[int], batches: list[int], memory_gib: float | None,
-           fixed_gib: float = 0.0, min_gain: float = 0.02) -> list[dict]:
+           fixed_gib: float = 0.0, min_gain: float = 0.02,
+           intercept: Callable[[int], float | None] | None = None) -> list[dict]:
     """The trials of the search described in the module doc. ``measure(batch, checkpointed)`` runs one trial and
     returns ``{"tokens_per_s", "peak_gib"}`` (peak None where it cannot be measured: then every batch is tried)
-    or raises ``OutOfMemory``. ``fixed_gib``: the memory a step holds whatever the batch. Returns every trial in
-    order: the measured ones with their results (``"over_budget"`` where the peak measured exceeds the budget
-    that the GPU's memory does not enforce: such a trial does not count), the others with ``"skipped"``
-    (predicted over the budget) or ``"error"``."""
+    or raises ``OutOfMemory``. ``fixed_gib``: the memory a step holds whatever the batch. ``intercept(k)``: the
+    peak of a step with ``k`` recomputed layers on a batch too short to hold activations (None where not
+    measured), asked for only where the line through ``fixed_gib`` would skip a count's second batch: that
+    line counts the batch-independent working memory of a step (gathered layers, logits of the loss,
+    workspaces) as growing with the batch. Returns every trial in order: the measured ones with their
+    results (``"over_budget"`` where the peak measured exceeds the budget that the GPU's memory does not
+    enforce: such a trial does not count), the others with ``"skipped"`` (predicted over the budget) or
+    ``"error"``; an intercept asked for is recorded as ``{"checkpointed": k, "intercept_gib": ...}``."""
     trials: list[dict] = []
     slope = None  # GiB per sequence at the previous count: a lower bound for this count's first batch
     for k in counts:
@@ -75,6 +82,15 @@ def search(measure: Callable[[int, int], dict], counts: list[int], batches: list
                 else:  # through the fixed memory: a steeper line (memory that does not grow counts as growing)
                     per = (fitted[-1][1] - fixed_gib) / fitted[-1][0] if fitted else slope
                     predicted = None if per is None else fixed_gib + per * b
+                    if fitted and predicted > memory_gib and intercept is not None:
+                        try:  # the line through a step without activations instead
+                            base = intercept(k)
+                        except Exception:  # noqa: BLE001 - then the steep line stands
+                            base = None
+                        if base is not None:
+                            trials.append({"checkpointed": k, "intercept_gib": base})
+                            (b1, p1), = fitted
+                            predicted = base + (p1 - base) / b1 * b
                 if predicted is not None and predicted > memory_gib:
                     trials.append({"batch": b, "checkpointed": k, "skipped": f"predicted {predicted:.1f} GiB"})
                     break
@@ -158,9 +174,21 @@ class Case:
     def _cuda(self) -> bool:
         return self.device.type == "cuda"
 
-    def _batch(self, b: int) -> torch.Tensor:
+    def _batch(self, b: int, seq: int | None = None) -> torch.Tensor:
         g = torch.Generator(device="cpu").manual_seed(self.rank)
-        return torch.randint(0, self.cfg.vocab, (b, self.args.seq + 1), generator=g).to(self.device)
+        return torch.randint(0, self.cfg.vocab, (b, (seq or self.args.seq) + 1), generator=g).to(self.device)
+
+    def intercept(self, checkpointed: int) -> float | None:
+        """The reserved peak (largest over the ranks) of a step on one sequence of 8 tokens with ``checkpointed``
+        layers recomputed: the memory of a step without activations (None on the CPU)."""
+        if not self._cuda or self.model is None:
+            return None
+        for i, layer in enumerate(self.model.layers):
+            layer.checkpointed = i < checkpointed
+        x = self._batch(1, seq=8)
+        free_memory(self.device)
+        timed_steps(lambda: self._step(x), 0, 1, self.device)
+        return self._max_over_ranks(torch.cuda.max_memory_reserved() / 2**30)
 
     def _step(self, x: torch.Tensor) -> torch.Tensor:
         """One training step on the batch ``x``, as bench_fsdp.run_case times it; notes the memory held after the
@@ -220,7 +248,7 @@ def run(args) -> dict:
         t0 = time.perf_counter()
         try:
             c.build()
-            trials = search(c.measure, counts, batches, memory, c.fixed_gib, args.min_gain)
+            trials = search(c.measure, counts, batches, memory, c.fixed_gib, args.min_gain, c.intercept)
             entry = {"fixed_gib": c.fixed_gib, "trials": trials, "best": best(trials)}
         except Exception as e:  # a case this machine cannot run at all is a finding, not a crash (run_or_record)
             entry = {"error": f"{type(e).__name__}: {e}"[:400], "trials": [], "best": None}

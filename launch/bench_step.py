@@ -15,7 +15,9 @@ Rows:
   "flashdist kernel only": the functional step (``flashdist.functional.flash_adam``) on the same
   tensors, without the optimizer's per-parameter bookkeeping; its host time per call is reported too. Each
   in the kernel's two variants: "exact" (IEEE division and square root, bitwise equal to the eager
-  reference; the default) and "approx" (the GPU's approximate ones: FLASHDIST_EXACT=0).
+  reference; the default) and "approx" (the GPU's approximate ones: FLASHDIST_EXACT=0). "capturable": the
+  class built with ``capturable=True`` (step count and scalars on the device), stepped eagerly;
+  "GraphedStep": the same, its step captured once in a CUDA graph and replayed (``flashdist.GraphedStep``).
 - torch.optim.AdamW(fused=True) with fp32 and with bf16 parameters (moments in the parameter dtype).
 - flashoptim 0.1.4 FlashAdamW, 24-bit, when ``import flashoptim`` works (else the row says so).
 - the rest of the family: flashdist FlashSGD (momentum 0.9) and FlashLion, 24-bit, one 8-bit moment,
@@ -164,14 +166,18 @@ class KernelOnly:
 
 
 class WithVariant:
-    """An optimizer whose steps run the kernel variant ``exact``."""
+    """An optimizer whose steps run the kernel variant ``exact``; with ``graphed``, through
+    ``flashdist.GraphedStep`` (the optimizer built with ``capturable=True``): the first warm-up step runs
+    eagerly, the second captures the step in a CUDA graph, and the timed steps replay it, each after the
+    checks that make a replay safe (gradient and parameter addresses, hyper-parameters)."""
 
-    def __init__(self, opt, exact: bool):
+    def __init__(self, opt, exact: bool, graphed: bool = False):
         self.opt, self.config = opt, DEFAULT.replace(exact=exact)
+        self.call = flashdist.GraphedStep(opt) if graphed else opt.step
 
     def step(self):
         with using(self.config):
-            self.opt.step()
+            self.call()
 
 
 def flashoptim_factory():
@@ -197,6 +203,15 @@ def cases():
             torch.bfloat16, lambda ps: WithVariant(flashdist.FlashAdamW(ps, lr=LR), True), flashdist_bytes, ""),
         "flashdist FlashAdamW 24-bit, approx": (
             torch.bfloat16, lambda ps: WithVariant(flashdist.FlashAdamW(ps, lr=LR), False), flashdist_bytes, ""),
+        "flashdist FlashAdamW 24-bit, exact, capturable": (
+            torch.bfloat16, lambda ps: WithVariant(flashdist.FlashAdamW(ps, lr=LR, capturable=True), True),
+            flashdist_bytes, ""),
+        "flashdist FlashAdamW 24-bit, exact, GraphedStep": (
+            torch.bfloat16, lambda ps: WithVariant(flashdist.FlashAdamW(ps, lr=LR, capturable=True), True, True),
+            flashdist_bytes, ""),
+        "flashdist FlashAdamW 24-bit, approx, GraphedStep": (
+            torch.bfloat16, lambda ps: WithVariant(flashdist.FlashAdamW(ps, lr=LR, capturable=True), False, True),
+            flashdist_bytes, ""),
         "flashdist kernel only, exact": (torch.bfloat16, lambda ps: KernelOnly(ps, True), flashdist_bytes, ""),
         "flashdist kernel only, approx": (torch.bfloat16, lambda ps: KernelOnly(ps, False), flashdist_bytes, ""),
         "torch AdamW fused fp32": (torch.float32, lambda ps: torch.optim.AdamW(ps, lr=LR, fused=True),
@@ -207,6 +222,9 @@ def cases():
                                          lambda shapes: 12.25 * sum(torch.Size(s).numel() for s in shapes), fo_note),
         "flashdist FlashSGD 24-bit, momentum 0.9": (
             torch.bfloat16, lambda ps: flashdist.FlashSGD(ps, lr=LR, momentum=0.9), one_moment_bytes, ""),
+        "flashdist FlashSGD 24-bit, momentum 0.9, GraphedStep": (
+            torch.bfloat16, lambda ps: WithVariant(flashdist.FlashSGD(ps, lr=LR, momentum=0.9, capturable=True), True,
+                                                   True), one_moment_bytes, ""),
         "flashdist FlashLion 24-bit": (torch.bfloat16, lambda ps: flashdist.FlashLion(ps, lr=LR), one_moment_bytes, ""),
         "torch SGD fused fp32, momentum 0.9": (
             torch.float32, lambda ps: torch.optim.SGD(ps, lr=LR, momentum=0.9, fused=True),
@@ -323,6 +341,8 @@ def main():
     ap.add_argument("--configs", nargs="+", choices=list(SWEEP), default=list(SWEEP), metavar="NAME",
                     help="the configurations the sweep times (default: all)")
     ap.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    ap.add_argument("--only", nargs="+", default=None, metavar="TEXT",
+                    help="time only the rows whose optimizer name contains one of these texts")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_step.py needs a CUDA device")
@@ -337,6 +357,8 @@ def main():
     for workload in [] if args.sweep_only else args.workloads:
         shapes = WORKLOADS[workload]()
         for name, (dtype, factory, nbytes, note) in cases().items():
+            if args.only and not any(text in name for text in args.only):
+                continue
             rows.append(run_case(name, dtype, factory, nbytes, note, workload, shapes, bw))
             print(json.dumps(rows[-1]), flush=True)
     if args.out:  # the main table first: a sweep cut short by a time limit loses only itself

@@ -102,3 +102,33 @@ def test_search_keeps_its_trials_when_a_trial_fails_otherwise():
     trials = bench_fit.search(measure, [8, 4], BATCHES, BUDGET, FIXED)
     assert [t["batch"] for t in trials] == [1, 2, 3] and "NCCL" in trials[-1]["error"]
     assert bench_fit.best(trials)["batch"] == 2
+
+
+def test_intercept_keeps_working_memory_from_counting_as_activations():
+    """A step's working memory that does not grow with the batch (gathered layers, the loss's logits), above
+    fixed_gib: the line through fixed_gib alone skips every count's second batch; a step without activations
+    (the intercept) gives the true line, and the search finds the fastest configuration that fits, with no
+    trial over the budget."""
+    work = 25.0
+
+    def measure(batch, checkpointed):
+        peak = model(batch, checkpointed)[0] + work
+        if peak > BUDGET:
+            raise bench_fit.OutOfMemory(f"{peak:.0f} GiB")
+        return {"tokens_per_s": model(batch, checkpointed)[1], "peak_gib": peak}
+
+    asked = []
+
+    def intercept(checkpointed):
+        asked.append(checkpointed)
+        return FIXED + work
+
+    counts = [8, 4]
+    steep = bench_fit.search(measure, counts, BATCHES, BUDGET, FIXED)
+    assert [t["batch"] for t in steep if "tokens_per_s" in t] == [1, 1]
+    trials = bench_fit.search(measure, counts, BATCHES, BUDGET, FIXED, intercept=intercept)
+    fits = [(b, k) for b, k in itertools.product(BATCHES, counts) if model(b, k)[0] + work <= BUDGET]
+    got = bench_fit.best(trials)
+    assert (got["batch"], got["checkpointed"]) == max(fits, key=lambda c: model(*c)[1]) == (6, 8)
+    assert asked == counts and not any("error" in t for t in trials)
+    assert {t["checkpointed"]: t["intercept_gib"] for t in trials if "intercept_gib" in t} == {8: 45.0, 4: 45.0}

@@ -745,3 +745,101 @@ def test_family_overflowing_gradients_match_reference(kernels, algo, layout, rho
         _assert_equal(cases, f"{algo} overflow step {step}")
         _assert_finite(cases)
         assert skipped["kernel"].item() == skipped["ref"].item()
+
+
+# ----- capturable step: scalars computed on the device ----------------------------------------------------------
+
+def _f32_bits(values) -> list[int]:
+    return torch.tensor(list(values), dtype=torch.float32).view(torch.int32).tolist()
+
+
+@interpreted
+def test_device_scalars_are_the_host_scalars():
+    """device_scalars' kernel writes the bits AdamScalars / SGDScalars / LionScalars compute on the host, over
+    step counts from 1 to 2^24, learning rates given as floats and as fp32 / fp64 tensors, both weight-decay
+    conventions and SGD's first step."""
+    from flashdist.kernels.triton import device_scalars as DS
+
+    gen = torch.Generator().manual_seed(21)
+
+    def draw(*choices):
+        return choices[int(torch.randint(0, len(choices), (), generator=gen))]
+
+    for trial in range(40):
+        step = draw(1, 2, 3, 10, 999, 2**24, int(torch.randint(1, 2**24, (), generator=gen)))
+        lr = draw(1e-3, 0.0, float(torch.rand((), generator=gen)) * 0.1)
+        lr_given = draw(lr, torch.tensor(lr, dtype=torch.float64), torch.tensor(lr, dtype=torch.float32))
+        lr_host = float(lr_given)
+        b1, b2 = draw(0.9, 0.0, 0.5), draw(0.999, 0.95, 0.9999)
+        wd, decoupled = draw(0.0, 0.01, 0.1), draw(True, False)
+        count = torch.tensor([float(step)])
+        got = DS.adam(count, lr_given, beta1=b1, beta2=b2, eps=1e-8, weight_decay=wd, decoupled=decoupled)
+        want = AdamScalars.make(lr=lr_host, beta1=b1, beta2=b2, eps=1e-8, weight_decay=wd, step=step,
+                                decoupled=decoupled)
+        assert _f32_bits(got.values.tolist()) == _f32_bits(want.kernel_args()), (step, lr_host, b1, b2, wd)
+        assert got.eps == want.eps and got.decoupled == decoupled
+        momentum, dampening = draw(0.0, 0.9), draw(0.0, 0.1)
+        got = DS.sgd(count, lr_given, momentum=momentum, dampening=dampening, weight_decay=wd, nesterov=False,
+                     decoupled=decoupled)
+        want = SGDScalars.make(lr=lr_host, momentum=momentum, dampening=dampening, weight_decay=wd, nesterov=False,
+                               step=step, decoupled=decoupled)
+        assert _f32_bits(got.values.tolist()) == _f32_bits(want.kernel_args()), (step, momentum, dampening)
+        if isinstance(lr_given, torch.Tensor):
+            got = DS.lion(lr_given, beta1=b1, beta2=b2, weight_decay=wd)
+            want = LionScalars.make(lr=lr_host, beta1=b1, beta2=b2, weight_decay=wd)
+            assert _f32_bits(got.values.tolist()) == _f32_bits(want.kernel_args())
+
+
+@interpreted
+@pytest.mark.parametrize("algo", ["adamw", "sgd", "lion"])
+def test_step_with_device_scalars_matches_reference_bitwise(kernels, algo):
+    """The step that reads its scalars from the device (``SCALARS``, a capturable step), small and large
+    tensors, against the reference with the host's scalars: SGD from its first step (the buffer starts as the
+    gradient), Adam over its bias-corrected first steps."""
+    from flashdist.kernels.triton import device_scalars as DS
+
+    gen = torch.Generator().manual_seed(zlib.crc32(algo.encode()))
+    lr = torch.tensor(3e-3, dtype=torch.float64)
+    k = Launch(SMALL_BLOCKS.replace(large_numel=2048))  # the (4097,) tensor gets a launch of its own
+    shapes = [(7, 33), (64, 64), (4097,)]
+    if algo == "adamw":
+        cases = [Case(s, torch.bfloat16, torch.bfloat16, torch.int8, True, gen) for s in shapes]
+        for step in (3, 4):
+            count = torch.tensor([float(step)])
+            scalars = DS.adam(count, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=True)
+            grads = [c.new_grad(gen) for c in cases]
+            for side in ("kernel", "ref"):
+                col = {n: [getattr(c, side)[n] for c in cases] for n in ("p", "m", "v", "ms", "vs", "rho")}
+                if side == "kernel":
+                    k.adam_step_multi(col["p"], grads, col["m"], col["v"], col["ms"], col["vs"], col["rho"],
+                                      cols=[c.cols for c in cases], scalars=scalars, companded=True, skipped=None)
+                    continue
+                host = AdamScalars.make(lr=float(lr), beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=step,
+                                        decoupled=True)
+                for i, c in enumerate(cases):
+                    reference.adam_step_(col["p"][i], grads[i], col["m"][i], col["v"][i], col["ms"][i], col["vs"][i],
+                                         col["rho"][i], cols=c.cols, scalars=host, companded=True, skipped=None)
+            _assert_equal(cases, f"step {step}")
+        return
+    cases = [FamilyCase(algo, s, torch.bfloat16, torch.int8, "q-companded", gen) for s in shapes]
+    for c in cases:  # FamilyCase ran three steps already: SGD starts over from its first step
+        c.ref = {n: v.clone() for n, v in c.kernel.items()}
+    for step in (1, 2):
+        grads = [c.new_grad(gen) for c in cases]
+        col = {n: [c.kernel[n] for c in cases] for n in ("p", "m", "ms", "rho")}
+        cols = [c.cols for c in cases]
+        if algo == "lion":
+            scalars = DS.lion(lr, beta1=0.9, beta2=0.99, weight_decay=0.1)
+            k.lion_step_multi(col["p"], grads, col["m"], col["ms"], col["rho"], cols=cols, scalars=scalars,
+                              companded=True, skipped=None)
+        else:
+            scalars = DS.sgd(torch.tensor([float(step)]), lr, momentum=0.9, dampening=0.1, weight_decay=0.1,
+                             nesterov=False, decoupled=False)
+            k.sgd_step_multi(col["p"], grads, col["m"], col["ms"], col["rho"], cols=cols, scalars=scalars,
+                             companded=True, skipped=None)
+        host = FAMILY[algo](step)
+        ref_step = reference.lion_step_ if algo == "lion" else reference.sgd_step_
+        for c, g in zip(cases, grads):
+            ref_step(c.ref["p"], g, c.ref["m"], c.ref["ms"], c.ref["rho"], cols=c.cols, scalars=host, companded=True,
+                     skipped=None)
+        _assert_equal(cases, f"{algo} step {step}")

@@ -8,7 +8,7 @@ import torch
 
 from ..kernels import cpu, reference
 from ..kernels.scalars import AdamScalars
-from .backend import cpu_fallback, resolve_backend
+from .backend import cpu_fallback, host_number, on_device, resolve_backend
 
 
 def flash_adam(
@@ -21,12 +21,12 @@ def flash_adam(
     rhos: Sequence[torch.Tensor] | None,
     *,
     cols: Sequence[int] | None,
-    lr: float,
+    lr: float | torch.Tensor,
     beta1: float,
     beta2: float,
     eps: float,
     weight_decay: float,
-    step: int,
+    step: int | torch.Tensor,
     decoupled: bool,
     companded: bool = True,
     skipped: torch.Tensor | None = None,
@@ -40,12 +40,23 @@ def flash_adam(
     is given. ``step`` is the 1-based step count of every tensor in the call. ``skipped`` (a one-element
     int32 tensor on the parameters' device) counts the groups left unchanged because their gradient held a
     NaN or an Inf, or their step overflowed (``reference.adam_step_``).
+
+    Capturable: on CUDA, ``step`` given as an fp32 tensor of one element on the parameters' device (and
+    ``lr`` a float or such a tensor) makes the step compute its scalars there, from values read when it
+    runs, so that a CUDA graph can capture it; the results are the same bits.
     """
     if not params:
         return
-    scalars = AdamScalars.make(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step,
-                               decoupled=decoupled)
-    chosen = resolve_backend(backend, params[0].device)
+    device = params[0].device
+    chosen = resolve_backend(backend, device)
+    if chosen == "triton" and on_device(step, device):  # capturable: scalars computed on the device
+        from ..kernels.triton import device_scalars
+
+        scalars = device_scalars.adam(step, lr if on_device(lr, device) else host_number(lr), beta1=beta1,
+                                      beta2=beta2, eps=eps, weight_decay=weight_decay, decoupled=decoupled)
+    else:
+        scalars = AdamScalars.make(lr=host_number(lr), beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                                   step=int(host_number(step)), decoupled=decoupled)
     if chosen == "triton":
         from ..kernels.triton.fused import adam_step_multi
 

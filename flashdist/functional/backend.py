@@ -39,3 +39,14 @@ def cpu_fallback(backend: str, done: bool) -> bool:
         raise RuntimeError(f"flashdist: backend='cpu' could not run the fused CPU step ({why}); use "
                            "backend='auto' to fall back to the eager reference")
     return True
+
+
+def on_device(value, device: torch.device) -> bool:
+    """Whether ``value`` (a step count or learning rate) is a tensor on ``device``: a CUDA step then computes
+    its scalars there (``flashdist.kernels.triton.device_scalars``), which lets a CUDA graph capture it."""
+    return isinstance(value, torch.Tensor) and value.device == device
+
+
+def host_number(value) -> float:
+    """A step count or learning rate on the host (a tensor is read: one synchronisation where it is on a GPU)."""
+    return value.item() if isinstance(value, torch.Tensor) else value

@@ -8,7 +8,7 @@ import torch
 
 from ..kernels import cpu, reference
 from ..kernels.scalars import LionScalars
-from .backend import cpu_fallback, resolve_backend
+from .backend import cpu_fallback, host_number, on_device, resolve_backend
 
 
 def flash_lion(
@@ -19,7 +19,7 @@ def flash_lion(
     rhos: Sequence[torch.Tensor] | None,
     *,
     cols: Sequence[int] | None,
-    lr: float,
+    lr: float | torch.Tensor,
     beta1: float,
     beta2: float,
     weight_decay: float,
@@ -29,11 +29,18 @@ def flash_lion(
 ) -> None:
     """One Lion step (decoupled weight decay), in place, on local tensors. ``exp_avgs``: int8 codes with bf16
     ``exp_avg_scales`` of shape (rows, ceil(cols/32)), or fp32 momenta when ``exp_avg_scales`` is None.
-    ``rhos``, ``skipped`` and ``backend`` as in ``flash_adam``."""
+    ``rhos``, ``skipped`` and ``backend`` as in ``flash_adam``; ``lr`` held on the device (Lion's scalars do
+    not depend on the step count) makes it capturable, as there."""
     if not params:
         return
-    scalars = LionScalars.make(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay)
-    chosen = resolve_backend(backend, params[0].device)
+    device = params[0].device
+    chosen = resolve_backend(backend, device)
+    if chosen == "triton" and on_device(lr, device):  # capturable: scalars computed on the device
+        from ..kernels.triton import device_scalars
+
+        scalars = device_scalars.lion(lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay)
+    else:
+        scalars = LionScalars.make(lr=host_number(lr), beta1=beta1, beta2=beta2, weight_decay=weight_decay)
     if chosen == "triton":
         from ..kernels.triton.fused import lion_step_multi
 

@@ -8,7 +8,7 @@ import torch
 
 from ..kernels import cpu, reference
 from ..kernels.scalars import SGDScalars
-from .backend import cpu_fallback, resolve_backend
+from .backend import cpu_fallback, host_number, on_device, resolve_backend
 
 
 def flash_sgd(
@@ -19,12 +19,12 @@ def flash_sgd(
     rhos: Sequence[torch.Tensor] | None,
     *,
     cols: Sequence[int] | None,
-    lr: float,
+    lr: float | torch.Tensor,
     momentum: float,
     dampening: float,
     weight_decay: float,
     nesterov: bool,
-    step: int,
+    step: int | torch.Tensor,
     decoupled: bool,
     companded: bool = True,
     skipped: torch.Tensor | None = None,
@@ -36,13 +36,21 @@ def flash_sgd(
     ``momentum_buffers`` is None without momentum; otherwise int8 codes with bf16 ``momentum_scales`` of
     shape (rows, ceil(cols/32)) (``cols[i]`` the row length), or fp32 buffers when ``momentum_scales`` is
     None. At ``step`` 1 the buffer becomes the gradient itself, as in torch.optim.SGD. ``rhos``, ``skipped``
-    and ``backend`` as in ``flash_adam``.
+    and ``backend`` as in ``flash_adam``; ``step`` and ``lr`` held on the device make it capturable, as there.
     """
     if not params:
         return
-    scalars = SGDScalars.make(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                              nesterov=nesterov, step=step, decoupled=decoupled)
-    chosen = resolve_backend(backend, params[0].device)
+    device = params[0].device
+    chosen = resolve_backend(backend, device)
+    if chosen == "triton" and on_device(step, device):  # capturable: scalars computed on the device
+        from ..kernels.triton import device_scalars
+
+        scalars = device_scalars.sgd(step, lr if on_device(lr, device) else host_number(lr), momentum=momentum,
+                                     dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
+                                     decoupled=decoupled)
+    else:
+        scalars = SGDScalars.make(lr=host_number(lr), momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                                  nesterov=nesterov, step=int(host_number(step)), decoupled=decoupled)
     if chosen == "triton":
         from ..kernels.triton.fused import sgd_step_multi
 

@@ -4,6 +4,11 @@ The eager reference and the Triton kernel both receive exactly these fp32 values
 starts from the same bits. The kernel takes ``KERNEL_SLOTS`` fp32 scalar arguments whatever the update; each
 class's ``KERNEL_FIELDS`` names the field in each slot (None: unused, passed as 0), and the kernel reads them
 back by these names (flashdist/kernels/triton/step.py).
+
+A capturable step computes the same values on the device from a step count and a learning rate held there
+(flashdist/kernels/triton/device_scalars.py): every operation below is one IEEE float64 operation, rounded
+once to fp32 at the end, and ``power`` raises the betas to the step by repeated squaring, so the device gets
+the same bits as the host.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ import functools
 import math
 import struct
 from dataclasses import dataclass
+
+import torch
 
 from ..quant.codes import f32
 
@@ -27,6 +34,20 @@ class _KernelArgs:
     def kernel_args(self) -> tuple[float, ...]:
         """The kernel's fp32 scalar arguments: slot ``k`` holds the field ``KERNEL_FIELDS[k]`` (0.0 if None)."""
         return tuple(0.0 if name is None else getattr(self, name) for name in self.KERNEL_FIELDS)
+
+
+def power(base: float, n: int) -> float:
+    """``base ** n`` in float64 by repeated squaring: the product of ``base^(2^k)`` over the set bits ``k`` of
+    ``n``, lowest first, each a single IEEE multiplication, so that the device's copy of this loop
+    (device_scalars.py) gives the same bits (a library ``pow`` differs between the host and the GPU in the
+    last place)."""
+    result, square = 1.0, float(base)
+    while n:
+        if n & 1:
+            result *= square
+        square *= square
+        n >>= 1
+    return result
 
 
 def _cached(make):
@@ -72,10 +93,11 @@ class AdamScalars(_KernelArgs):
     @_cached
     def make(cls, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
              decoupled: bool) -> "AdamScalars":
-        # Bias corrections in float64 like torch.optim.AdamW's default (non-capturable) path; the second one is
-        # applied as a multiplication by its fp32 reciprocal square root (no division per element).
-        bc1 = 1.0 - beta1**step
-        bc2 = 1.0 - beta2**step
+        # Bias corrections in float64 like torch.optim.AdamW's default (non-capturable) path (the powers by
+        # repeated squaring: ``power``); the second one is applied as a multiplication by its fp32 reciprocal
+        # square root (no division per element).
+        bc1 = 1.0 - power(beta1, step)
+        bc2 = 1.0 - power(beta2, step)
         return cls(
             beta1=f32(beta1), beta2=f32(beta2), one_minus_beta1=f32(1.0 - beta1), one_minus_beta2=f32(1.0 - beta2),
             eps=f32(eps), weight_decay=f32(weight_decay),
@@ -133,3 +155,17 @@ class LionScalars(_KernelArgs):
     def make(cls, *, lr: float, beta1: float, beta2: float, weight_decay: float) -> "LionScalars":
         return cls(beta1=f32(beta1), beta2=f32(beta2), one_minus_beta1=f32(1.0 - beta1),
                    one_minus_beta2=f32(1.0 - beta2), decay=f32(1.0 - lr * weight_decay), lr=f32(lr))
+
+
+@dataclass(frozen=True)
+class DeviceScalars:
+    """The kernel slots of a capturable step: an fp32 ``(KERNEL_SLOTS,)`` tensor on the device, written there
+    by ``flashdist.kernels.triton.device_scalars`` (the same bits as the host classes above), with what the
+    launch decides on the host from values that do not change between steps: Adam's eps and the largest
+    ``1 / sqrt(1 - beta2^t)`` (the first step's), which bound the update's range (``FAST_UPDATE``)."""
+
+    values: torch.Tensor
+    decoupled: bool
+    nesterov: bool = False
+    eps: float = 0.0
+    inv_bias_correction2_sqrt: float = 0.0

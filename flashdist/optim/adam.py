@@ -77,10 +77,10 @@ class FlashAdamW(FlashOptimizer):
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, master_weight_bits: int | None = 24, quantize_states: bool = True,
                  companded: bool = True, backend: str = "auto", state_dict_format: str = "portable",
-                 flat_layout: bool = False):
+                 flat_layout: bool = False, capturable: bool = False):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         master_weight_bits=master_weight_bits, quantize_states=quantize_states,
-                        companded=companded, flat_layout=flat_layout)
+                        companded=companded, flat_layout=flat_layout, capturable=capturable)
         super().__init__(params, defaults, backend=backend, state_dict_format=state_dict_format)
 
     def _check_hyperparameters(self, group: dict) -> None:
@@ -96,7 +96,7 @@ class FlashAdamW(FlashOptimizer):
         (m, v), (ms, vs) = bucket.moments, bucket.scales
         beta1, beta2 = group["betas"]
         flash_adam(bucket.params, bucket.local_grads(grads), m, v, ms, vs, bucket.rhos, cols=bucket.cols,
-                   lr=float(group["lr"]), beta1=float(beta1),
+                   lr=group["lr"], beta1=float(beta1),
                    beta2=float(beta2), eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
                    step=step, decoupled=self._decoupled, companded=group["companded"], skipped=skipped,
                    backend=self.backend)

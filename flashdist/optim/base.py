@@ -27,6 +27,7 @@ from .params import SUPPORTED_PARAM_DTYPES, check_betas, check_number  # noqa: F
 from .precision import PrecisionWarning  # noqa: F401,E402
 
 _GRAD = operator.attrgetter("grad")
+_GENERATIONS = itertools.count()
 _LAYOUT = operator.attrgetter("layout")
 
 
@@ -37,6 +38,15 @@ _EAGER_STEP = ("flashdist: the optimizer step runs eagerly (it is one fused laun
 # (id(optimizer), format) pairs set by FlashOptimizer.state_dict_format_override in this thread or task
 _FORMAT_OVERRIDES: contextvars.ContextVar[tuple[tuple[int, str], ...]] = contextvars.ContextVar(
     "flashdist_state_dict_format_overrides", default=())
+
+
+def _refuse_while_capturing(device: torch.device, why: str) -> None:
+    """Refuse, before anything changes, a step being captured in a CUDA graph that would need host work a graph
+    cannot replay (building plans and state, reading step counts)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"flashdist: the optimizer step is being captured in a CUDA graph, but {why}; run one "
+                           "step with the same parameters, gradients and state before capturing (a warm-up step, as "
+                           "torch.cuda.graphs requires), in a group built with capturable=True")
 
 
 def _check_format(value: Any, name: str) -> None:
@@ -86,6 +96,8 @@ class FlashOptimizer(torch.optim.Optimizer):
         copy or an unpickled optimizer must not inherit: plans and sets keyed by ``id()``)."""
         self._plans: dict[tuple, StepPlan] = {}
         self._plan_keys: dict[int, tuple] = {}  # id(param) -> key of the plan that holds its step counter
+        # changes whenever a step plan is dropped or made (so do the tensors a captured step reads): GraphedStep
+        self.plan_generation = next(_GENERATIONS)
         self._dtensor_groups: set[int] = set()  # ids of param groups that hold DTensor parameters
         self._layouts: dict[int, LayoutOptions] = {}  # id(group) -> its layout options when its state was made
         self._synced: list[tuple[dict, list, list]] = []  # (group, its params list, a copy) as last seen
@@ -405,6 +417,7 @@ class FlashOptimizer(torch.optim.Optimizer):
 
     def _skipped_counter(self, device: torch.device) -> torch.Tensor:
         if self.skipped is None or self.skipped.device != device:
+            _refuse_while_capturing(device, "its skip counter does not exist yet")
             self.skipped = torch.zeros((), dtype=torch.int32, device=device)
         return self.skipped
 
@@ -433,13 +446,16 @@ class FlashOptimizer(torch.optim.Optimizer):
         self._check_layout_unchanged(group)  # (step() checked already; gradient release steps through here)
         key = (id(group), len(params), id(params[0]))
         plan = self._plans.get(key)
-        if plan is None or not plan.matches(params):
+        if plan is None or not plan.matches(group, params):
+            _refuse_while_capturing(D.local(params[0]).device, "its plan is new (first step, or the parameters with "
+                                    "gradients, their state or the group's capturable changed)")
             if self._groups_changed():  # (gradient release steps through here, not through step())
                 self.sync_state()
             for p in params:
                 if not self._state_ready(p, group):
                     self._init_state(p, group)
             plan = self._plans[key] = StepPlan(self, group, params)
+            self.plan_generation = next(_GENERATIONS)
             # A parameter's step counter lives in the plan that last took it: a plan that held it before
             # (another list of parameters with gradients) keeps a stale copy, so it must not be reused.
             for p in params:
@@ -482,6 +498,7 @@ class FlashOptimizer(torch.optim.Optimizer):
     def _step_plan(self, group: dict, plan: "StepPlan", params: list[torch.Tensor],
                    grads: list[torch.Tensor] | None) -> None:
         if plan.step is None:  # parameters at different step counts: bucket by count (rare)
+            _refuse_while_capturing(D.local(params[0]).device, "its parameters are at different step counts")
             counts = [int(t) for t in plan.counts.tolist()]
             for bucket in plan.buckets:
                 by_count = defaultdict(list)
@@ -497,7 +514,9 @@ class FlashOptimizer(torch.optim.Optimizer):
                 bucket_grads = grads if grads is not None else list(map(_GRAD, params))
             else:
                 bucket_grads = [params[i].grad for i in bucket.index]
-            self._step_bucket(group, bucket, bucket_grads, plan.step + 1, self._skipped_counter(bucket.device))
+            # a capturable plan's step reads the count on the device (it was incremented there already)
+            step = plan.count if plan.capturable else plan.step + 1
+            self._step_bucket(group, bucket, bucket_grads, step, self._skipped_counter(bucket.device))
         plan.step += 1
 
     def _step_bucket(self, group: dict, bucket: "Bucket", grads: list[torch.Tensor], step: int,
@@ -514,6 +533,7 @@ class FlashOptimizer(torch.optim.Optimizer):
     def _invalidate_plans(self) -> None:
         self._plans.clear()
         self._plan_keys.clear()
+        self.plan_generation = next(_GENERATIONS)
 
     # ----- state dict ----------------------------------------------------------------------------------
 

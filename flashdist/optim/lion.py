@@ -38,9 +38,10 @@ class FlashLion(FlashOptimizer):
     def __init__(self, params, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
                  weight_decay: float = 0.0, *, master_weight_bits: int | None = 24, quantize_states: bool = True,
                  companded: bool = True, backend: str = "auto", state_dict_format: str = "portable",
-                 flat_layout: bool = False):
+                 flat_layout: bool = False, capturable: bool = False):
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, master_weight_bits=master_weight_bits,
-                        quantize_states=quantize_states, companded=companded, flat_layout=flat_layout)
+                        quantize_states=quantize_states, companded=companded, flat_layout=flat_layout,
+                        capturable=capturable)
         super().__init__(params, defaults, backend=backend, state_dict_format=state_dict_format)
 
     def _check_hyperparameters(self, group: dict) -> None:
@@ -51,6 +52,6 @@ class FlashLion(FlashOptimizer):
     def _step_bucket(self, group, bucket, grads, step, skipped):
         beta1, beta2 = group["betas"]
         flash_lion(bucket.params, bucket.local_grads(grads), bucket.moments[0], bucket.scales[0], bucket.rhos,
-                   cols=bucket.cols, lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
+                   cols=bucket.cols, lr=group["lr"], beta1=float(beta1), beta2=float(beta2),
                    weight_decay=float(group["weight_decay"]), companded=group["companded"], skipped=skipped,
                    backend=self.backend)

@@ -65,6 +65,8 @@ def check_number(name: str, value: Any, *, low: float, high: float | None = None
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(f"flashdist: {name} must be a number, got a tensor of shape {tuple(value.shape)}")
+        if value.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return  # a step being captured cannot read it (it was checked at the warm-up step)
         value = value.item()
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
         raise ValueError(f"flashdist: {name} must be a finite real number, got {value!r}")

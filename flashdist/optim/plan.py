@@ -56,10 +56,16 @@ class StepPlan:
     def __init__(self, opt, group: dict, params: list[torch.Tensor]):
         self.params = list(params)
         self.states = [opt.state[p] for p in params]
-        # One CPU tensor holds the step counts of all these parameters, and each state["step"] becomes a
-        # 0-d view of it: a step increments them all with one add (torch.optim keeps one tensor per
-        # parameter; 2,000 separate adds cost milliseconds).
+        # One tensor holds the step counts of all these parameters, and each state["step"] becomes a 0-d view
+        # of it: a step increments them all with one add (torch.optim keeps one tensor per parameter; 2,000
+        # separate adds cost milliseconds). On the CPU, except in a capturable group of CUDA parameters,
+        # where it lives on their device (as torch.optim's capturable steps keep theirs) and the step reads
+        # it there, so that a CUDA graph can capture the step.
+        self.capturable = capturable(group, params)
         self.counts = torch.tensor([float(s["step"]) for s in self.states], dtype=torch.float32)
+        if self.capturable:
+            self.counts = self.counts.to(D.local(params[0]).device)
+        self.count = self.counts[:1]  # the common count (plan.step is its host copy), read by capturable steps
         for i, s in enumerate(self.states):
             s["step"] = self.counts[i]
         # A loader writing straight into optimizer.state (DeepSpeed's universal checkpoints, so flat_layout
@@ -74,7 +80,15 @@ class StepPlan:
         for bucket in self.buckets:
             bucket.everything = len(self.buckets) == 1
 
-    def matches(self, params: list[torch.Tensor]) -> bool:
-        """Same parameters, and (flat_layout groups) no state added behind the optimizer's back."""
+    def matches(self, group: dict, params: list[torch.Tensor]) -> bool:
+        """Same parameters, and (flat_layout groups) no state added behind the optimizer's back, and the
+        group's ``capturable`` as when built."""
         return (len(params) == len(self.params) and all(map(operator.is_, params, self.params))
-                and (self.sizes is None or list(map(len, self.states)) == self.sizes))
+                and (self.sizes is None or list(map(len, self.states)) == self.sizes)
+                and self.capturable == capturable(group, params))
+
+
+def capturable(group: dict, params: list[torch.Tensor]) -> bool:
+    """Whether a step of ``params`` reads its step count and scalars on their device: a ``capturable`` group
+    of CUDA parameters (elsewhere there is no graph to capture, and the option changes nothing)."""
+    return bool(group.get("capturable", False)) and D.local(params[0]).device.type == "cuda"

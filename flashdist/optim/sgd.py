@@ -42,10 +42,10 @@ class FlashSGD(FlashOptimizer):
     def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, *, master_weight_bits: int | None = 24,
                  quantize_states: bool = True, companded: bool = True, backend: str = "auto",
-                 state_dict_format: str = "portable", flat_layout: bool = False):
+                 state_dict_format: str = "portable", flat_layout: bool = False, capturable: bool = False):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
                         master_weight_bits=master_weight_bits, quantize_states=quantize_states,
-                        companded=companded, flat_layout=flat_layout)
+                        companded=companded, flat_layout=flat_layout, capturable=capturable)
         super().__init__(params, defaults, backend=backend, state_dict_format=state_dict_format)
 
     def moments_of(self, group: dict) -> tuple[str, ...]:
@@ -75,7 +75,7 @@ class FlashSGD(FlashOptimizer):
     def _step_bucket(self, group, bucket, grads, step, skipped):
         momentum = bool(bucket.moments)
         flash_sgd(bucket.params, bucket.local_grads(grads), bucket.moments[0] if momentum else None,
-                  bucket.scales[0] if momentum else None, bucket.rhos, cols=bucket.cols, lr=float(group["lr"]),
+                  bucket.scales[0] if momentum else None, bucket.rhos, cols=bucket.cols, lr=group["lr"],
                   momentum=float(group["momentum"]), dampening=float(group["dampening"]),
                   weight_decay=float(group["weight_decay"]), nesterov=group["nesterov"], step=step,
                   decoupled=self._decoupled, companded=group["companded"], skipped=skipped, backend=self.backend)

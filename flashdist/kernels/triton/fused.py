@@ -39,10 +39,10 @@ from collections.abc import Sequence
 
 import torch
 
-from ..scalars import AdamScalars, LionScalars, SGDScalars
+from ..scalars import KERNEL_SLOTS, AdamScalars, DeviceScalars, LionScalars, SGDScalars
 from .bits import ADAM, INTERPRETED, LION, SGD
 from .config import LaunchConfig, current
-from .plans import build_plan, cache_for
+from .plans import build_plan, cache_for, keep_captured
 from .prefetch import prefetch_slots
 from .programs import table_kernel, tensor_kernel
 
@@ -60,7 +60,8 @@ def _step_multi(algo: int, params, grads, moments: list, scales: list | None, rh
                 companded: bool, decoupled: bool, nesterov: bool, skipped: torch.Tensor | None,
                 config: LaunchConfig | None) -> None:
     """One step of update ``algo`` on every tensor of the lists: one launch per bucket (``plans``).
-    ``scalars``: the update's ``AdamScalars``, ``SGDScalars`` or ``LionScalars``."""
+    ``scalars``: the update's ``AdamScalars``, ``SGDScalars`` or ``LionScalars``, or ``DeviceScalars`` (a
+    capturable step: the launches read them from the device)."""
     if not params:
         return
     if config is None:
@@ -79,6 +80,14 @@ def _step_multi(algo: int, params, grads, moments: list, scales: list | None, rh
     first_state = moments[0] if moments else (rhos if rhos is not None else params)
     cache = cache_for(config)
     plan = cache.find(layout, param_ptrs, first_state)
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if capturing and (plan is None or grad_ptrs != plan.grad_ptrs):
+        # a new plan or new gradient addresses copy tables from host memory: a captured copy would read that
+        # memory again at every replay, after it was freed
+        raise RuntimeError("flashdist: the step is being captured in a CUDA graph, but its launch plan is "
+                           f"{'new' if plan is None else 'for gradients at other addresses'}; run one step with "
+                           "the same parameters, state and gradient tensors before capturing (a warm-up step, "
+                           "as torch.cuda.graphs requires)")
     if plan is not None and grad_ptrs != plan.grad_ptrs and not plan.set_grads(grads, grad_ptrs):
         cache.discard(plan)
         plan = None
@@ -94,7 +103,10 @@ def _step_multi(algo: int, params, grads, moments: list, scales: list | None, rh
         raise ValueError(f"flashdist: skipped must be an int32 tensor on {device}, got {skipped.dtype} on "
                          f"{skipped.device}")
     counter = plan.dummy if skipped is None else skipped
-    if device.type == "cuda":
+    if capturing:
+        # a graph replays this plan's tables for as long as it lives: they must outlive the cache's use of them
+        keep_captured(plan)
+    elif device.type == "cuda":
         # the plan's device tables may have been allocated on another stream (gradient release steps on a
         # side stream): keep their memory from being reused there while this launch may still read them
         plan.used_on(torch.cuda.current_stream(device))
@@ -103,18 +115,23 @@ def _step_multi(algo: int, params, grads, moments: list, scales: list | None, rh
     # [2^-125, 2^124], bits.div_normalized's range
     fast_update = (algo == ADAM and _UPDATE_EPS_MIN <= scalars.eps <= _UPDATE_SCALAR_MAX
                    and scalars.inv_bias_correction2_sqrt <= _UPDATE_SCALAR_MAX)
-    args = scalars.kernel_args()
+    on_device = isinstance(scalars, DeviceScalars)
+    if on_device and scalars.values.device != device:
+        raise ValueError(f"flashdist: the device scalars are on {scalars.values.device}, the parameters on {device}")
+    args = (0.0,) * KERNEL_SLOTS if on_device else scalars.kernel_args()
+    values = scalars.values if on_device else plan.exp_avg_table  # (an fp32 tensor the launch does not read)
     for bucket in plan.buckets:
         flags = dict(bucket.flags, COMPANDED=companded, DECOUPLED=decoupled, COUNT_SKIPPED=skipped is not None,
                      ALGO=algo, HAS_M=bool(moments), NESTEROV=nesterov, EXACT=config.exact,
                      COMPILED=not INTERPRETED, FAST_UPDATE=fast_update, AHEAD=config.prefetch_ahead,
-                     LEVEL=config.prefetch_level, **config.compile_options(bucket.flags["QUANTIZED"]))
+                     LEVEL=config.prefetch_level, SCALARS=on_device,
+                     **config.compile_options(bucket.flags["QUANTIZED"]))
         if bucket.items:
-            table_kernel[(bucket.items,)](bucket.work, bucket.tensors, plan.exp_avg_table, counter, *args,
+            table_kernel[(bucket.items,)](bucket.work, bucket.tensors, plan.exp_avg_table, counter, values, *args,
                                           GROUPS=config.table_groups,
                                           PREFETCH=prefetch_slots(flags, config.table_groups, config), **flags)
         for _, grid, addrs, wide in bucket.large:
-            tensor_kernel[grid](*addrs[:7], plan.exp_avg_table, counter, *addrs[7:], *args,
+            tensor_kernel[grid](*addrs[:7], plan.exp_avg_table, counter, values, *addrs[7:], *args,
                                 GROUPS=config.large_groups, PREFETCH=prefetch_slots(flags, config.large_groups, config),
                                 BLOCKS=config.large_blocks, WIDE=wide, **flags)
 

@@ -19,7 +19,9 @@ The plan also holds weak references to every state tensor (moments, scales, rho)
 as soon as one is freed, so it never writes to freed memory and an ``id`` it compares names a live
 tensor. Not detected: replacing one scales or rho tensor alone while the old one stays alive elsewhere,
 and swapping the storage of a state tensor in place (``.data =``, ``set_``); the optimizer does neither.
-``clear_plans()`` drops every cached plan (their device tables are freed once no launch reads them).
+``clear_plans()`` drops every cached plan (their device tables are freed once no launch reads them). A plan
+launched inside a CUDA graph capture is also kept apart (``keep_captured``) until one of its state tensors is
+freed, since the graph replays its tables.
 
 This module imports no triton: it is host-side bookkeeping.
 """
@@ -68,6 +70,11 @@ class Plan:
 
     __slots__ = ("buckets", "dummy", "exp_avg_table", "device", "layout", "param_ptrs", "numels", "grad_dtypes",
                  "grad_ptrs", "state_ids", "refs", "streams", "__weakref__")
+
+    @property
+    def captured(self) -> bool:
+        """Launched inside a CUDA graph capture: kept alive (``keep_captured``) while its state lives."""
+        return self in _CAPTURED
 
     def __init__(self, buckets, device, layout, param_ptrs, numels, grad_dtypes, grad_ptrs):
         self.buckets = buckets
@@ -121,6 +128,7 @@ class Plan:
             plan = this()
             if plan is not None:
                 cache.discard(plan)
+                _CAPTURED.discard(plan)
 
         self.state_ids = list(map(id, first))
         self.refs = [weakref.ref(t, freed) for kind in states for t in kind]
@@ -302,6 +310,14 @@ class PlanCache:
 
 
 _CACHES: dict[LaunchConfig, PlanCache] = {}
+# Plans launched inside a CUDA graph capture: a graph replays their device tables, so they are kept (not only
+# cached, which can drop them) until one of their state tensors is freed, when the graph is void anyway.
+_CAPTURED: set[Plan] = set()
+
+
+def keep_captured(plan: Plan) -> None:
+    """Keep ``plan`` (and its device tables) alive for the CUDA graphs that captured its launches."""
+    _CAPTURED.add(plan)
 
 
 def cache_for(config: LaunchConfig) -> PlanCache:
@@ -321,7 +337,7 @@ def cached_plans(config: LaunchConfig | None = None) -> tuple[Plan, ...]:
 def clear_plans() -> None:
     """Drop every cached launch plan, of every configuration: the next step of each call site rebuilds its
     plan (for benchmarks that time plan building, tests that count builds, or to release the plans' small
-    device tables at once)."""
+    device tables at once). Plans a CUDA graph captured keep their tables until their state is freed."""
     for cache in _CACHES.values():
         cache.clear()
     _CACHES.clear()

@@ -9,6 +9,8 @@
 ``ALIGN16`` tells the compiler the addresses are 16-byte aligned (``tl.multiple_of``), without which the loads
 are not vectorised; a storage that is not (a view into a flat buffer) is launched without the hint. Programs
 are one warp by default (``LaunchConfig.num_warps``), so that no barrier makes warps wait for each other.
+With ``SCALARS`` (a capturable step) both read the update's scalars from device memory instead of their
+arguments, so that a launch captured in a CUDA graph takes each replay's step count and learning rate.
 """
 
 from __future__ import annotations
@@ -21,6 +23,14 @@ from .prefetch import prefetch_block, prefetch_lines
 from .step import step_block
 
 TABLE_STRIDE = tl.constexpr(plans.TABLE_STRIDE)
+
+
+@triton.jit
+def load_scalars(scalars_ptr):
+    """The nine fp32 scalar slots of a capturable step (device_scalars.scalars_kernel wrote them)."""
+    return (tl.load(scalars_ptr + 0), tl.load(scalars_ptr + 1), tl.load(scalars_ptr + 2), tl.load(scalars_ptr + 3),
+            tl.load(scalars_ptr + 4), tl.load(scalars_ptr + 5), tl.load(scalars_ptr + 6), tl.load(scalars_ptr + 7),
+            tl.load(scalars_ptr + 8))
 
 
 @triton.jit
@@ -74,6 +84,7 @@ def table_kernel(
     tensors_ptr,  # int64 (tensors, TABLE_STRIDE): addresses of p, g, m, v, ms, vs, rho; numel, ngroups, cols, gpr
     table_ptr,  # fp32 codes.EXP_AVG_TABLE on this device
     skipped_ptr,  # int32 skip counter (any int32 tensor when COUNT_SKIPPED is False)
+    scalars_ptr,  # fp32 (9,) scalar slots on the device when SCALARS (device_scalars), else unused
     sc0, sc1, sc2, sc3, sc4, sc5, sc6, sc7, sc8,
     P_KIND: tl.constexpr, G_KIND: tl.constexpr, RHO_KIND: tl.constexpr, QUANTIZED: tl.constexpr,
     ALIGNED: tl.constexpr, ALIGN16: tl.constexpr, COMPANDED: tl.constexpr, DECOUPLED: tl.constexpr,
@@ -81,7 +92,10 @@ def table_kernel(
     EXACT: tl.constexpr, COMPILED: tl.constexpr, FAST_UPDATE: tl.constexpr, RHO_LOG2: tl.constexpr,
     GROUPS: tl.constexpr,
     PREFETCH: tl.constexpr, AHEAD: tl.constexpr, LEVEL: tl.constexpr,
+    SCALARS: tl.constexpr,  # the scalars are read from scalars_ptr (a capturable step), not the sc arguments
 ):
+    if SCALARS:
+        sc0, sc1, sc2, sc3, sc4, sc5, sc6, sc7, sc8 = load_scalars(scalars_ptr)
     item = tl.program_id(0)
     t = tl.load(work_ptr + 3 * item)
     first = tl.load(work_ptr + 3 * item + 1)
@@ -108,6 +122,7 @@ def tensor_kernel(
     p_addr, g_addr, m_addr, v_addr, ms_addr, vs_addr, rho_addr,  # int addresses of one tensor's data (0: none)
     table_ptr,  # fp32 codes.EXP_AVG_TABLE on this device
     skipped_ptr,  # int32 skip counter (any int32 tensor when COUNT_SKIPPED is False)
+    scalars_ptr,  # fp32 (9,) scalar slots on the device when SCALARS, else unused
     numel, ngroups, cols, gpr,  # elements; groups (quantized); row length; groups per row
     nblocks,  # blocks of GROUPS groups in the tensor
     sc0, sc1, sc2, sc3, sc4, sc5, sc6, sc7, sc8,
@@ -119,7 +134,10 @@ def tensor_kernel(
     PREFETCH: tl.constexpr, AHEAD: tl.constexpr, LEVEL: tl.constexpr,
     BLOCKS: tl.constexpr,  # consecutive blocks per program
     WIDE: tl.constexpr,  # numel >= 2^31: int64 index arithmetic
+    SCALARS: tl.constexpr,  # the scalars are read from scalars_ptr (a capturable step), not the sc arguments
 ):
+    if SCALARS:
+        sc0, sc1, sc2, sc3, sc4, sc5, sc6, sc7, sc8 = load_scalars(scalars_ptr)
     first = tl.program_id(0)
     if WIDE:
         first = first.to(tl.int64)

@@ -1,0 +1,258 @@
+"""The capturable step (``capturable=True``: step counts and scalars on the device) and ``GraphedStep``.
+
+On a GPU (pytest -m gpu): the capturable step gives the same bits as the ordinary one, step after step, for
+Adam(W), SGD and Lion, with a learning rate that changes every step; a step captured by the user in a CUDA
+graph and replayed, with a tensor learning rate a scheduler writes, gives the same bits as eager steps;
+``GraphedStep`` replays where the tensors stay put and steps eagerly where a gradient moved, with the same
+bits; a capture without a warm-up step is refused before anything changes. On the CPU: the option changes
+nothing, and ``GraphedStep`` refuses what it cannot capture.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashdist
+
+CUDA = torch.cuda.is_available()
+
+
+def gpu(test):
+    return pytest.mark.gpu(pytest.mark.skipif(not CUDA, reason="needs a CUDA device")(test))
+
+OPTIMIZERS = {
+    "adamw": lambda params, **kw: flashdist.FlashAdamW(params, lr=1e-2, weight_decay=0.1, **kw),
+    "adam-fp32-moments": lambda params, **kw: flashdist.FlashAdam(params, lr=1e-2, weight_decay=0.1,
+                                                                  quantize_states=False, **kw),
+    "sgd": lambda params, **kw: flashdist.FlashSGD(params, lr=1e-2, momentum=0.9, dampening=0.1, **kw),
+    "lion": lambda params, **kw: flashdist.FlashLion(params, lr=1e-3, weight_decay=0.1, **kw),
+}
+SHAPES = [(64, 96), (33,), (300, 257), (8,)]
+
+
+def _params(device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(device, torch.bfloat16)) for s in SHAPES]
+
+
+def _grads(n, params, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randn(p.shape, generator=g).to(p.device, p.dtype) for p in params] for _ in range(n)]
+
+
+def _snapshot(opt, params):
+    """Parameters and every state tensor, on the CPU (a capturable optimizer's step counts are on the GPU)."""
+    out = [p.detach().cpu() for p in params]
+    for p in params:
+        for k, v in sorted(opt.state[p].items()):
+            if isinstance(v, torch.Tensor):
+                out.append(v.detach().cpu())
+    return out
+
+
+def _same_bits(a, b, where):
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert x.dtype == y.dtype and x.shape == y.shape, where
+        if x.is_floating_point():
+            x, y = x.view(torch.int16 if x.element_size() == 2 else torch.int32), y.view(
+                torch.int16 if y.element_size() == 2 else torch.int32)
+        assert torch.equal(x, y), f"{where}: tensor {i} differs"
+
+
+def test_capturable_changes_nothing_on_the_cpu():
+    """On the CPU there is no graph to capture: the step counts stay there and every bit is the same."""
+    plain, capt = _params("cpu"), _params("cpu")
+    a, b = OPTIMIZERS["adamw"](plain), OPTIMIZERS["adamw"](capt, capturable=True)
+    assert b.param_groups[0]["capturable"] is True and a.param_groups[0]["capturable"] is False
+    for grads in _grads(3, plain, 1):
+        for p, q, g in zip(plain, capt, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        a.step()
+        b.step()
+    _same_bits(_snapshot(a, plain), _snapshot(b, capt), "cpu")
+    assert b.state[capt[0]]["step"].device.type == "cpu"
+
+
+def test_graphed_step_refuses_what_it_cannot_capture():
+    with pytest.raises(ValueError, match="capturable=True"):
+        flashdist.GraphedStep(OPTIMIZERS["adamw"](_params("cpu")))
+    with pytest.raises(ValueError, match="one CUDA device"):
+        flashdist.GraphedStep(OPTIMIZERS["adamw"](_params("cpu"), capturable=True))
+    with pytest.raises(TypeError, match="flashdist optimizer"):
+        flashdist.GraphedStep(torch.optim.SGD(_params("cpu"), lr=0.1))
+
+
+@gpu
+@pytest.mark.parametrize("algo", OPTIMIZERS)
+@pytest.mark.parametrize("tensor_lr", [False, True], ids=["float-lr", "tensor-lr"])
+def test_capturable_step_is_the_ordinary_step(algo, tensor_lr):
+    plain, capt = _params("cuda"), _params("cuda")
+    a, b = OPTIMIZERS[algo](plain), OPTIMIZERS[algo](capt, capturable=True)
+    if tensor_lr:
+        b.param_groups[0]["lr"] = torch.tensor(b.param_groups[0]["lr"], device="cuda")
+    for k, grads in enumerate(_grads(4, plain, 2)):
+        lr = 1e-2 / (k + 1)
+        if tensor_lr:  # an fp32 tensor, as torch's schedulers write: the ordinary step gets the fp32 value too
+            b.param_groups[0]["lr"].fill_(lr)
+            lr = b.param_groups[0]["lr"].item()
+        else:
+            b.param_groups[0]["lr"] = lr
+        a.param_groups[0]["lr"] = lr
+        for p, q, g in zip(plain, capt, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        a.step()
+        b.step()
+        _same_bits(_snapshot(a, plain), _snapshot(b, capt), f"{algo} step {k + 1}")
+    assert b.state[capt[0]]["step"].device.type == "cuda" and float(b.state[capt[0]]["step"]) == 4.0
+
+
+@gpu
+@pytest.mark.parametrize("algo", ["adamw", "sgd", "lion"])
+def test_user_captured_step_replays_the_eager_steps(algo):
+    """torch.cuda.graph around optimizer.step() after one warm-up step, the learning rate a device tensor
+    written between replays (as a scheduler would), gradients copied into the captured ones."""
+    plain, capt = _params("cuda"), _params("cuda")
+    a = OPTIMIZERS[algo](plain)
+    b = OPTIMIZERS[algo](capt, capturable=True)
+    lr = torch.tensor(1e-2, device="cuda")
+    b.param_groups[0]["lr"] = lr
+    steps = _grads(5, plain, 3)
+    for p, q, g in zip(plain, capt, steps[0]):
+        p.grad, q.grad = g.clone(), g.clone()
+    a.param_groups[0]["lr"] = lr.item()
+    a.step()
+    b.step()  # warm-up: plans, state, compiled kernels
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        b.step()
+    for k, grads in enumerate(steps[1:], start=2):
+        for p, q, g in zip(plain, capt, grads):
+            p.grad.copy_(g)
+            q.grad.copy_(g)
+        lr.fill_(1e-2 / k)
+        a.param_groups[0]["lr"] = lr.item()  # (the fp32 value the graph reads)
+        a.step()
+        graph.replay()
+        torch.cuda.synchronize()
+        _same_bits(_snapshot(a, plain), _snapshot(b, capt), f"{algo} replay {k}")
+
+
+@gpu
+def test_capture_without_warm_up_is_refused_and_changes_nothing():
+    params = _params("cuda")
+    opt = OPTIMIZERS["adamw"](params, capturable=True)
+    for p, g in zip(params, _grads(1, params, 4)[0]):
+        p.grad = g
+    before = [p.detach().clone() for p in params]
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="warm-up"):
+        with torch.cuda.graph(graph):
+            opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(params, before))
+    assert not opt.state[params[0]] or float(opt.state[params[0]].get("step", 0)) == 0
+    opt.step()  # and the optimizer still steps
+    assert float(opt.state[params[0]]["step"]) == 1.0
+
+
+@gpu
+def test_graphed_step_replays_and_falls_back_with_the_same_bits():
+    """GraphedStep against eager steps of a copy: a float learning rate that changes every step (no
+    recapture), gradients copied in place (replays), then gradients replaced by new tensors (an eager step,
+    and a new capture once they stay), then a changed weight decay (an eager step)."""
+    plain, capt = _params("cuda"), _params("cuda")
+    a = OPTIMIZERS["adamw"](plain, capturable=True)
+    b = OPTIMIZERS["adamw"](capt, capturable=True)
+    graphed = flashdist.GraphedStep(b)
+    steps = _grads(9, plain, 5)
+    for p, q, g in zip(plain, capt, steps[0]):
+        p.grad, q.grad = g.clone(), g.clone()
+    for k, grads in enumerate(steps, start=1):
+        if k == 5:  # new gradient tensors (what zero_grad(set_to_none=True) and a backward pass may give)
+            for q in capt:
+                q.grad = torch.empty_like(q.grad)
+        if k == 8:
+            a.param_groups[0]["weight_decay"] = b.param_groups[0]["weight_decay"] = 0.05
+        for p, q, g in zip(plain, capt, grads):
+            p.grad.copy_(g)
+            q.grad.copy_(g)
+        a.param_groups[0]["lr"] = b.param_groups[0]["lr"] = 1e-2 / k
+        a.step()
+        graphed()
+        torch.cuda.synchronize()
+        _same_bits(_snapshot(a, plain), _snapshot(b, capt), f"graphed step {k}")
+    # 1: eager (warm-up); 2: capture + replay; 3-4: replays; 5: eager (new grads); 6: capture; 7: replay;
+    # 8: eager (weight decay); 9: capture
+    assert (graphed.eager_steps, graphed.captures, graphed.replays) == (3, 3, 6)
+    assert isinstance(b.param_groups[0]["lr"], float)
+
+
+
+@gpu
+def test_graphed_step_under_fsdp2_is_the_eager_step(tmp_path):
+    """FSDP2 (one NCCL rank, DTensor parameters and gradients): GraphedStep's steps against eager steps of an
+    identical model, bit for bit, with ``zero_grad(set_to_none=True)`` between steps (FSDP2 then makes new
+    gradient tensors, which replay where they come back at the same addresses). The counts say which."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("nccl", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        def model():
+            torch.manual_seed(0)
+            m = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+            m = m.to("cuda", torch.bfloat16)
+            for layer in (m[0], m[2]):
+                fully_shard(layer)
+            return fully_shard(m)
+
+        ref, mod = model(), model()
+        a = flashdist.FlashAdamW(ref.parameters(), lr=1e-2, capturable=True)
+        graphed = flashdist.GraphedStep(flashdist.FlashAdamW(mod.parameters(), lr=1e-2, capturable=True))
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        for k in range(1, 7):
+            x = torch.randn(16, 64, device="cuda", dtype=torch.bfloat16, generator=gen)
+            for m, step in ((ref, a.step), (mod, graphed)):
+                m(x).float().square().mean().backward()
+                step()
+                for p in m.parameters():
+                    p.grad = None
+            torch.cuda.synchronize()
+            for p, q in zip(ref.parameters(), mod.parameters()):
+                assert torch.equal(p.to_local().view(torch.int16), q.to_local().view(torch.int16)), f"step {k}"
+        assert graphed.eager_steps + graphed.replays == 6
+        print(f"FSDP2: {graphed.eager_steps} eager steps, {graphed.captures} captures, {graphed.replays} replays")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_address_check_sees_every_move():
+    """The compiled check GraphedStep runs at every call: a parameter or gradient at a new address, a gradient
+    set or removed, and nothing else, counts as a change; each call records what it found."""
+    from flashdist.kernels import host
+
+    m = host.load()
+    if m is None:
+        pytest.skip("no C++ compiler here: GraphedStep checks in Python")
+    params = [torch.nn.Parameter(torch.randn(4, 8)) for _ in range(5)]
+    for p in params[:4]:
+        p.grad = torch.randn_like(p)
+    seen = torch.zeros((2, 5), dtype=torch.int64)
+
+    def changed():
+        return m.addresses_changed(params, False, seen[0]) | m.addresses_changed(params, True, seen[1])
+
+    assert changed() and not changed()
+    assert seen[0].tolist() == [p.data_ptr() for p in params] and seen[1, 4] == 0
+    params[2].grad.copy_(torch.ones(4, 8))  # in place: same address
+    assert not changed()
+    params[4].grad = torch.zeros(4, 8)
+    assert changed() and not changed()
+    params[1].grad = None
+    assert changed() and seen[1, 1] == 0
+    params[3].data = torch.zeros(4, 8)
+    assert changed() and seen[0, 3] == params[3].data_ptr()
+    with pytest.raises(RuntimeError, match="not a tensor"):
+        m.addresses_changed([params[0], 3], False, torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(RuntimeError, match="int64"):
+        m.addresses_changed(params, False, torch.zeros(4, dtype=torch.int64))
