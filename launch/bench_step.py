@@ -226,6 +226,9 @@ def cases():
             torch.bfloat16, lambda ps: WithVariant(flashdist.FlashSGD(ps, lr=LR, momentum=0.9, capturable=True), True,
                                                    True), one_moment_bytes, ""),
         "flashdist FlashLion 24-bit": (torch.bfloat16, lambda ps: flashdist.FlashLion(ps, lr=LR), one_moment_bytes, ""),
+        "flashdist FlashLion 24-bit, GraphedStep": (
+            torch.bfloat16, lambda ps: WithVariant(flashdist.FlashLion(ps, lr=LR, capturable=True), True, True),
+            one_moment_bytes, ""),
         "torch SGD fused fp32, momentum 0.9": (
             torch.float32, lambda ps: torch.optim.SGD(ps, lr=LR, momentum=0.9, fused=True),
             torch_sgd_bytes[torch.float32], ""),
@@ -290,6 +293,7 @@ SWEEP = {
     "32 groups, 4 warps, 8 blocks": _layout(32, 4, 8),
     "32 groups, 4 warps, 8 blocks, no prefetch": _layout(32, 4, 8, prefetch=False),
     "own launch from 2^22 values": dict(large_numel=1 << 22),
+    "one table launch for every tensor below 2^30 values": dict(large_numel=1 << 30),
 }
 
 

@@ -256,3 +256,28 @@ def test_address_check_sees_every_move():
         m.addresses_changed([params[0], 3], False, torch.zeros(2, dtype=torch.int64))
     with pytest.raises(RuntimeError, match="int64"):
         m.addresses_changed(params, False, torch.zeros(4, dtype=torch.int64))
+
+
+def test_checkpoints_without_the_option_load_and_the_loader_keeps_its_own(tmp_path):
+    """``capturable`` says how a step runs, not what it computes: a checkpoint written before the option existed
+    (no such param-group key) loads through flashdist.checkpoint, and neither that nor a state dict of a
+    non-capturable run turns the loading optimizer's option off."""
+    import flashdist.checkpoint as C
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64).to(torch.bfloat16)
+    opt = flashdist.FlashAdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 64, dtype=torch.bfloat16)).square().mean().backward()
+    opt.step()
+    sd = opt.state_dict()
+    for group in opt.param_groups:
+        del group["capturable"]  # as an optimizer of an earlier version held its groups
+    C.save(tmp_path / "old", model, opt, extra={"step": 1})
+    other = torch.nn.Linear(64, 64).to(torch.bfloat16)
+    loaded = flashdist.FlashAdamW(other.parameters(), lr=1e-3, capturable=True)
+    C.load(tmp_path / "old", other, loaded)
+    assert torch.equal(other.weight, model.weight) and loaded.param_groups[0]["lr"] == 1e-2
+    assert loaded.param_groups[0]["capturable"] is True
+    again = flashdist.FlashAdamW(other.parameters(), lr=1e-3, capturable=True)
+    again.load_state_dict(sd)
+    assert again.param_groups[0]["capturable"] is True and again.param_groups[0]["lr"] == 1e-2

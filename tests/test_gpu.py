@@ -473,16 +473,17 @@ class _Spread(torch.nn.Module):
         return x.float().pow(2).mean()
 
 
-def _release_matches_ordinary_step(devices, bucket_mb: float, steps: int = 3) -> None:
+def _release_matches_ordinary_step(devices, bucket_mb: float, steps: int = 3, capturable: bool = False) -> None:
     """Train twice from the same weights on the same batches, with and without gradient release (in one
     process: on CUDA a batch on one device is stepped on flashdist's side stream of that device, a batch
-    spanning several GPUs on each device's current stream), and compare parameters and state bit for bit."""
+    spanning several GPUs on each device's current stream), and compare parameters and state bit for bit.
+    ``capturable``: the release run's optimizer keeps its step counts and scalars on the GPU."""
     import flashdist
 
     runs = []
     for release in (False, True):
         model = _Spread(devices)
-        opt = flashdist.FlashAdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        opt = flashdist.FlashAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, capturable=capturable and release)
         handle = flashdist.enable_gradient_release(model, opt, bucket_mb=bucket_mb) if release else None
         gen = torch.Generator().manual_seed(1)
         for _ in range(steps):
@@ -506,6 +507,11 @@ def _release_matches_ordinary_step(devices, bucket_mb: float, steps: int = 3) ->
 @pytest.mark.parametrize("bucket_mb", [0, 64], ids=["per-parameter", "one-batch"])
 def test_release_on_one_gpu_matches_ordinary_step(bucket_mb):
     _release_matches_ordinary_step(["cuda:0"] * 3, bucket_mb)
+
+
+@pytest.mark.parametrize("bucket_mb", [0, 64], ids=["per-parameter", "one-batch"])
+def test_release_with_a_capturable_optimizer_matches_ordinary_step(bucket_mb):
+    _release_matches_ordinary_step(["cuda:0"] * 3, bucket_mb, capturable=True)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
