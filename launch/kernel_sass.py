@@ -38,6 +38,8 @@ def specialisations():
         yield (f"{algo}-{'q8' if quantized else 'fp32m'}-{'exact' if exact else 'approx'}",
                dict(ALGO=code, HAS_M=True, QUANTIZED=quantized, EXACT=exact, COMPILED=True))
     yield "sgd-no-momentum-exact", dict(ALGO=1, HAS_M=False, QUANTIZED=False, EXACT=True, COMPILED=True)
+    # a capturable step: the scalars read from device memory
+    yield "adam-q8-exact-capturable", dict(ALGO=0, HAS_M=True, QUANTIZED=True, EXACT=True, COMPILED=True, SCALARS=True)
 
 
 def compile_one(overrides: dict, arch: int = 90, groups: int | None = None, config=None) -> dict:
@@ -54,12 +56,12 @@ def compile_one(overrides: dict, arch: int = 90, groups: int | None = None, conf
     consts = dict(P_KIND=0, G_KIND=0, RHO_KIND=1, QUANTIZED=True, ALIGNED=True, ALIGN16=True, COMPANDED=True,
                   DECOUPLED=True, COUNT_SKIPPED=True, ALGO=0, HAS_M=True, NESTEROV=False, EXACT=True,
                   COMPILED=True, FAST_UPDATE=True, RHO_LOG2=7, GROUPS=groups or config.table_groups,
-                  AHEAD=config.prefetch_ahead, LEVEL=config.prefetch_level)
+                  AHEAD=config.prefetch_ahead, LEVEL=config.prefetch_level, SCALARS=False)
     consts.update(overrides)
     config = config.replace(exact=consts["EXACT"])
     consts["PREFETCH"] = prefetch_slots(consts, consts["GROUPS"], config)  # as a launch on the GPU sets it
     signature = {"work_ptr": "*i32", "tensors_ptr": "*i64", "table_ptr": "*fp32", "skipped_ptr": "*i32",
-                 **dict.fromkeys(SCALARS, "fp32"), **dict.fromkeys(consts, "constexpr")}
+                 "scalars_ptr": "*fp32", **dict.fromkeys(SCALARS, "fp32"), **dict.fromkeys(consts, "constexpr")}
     compiled = triton.compile(ASTSource(programs.table_kernel, signature, constexprs=consts),
                               target=GPUTarget("cuda", arch, 32), options=config.compile_options(consts["QUANTIZED"]))
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"

@@ -36,9 +36,11 @@ def test_every_specialisation_compiles_for_sm90(tmp_path):
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = {r["name"]: r for r in json.loads(out.read_text())}
-    assert len(rows) == 13
+    assert len(rows) == 14
     for name, r in rows.items():
         assert r["instructions"] > 0 and r["spills"] == 0 and r["shared"] == 0, (name, r)
         assert r["registers"] <= 128, (name, r)  # 128 x 128 threads x 4 programs = 65,536 registers per SM
+    # reading the scalars from the device (a capturable step) costs a few loads per program, not per value
+    assert rows["adam-q8-exact-capturable"]["instructions"] < rows["adam-q8-exact"]["instructions"] + 32
     # the exact variant pays for IEEE division and square root; the approximate one must not
     assert rows["adam-q8-approx"]["instructions"] < rows["adam-q8-exact"]["instructions"]
