@@ -42,9 +42,6 @@ CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-
 LDFLAGS = ("-fopenmp",)
 BUILD_TIMEOUT_S = 900.0  # waiting longer than this on another process's build falls back to the reference
 
-_lock = threading.Lock()
-_module = None
-_failed: str | None = None
 
 
 def enabled() -> bool:
@@ -122,21 +119,38 @@ def _build(source: Path = SOURCE):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+class BuiltOnce:
+    """A library compiled from ``source`` (``_build``) at its first use, in one thread of the process; None,
+    after one warning naming ``what`` could not be built and what happens instead (``otherwise``), where it
+    cannot be built (no compiler, no ninja, a failed build)."""
+
+    def __init__(self, source: Path, what: str, otherwise: str):
+        self.source, self.what, self.otherwise = source, what, otherwise
+        self.module = None
+        self.failed: str | None = None  # why the build failed
+        self.lock = threading.Lock()
+
+    def load(self):
+        if self.module is not None or self.failed is not None:
+            return self.module
+        with self.lock:
+            if self.module is None and self.failed is None:
+                try:
+                    self.module = _build(self.source)
+                except Exception as e:  # the callers have a slower way that works everywhere
+                    self.failed = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+                    warnings.warn(f"flashdist: {self.what} could not be built ({self.failed}); {self.otherwise}",
+                                  RuntimeWarning, stacklevel=4)
+        return self.module
+
+
+_STEP = BuiltOnce(SOURCE, "the fused CPU step", "CPU steps use the eager reference (slower). Install g++ and "
+                  "ninja, or set FLASHDIST_CPU_KERNEL=0 to silence this.")
+
+
 def load():
     """The compiled module, building it on first use; None (after one warning) where it cannot be built."""
-    global _module, _failed
-    if _module is not None or _failed is not None:
-        return _module
-    with _lock:
-        if _module is None and _failed is None:
-            try:
-                _module = _build()
-            except Exception as e:  # no compiler, no ninja, a failed build: the reference still works
-                _failed = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
-                warnings.warn(f"flashdist: the fused CPU step could not be built ({_failed}); CPU steps use the "
-                              "eager reference (slower). Install g++ and ninja, or set FLASHDIST_CPU_KERNEL=0 to "
-                              "silence this.", RuntimeWarning, stacklevel=3)
-    return _module
+    return _STEP.load()
 
 
 def available() -> bool:
@@ -146,7 +160,7 @@ def available() -> bool:
 
 def build_error() -> str | None:
     """Why the last build failed, or None."""
-    return _failed
+    return _STEP.failed
 
 
 def build_from(source: str | Path):
@@ -163,16 +177,15 @@ def build_from(source: str | Path):
 def using(module):
     """Run the CPU steps of this block with ``module`` (from ``build_from``) in place of the package's step,
     in this process; the package's step is back after it."""
-    global _module
     load()
-    saved = _module
-    with _lock:
-        _module = module
+    saved = _STEP.module
+    with _STEP.lock:
+        _STEP.module = module
     try:
         yield module
     finally:
-        with _lock:
-            _module = saved
+        with _STEP.lock:
+            _STEP.module = saved
 
 
 def vector_isa() -> str | None:

@@ -9,31 +9,15 @@ Python spends a few hundred. ``flashdist.GraphedStep`` checks every call with it
 
 from __future__ import annotations
 
-import threading
-import warnings
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("addresses.cpp")
+from ..cpu import BuiltOnce
 
-_lock = threading.Lock()
-_module = None
-_failed: str | None = None
+SOURCE = Path(__file__).with_name("addresses.cpp")
+_HELPERS = BuiltOnce(SOURCE, "the host helpers", "GraphedStep checks addresses in Python (slower). Install g++ "
+                     "and ninja to build them.")
 
 
 def load():
     """The compiled helpers, building them on first use; None (after one warning) where they cannot be built."""
-    global _module, _failed
-    if _module is not None or _failed is not None:
-        return _module
-    with _lock:
-        if _module is None and _failed is None:
-            from .. import cpu
-
-            try:
-                _module = cpu._build(SOURCE)
-            except Exception as e:  # no compiler, no ninja: the Python check does the same, slower
-                _failed = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
-                warnings.warn(f"flashdist: the host helpers could not be built ({_failed}); GraphedStep checks "
-                              "addresses in Python (slower). Install g++ and ninja to build them.", RuntimeWarning,
-                              stacklevel=3)
-    return _module
+    return _HELPERS.load()
