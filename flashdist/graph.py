@@ -21,8 +21,11 @@ import operator
 import torch
 
 from . import distributed as D
+from .errors import CaptureRefused
 from .kernels import host
+from .kernels.triton import plans
 from .optim.base import FlashOptimizer
+from .optim.params import check_number
 
 _GRAD = operator.attrgetter("grad")
 _data_ptr = torch.Tensor.data_ptr
@@ -30,10 +33,8 @@ _data_ptr = torch.Tensor.data_ptr
 
 def _addresses(tensors: list) -> list[int]:
     """Storage addresses (0 for None; a DTensor's local shard), with one C-level pass in the common case."""
-    if any(map(operator.is_, tensors, itertools.repeat(None))):
+    if any(map(operator.is_, tensors, itertools.repeat(None))) or any(map(D.is_dtensor, tensors)):
         return [0 if t is None else D.local(t).data_ptr() for t in tensors]
-    if any(map(D.is_dtensor, tensors[:1])):
-        return [D.local(t).data_ptr() for t in tensors]
     return list(map(_data_ptr, tensors))
 
 
@@ -47,22 +48,44 @@ class GraphedStep:
     later calls replay it for as long as nothing it reads moved.
 
     Args:
-        optimizer: a flashdist optimizer whose param groups are ``capturable=True`` and whose parameters are
-            on one CUDA device.
+        optimizer: a flashdist optimizer whose param groups are ``capturable=True``, whose parameters are on one
+            CUDA device and whose backend is the Triton kernel ("auto" or "triton").
 
-    A float learning rate (what LR schedulers set) is copied at each call into a device tensor the graph
-    reads, so schedules need no recapture; a learning rate given as a tensor on the device is read where it
-    is. Any other hyper-parameter changed, a parameter given or denied a gradient, a gradient or parameter
-    at a new address, or state replaced (``load_state_dict``) makes that call an eager step. Not seen: the
-    data of a tensor swapped in place (``.data =`` or ``set_`` on a gradient keeps its Python object but
-    not always its address, which is compared; on a state tensor, nothing is compared).
+    A float learning rate (what LR schedulers set), or one in a CPU tensor, is copied at each call into a
+    device tensor the graph reads (checked as ``step()`` checks it), so schedules need no recapture; a learning
+    rate in a tensor on the parameters' device is read where it is. Any other hyper-parameter changed, a
+    parameter given or denied a gradient, a gradient or parameter at a new address (FSDP2's DTensors by their
+    local shards), a param group added, or state replaced (``load_state_dict``) makes that call an eager step.
+    A step the graph cannot capture (parameters at different step counts: ``flashdist.errors.CaptureRefused``)
+    runs eagerly until something changes. Not seen: data swapped into a state tensor in place (``set_``,
+    ``.data =``); the optimizer itself does not.
 
+    Step hooks run when ``optimizer.step()`` runs: at eager steps and at the capture, not at replays.
     ``captures``, ``replays`` and ``eager_steps`` count what the calls did.
     """
 
     def __init__(self, optimizer: FlashOptimizer):
         if not isinstance(optimizer, FlashOptimizer):
             raise TypeError(f"flashdist: GraphedStep takes a flashdist optimizer, got {type(optimizer).__name__}")
+        self.optimizer = optimizer
+        self.device = self._check()
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.captures = self.replays = self.eager_steps = 0
+        self._host = host.load()  # the compiled address check (None: the same in Python)
+        self._settings = None  # what _settings_key gave at the last call
+        self._seen: list[list] = []  # per group: [its params list, param addresses, grad addresses] at the last call
+        self._plans: list = []  # the launch plans the graph holds (kernels.triton.plans.collect_captured)
+        self._refused = False  # the last capture was refused: none is tried until something changes
+        # one fp64 device tensor per group, read by the graph in place of a float learning rate
+        self._lr: list[torch.Tensor] = []
+        self._lr_written: list[float | None] = []
+
+    def _check(self) -> torch.device:
+        """The parameters' device, after the checks of the constructor (run again when the groups change)."""
+        optimizer = self.optimizer
+        if optimizer.backend not in ("auto", "triton"):
+            raise ValueError(f"flashdist: GraphedStep needs the Triton kernel; the optimizer's backend is "
+                             f"{optimizer.backend!r} (use backend='auto' or 'triton')")
         params = [p for group in optimizer.param_groups for p in group["params"]]
         if not params:
             raise ValueError("flashdist: GraphedStep got an optimizer without parameters")
@@ -74,22 +97,16 @@ class GraphedStep:
         if len(devices) != 1 or next(iter(devices)).type != "cuda":
             raise ValueError("flashdist: GraphedStep needs the parameters on one CUDA device, got "
                              f"{sorted(map(str, devices))}")
-        self.optimizer = optimizer
-        self.device = next(iter(devices))
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.captures = self.replays = self.eager_steps = 0
-        self._host = host.load()  # the compiled address check (None: the same in Python)
-        self._settings = None  # what _settings_key gave at the last call
-        self._seen: list[list] = []  # per group: [its params list, param addresses, grad addresses] at the last call
-        # one fp64 device tensor per group, read by the graph in place of a float learning rate
-        self._lr = [torch.zeros((), dtype=torch.float64, device=self.device) for _ in optimizer.param_groups]
-        self._lr_written: list[float | None] = [None] * len(optimizer.param_groups)
+        return next(iter(devices))
+
+    def _device_lr(self, lr) -> bool:
+        return isinstance(lr, torch.Tensor) and lr.device == self.device
 
     def _settings_key(self) -> tuple:
-        """The optimizer's step plans (they change with its state tensors) and each group's settings other than
-        a float learning rate."""
-        return (self.optimizer.plan_generation, *(
-            (len(group["params"]), id(group["lr"]) if isinstance(group["lr"], torch.Tensor) else float,
+        """The optimizer's step plans (they change with its state tensors), its backend, and each group's
+        settings other than a learning rate the graph does not hold."""
+        return (self.optimizer.plan_generation, self.optimizer.backend, *(
+            (len(group["params"]), id(group["lr"]) if self._device_lr(group["lr"]) else float,
              tuple((k, _setting(v)) for k, v in group.items() if k not in ("params", "lr", "param_names")))
             for group in self.optimizer.param_groups))
 
@@ -97,25 +114,31 @@ class GraphedStep:
         """Whether everything a replay reads is where the last call found it; records what this call finds."""
         settings = self._settings_key()
         same = settings == self._settings
+        if not same:
+            self._check()  # (a group added, a setting changed: the same checks as the constructor's)
         self._settings = settings
         groups = self.optimizer.param_groups
         if len(self._seen) != len(groups):
             self._seen = [[None, None, None] for _ in groups]
+            self._lr = [torch.zeros((), dtype=torch.float64, device=self.device) for _ in groups]
+            self._lr_written = [None] * len(groups)
+        dtensors = bool(self.optimizer._dtensor_groups)
         for group, seen in zip(groups, self._seen):
             params = group["params"]
             if seen[0] is not params or len(seen[1]) != len(params):
                 seen[:] = [params, *torch.zeros((2, len(params)), dtype=torch.int64)]
                 same = False
-            if self._addresses_changed(params, seen[1], seen[2]):
+            if self._addresses_changed(params, seen[1], seen[2], dtensors):
                 same = False
         return same
 
-    def _addresses_changed(self, params: list, param_seen: torch.Tensor, grad_seen: torch.Tensor) -> bool:
-        if self._host is not None:
+    def _addresses_changed(self, params: list, param_seen: torch.Tensor, grad_seen: torch.Tensor,
+                           dtensors: bool = False) -> bool:
+        if self._host is not None and not dtensors:
             try:  # (both lists are recorded, whatever the first finds)
                 return self._host.addresses_changed(params, False, param_seen) | \
                     self._host.addresses_changed(params, True, grad_seen)
-            except RuntimeError:  # DTensors (no storage of their own): their local tensors, in Python
+            except RuntimeError:  # a tensor without data of its own (a DTensor): in Python, its local tensor
                 pass
         changed = False
         for seen, addresses in ((param_seen, _addresses(params)), (grad_seen, _addresses(list(map(_GRAD, params))))):
@@ -126,42 +149,63 @@ class GraphedStep:
         return changed
 
     def _write_lrs(self) -> None:
-        """Copy each group's float learning rate to the device tensor the graph reads (where it changed)."""
+        """Copy each group's learning rate that the graph does not read in place (a float, a CPU tensor) to the
+        device tensor it reads instead, where it changed; checked first, as ``step()`` checks it."""
         for i, group in enumerate(self.optimizer.param_groups):
             lr = group["lr"]
-            if not isinstance(lr, torch.Tensor) and lr != self._lr_written[i]:
-                self._lr[i].fill_(float(lr))
-                self._lr_written[i] = lr
+            if self._device_lr(lr):
+                continue
+            value = float(lr)
+            if value != self._lr_written[i]:
+                check_number("lr", value, low=0.0)
+                self._lr[i].fill_(value)
+                self._lr_written[i] = value
 
     def _capture(self) -> None:
         groups = self.optimizer.param_groups
-        floats = [(group, group["lr"]) for group in groups if not isinstance(group["lr"], torch.Tensor)]
+        held = [(group, group["lr"]) for group in groups if not self._device_lr(group["lr"])]
         graph = torch.cuda.CUDAGraph()
         try:
-            for i, group in enumerate(groups):  # the graph reads the device copy of a float learning rate
-                if not isinstance(group["lr"], torch.Tensor):
+            for i, group in enumerate(groups):  # the graph reads the device copy of the learning rate
+                if not self._device_lr(group["lr"]):
                     group["lr"] = self._lr[i]
-            with torch.cuda.graph(graph):
-                self.optimizer.step()
+            with plans.collect_captured() as kept:
+                try:
+                    with torch.cuda.graph(graph):
+                        self.optimizer.step()
+                finally:
+                    self._plans = kept
         finally:
-            for group, lr in floats:
+            for group, lr in held:
                 group["lr"] = lr
         self.graph = graph
         self.captures += 1
 
+    def _drop(self) -> None:
+        """Drop the graph (its memory pool is freed) and release the launch plans it held."""
+        self.graph = None
+        plans.release_captured(self._plans)
+        self._plans = []
+
     @torch.no_grad()
     def __call__(self) -> None:
         unchanged = self._unchanged()
-        if unchanged and self.graph is None:
+        if unchanged and self.graph is None and not self._refused:
             # the last call stepped eagerly with these very tensors (a warm-up): capture, then replay below
             self._write_lrs()
-            self._capture()
-        if unchanged:
+            try:
+                self._capture()
+            except CaptureRefused:  # nothing changed: step eagerly, and try again once something has
+                self._drop()
+                self._refused = True
+        if unchanged and self.graph is not None:
             self._write_lrs()
             self.graph.replay()
             self.replays += 1
             return
-        self.graph = None  # captured for other tensors: dropped (its memory pool is freed)
+        if not unchanged:
+            self._drop()
+            self._refused = False
         self.optimizer.step()
         self.eager_steps += 1
         self._settings = self._settings_key()  # (the step may have made new plans)

@@ -17,13 +17,14 @@ optimizer state) predicts more than that, and where that line would skip the sec
 the peak of a step on a sequence of 8 tokens (no activations to speak of, but the working memory of a step:
 gathered layers, the loss's logits, workspaces) predicts it instead; the smallest batch of a count is predicted
 from the previous count's line (more recomputed layers need less memory: a lower bound, on which only the
-first batch of each count relies). A count stops at the first batch that does not fit and when a batch gains less than the
-fraction ``--min-gain`` of tokens/s over the one before (the GPU is saturated); the search stops at the first
-count where no batch fits. An out-of-memory error all the same ends that count and rebuilds the model; with
-several ranks it can leave the others waiting in a collective, which the prediction is there to avoid. Each
-trial: ``--warmup`` steps, then ``--steps`` timed (median, the slowest rank's), with forward, backward, step
-and zero_grad, as bench_fsdp.run_case times them. ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` keeps
-the allocator's fragmentation, and so the reserved peaks, low.
+first batch of each count relies). A count stops at the first batch that does not fit and when a batch gains
+less than the fraction ``--min-gain`` of tokens/s over the one before (the GPU is saturated); the search stops
+at the first count where no batch fits. An out-of-memory error all the same ends that count and rebuilds the
+model; with several ranks it can leave the others waiting in a collective, which the prediction is there to
+avoid. Each trial: ``--warmup`` steps, then ``--steps`` timed (median, the slowest rank's), with forward,
+backward, step and zero_grad, as bench_fsdp.run_case times them.
+``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` keeps the allocator's fragmentation, and so the reserved
+peaks, low.
 
 Writes the trials and the best configuration of every optimizer as JSON (``--out``) and prints the table.
 """
@@ -83,10 +84,7 @@ def search(measure: Callable[[int, int], dict], counts: list[int], batches: list
                     per = (fitted[-1][1] - fixed_gib) / fitted[-1][0] if fitted else slope
                     predicted = None if per is None else fixed_gib + per * b
                     if fitted and predicted > memory_gib and intercept is not None:
-                        try:  # the line through a step without activations instead
-                            base = intercept(k)
-                        except Exception:  # noqa: BLE001 - then the steep line stands
-                            base = None
+                        base = intercept(k)  # the line through a step without activations instead
                         if base is not None:
                             trials.append({"checkpointed": k, "intercept_gib": base})
                             (b1, p1), = fitted
@@ -180,14 +178,23 @@ class Case:
 
     def intercept(self, checkpointed: int) -> float | None:
         """The reserved peak (largest over the ranks) of a step on one sequence of 8 tokens with ``checkpointed``
-        layers recomputed: the memory of a step without activations (None on the CPU)."""
+        layers recomputed: the memory of a step without activations (None on the CPU, or where even that ran out
+        of memory: the model is then built again, as after a failed trial)."""
         if not self._cuda or self.model is None:
             return None
         for i, layer in enumerate(self.model.layers):
             layer.checkpointed = i < checkpointed
         x = self._batch(1, seq=8)
         free_memory(self.device)
-        timed_steps(lambda: self._step(x), 0, 1, self.device)
+        try:
+            timed_steps(lambda: self._step(x), 0, 1, self.device)
+        except torch.OutOfMemoryError:
+            failed = True
+        else:
+            failed = False
+        if failed:  # (outside the handler, whose traceback holds the step's tensors)
+            self.drop()
+            return None
         return self._max_over_ranks(torch.cuda.max_memory_reserved() / 2**30)
 
     def _step(self, x: torch.Tensor) -> torch.Tensor:
@@ -276,12 +283,12 @@ def print_table(result: dict, args, cfg: LlamaConfig) -> None:
         b = entry["best"]
         if b is None:
             print(f"| {LABELS.get(case, case)} | - | - | - | - | {entry.get('error', 'nothing fits')[:80]} | - | "
-                  f"{len(entry['trials'])} |")
+                  f"{sum('batch' in t for t in entry['trials'])} |")
             continue
         peak = f"{b['peak_gib']:.1f}" if b.get("peak_gib") is not None else "-"
         rel = f"{b['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
         print(f"| {LABELS.get(case, case)} | {b['batch']} | {b['checkpointed']} of {cfg.layers} | {peak} | "
-              f"{b['step_ms']:.0f} | {b['tokens_per_s']:,.0f} | {rel} | {len(entry['trials'])} |")
+              f"{b['step_ms']:.0f} | {b['tokens_per_s']:,.0f} | {rel} | {sum('batch' in t for t in entry['trials'])} |")
 
 
 

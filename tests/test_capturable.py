@@ -192,7 +192,8 @@ def test_graphed_step_replays_and_falls_back_with_the_same_bits():
 def test_graphed_step_under_fsdp2_is_the_eager_step(tmp_path):
     """FSDP2 (one NCCL rank, DTensor parameters and gradients): GraphedStep's steps against eager steps of an
     identical model, bit for bit, with ``zero_grad(set_to_none=True)`` between steps (FSDP2 then makes new
-    gradient tensors, which replay where they come back at the same addresses). The counts say which."""
+    gradient tensors, which replay where they come back at the same addresses); at steps 4 and 5 every
+    gradient is moved to a new tensor (a clone), which GraphedStep must see through the DTensors."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
@@ -214,13 +215,16 @@ def test_graphed_step_under_fsdp2_is_the_eager_step(tmp_path):
             x = torch.randn(16, 64, device="cuda", dtype=torch.bfloat16, generator=gen)
             for m, step in ((ref, a.step), (mod, graphed)):
                 m(x).float().square().mean().backward()
+                if k in (4, 5) and m is mod:
+                    for p in m.parameters():
+                        p.grad = p.grad.clone()
                 step()
                 for p in m.parameters():
                     p.grad = None
             torch.cuda.synchronize()
             for p, q in zip(ref.parameters(), mod.parameters()):
                 assert torch.equal(p.to_local().view(torch.int16), q.to_local().view(torch.int16)), f"step {k}"
-        assert graphed.eager_steps + graphed.replays == 6
+        assert graphed.eager_steps + graphed.replays == 6 and graphed.eager_steps >= 3
         print(f"FSDP2: {graphed.eager_steps} eager steps, {graphed.captures} captures, {graphed.replays} replays")
     finally:
         dist.destroy_process_group()
@@ -281,3 +285,153 @@ def test_checkpoints_without_the_option_load_and_the_loader_keeps_its_own(tmp_pa
     again = flashdist.FlashAdamW(other.parameters(), lr=1e-3, capturable=True)
     again.load_state_dict(sd)
     assert again.param_groups[0]["capturable"] is True and again.param_groups[0]["lr"] == 1e-2
+
+
+def _pair(n_steps, seed, **kw):
+    """Two identical capturable optimizers (the reference steps eagerly) and their gradients."""
+    plain, capt = _params("cuda"), _params("cuda")
+    a, b = OPTIMIZERS["adamw"](plain, capturable=True, **kw), OPTIMIZERS["adamw"](capt, capturable=True, **kw)
+    return plain, capt, a, b, _grads(n_steps, plain, seed)
+
+
+def _set_grads(plain, capt, grads):
+    for p, q, g in zip(plain, capt, grads):
+        if p.grad is None:
+            p.grad, q.grad = g.clone(), g.clone()
+        else:
+            p.grad.copy_(g)
+            q.grad.copy_(g)
+
+
+@gpu
+def test_graphed_step_survives_a_direct_step_with_other_gradients():
+    """Replays, then a direct optimizer.step() with gradients elsewhere (which gets a launch plan of its own:
+    the captured one is never changed), then the first gradients back: the replay reads the tables it captured."""
+    plain, capt, a, b, steps = _pair(6, 7)
+    graphed = flashdist.GraphedStep(b)
+    originals = None
+    for k, grads in enumerate(steps, start=1):
+        _set_grads(plain, capt, grads)
+        a.step()
+        if k == 4:
+            originals = [q.grad for q in capt]
+            for q in capt:
+                q.grad = q.grad.clone()
+            b.step()
+            for q, g in zip(capt, originals):
+                q.grad = g
+        else:
+            graphed()
+        torch.cuda.synchronize()
+        _same_bits(_snapshot(a, plain), _snapshot(b, capt), f"step {k}")
+    assert graphed.replays >= 3
+
+
+@gpu
+def test_graphed_step_with_a_cpu_lr_tensor_an_added_group_and_uneven_step_counts():
+    """A learning rate in a CPU tensor written between calls (copied to the device like a float); a param group
+    added midway (no error, its own learning rate); a parameter without a gradient at the first step, so the
+    group's step counts differ (the capture is refused: eager steps, no error); all bit for bit."""
+    plain, capt, a, b, steps = _pair(7, 8)
+    late_a = torch.nn.Parameter(torch.randn(32, 64, device="cuda", dtype=torch.bfloat16))
+    late_b = torch.nn.Parameter(late_a.detach().clone())
+    lr = torch.tensor(1e-2)
+    b.param_groups[0]["lr"] = lr
+    graphed = flashdist.GraphedStep(b)
+    for k, grads in enumerate(steps, start=1):
+        lr.fill_(1e-2 / k)
+        a.param_groups[0]["lr"] = lr.item()
+        if k == 3:
+            a.add_param_group({"params": [late_a], "lr": 3e-3})
+            b.add_param_group({"params": [late_b], "lr": 3e-3})
+        _set_grads(plain, capt, grads)
+        if k >= 3:
+            g = torch.randn_like(late_a)
+            late_a.grad, late_b.grad = g.clone(), g.clone()
+        if k == 5:  # the first parameter skips a step: its count falls behind the others'
+            plain[0].grad = capt[0].grad = None
+        a.step()
+        graphed()
+        torch.cuda.synchronize()
+        _same_bits(_snapshot(a, plain + [late_a] * (k >= 3)), _snapshot(b, capt + [late_b] * (k >= 3)), f"step {k}")
+    assert graphed.replays >= 1 and graphed.eager_steps >= 4
+
+
+@gpu
+def test_capturing_a_group_that_is_not_capturable_is_refused():
+    """torch.optim refuses to capture a step whose counts live on the host; so does flashdist, before the step
+    changes anything (its counts would move once, at the capture)."""
+    from flashdist.errors import CaptureRefused
+
+    params = _params("cuda")
+    opt = OPTIMIZERS["adamw"](params)
+    for p, g in zip(params, _grads(1, params, 9)[0]):
+        p.grad = g
+    opt.step()
+    before = _snapshot(opt, params)
+    with pytest.raises(CaptureRefused, match="capturable=True"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            opt.step()
+    _same_bits(before, _snapshot(opt, params), "after the refusal")
+
+
+@gpu
+def test_device_scalars_are_the_host_scalars_on_the_gpu():
+    """The device's float64 arithmetic (division, square root, the squaring powers) gives the host's bits."""
+    from flashdist.kernels.triton import device_scalars as DS
+    from flashdist.kernels.scalars import AdamScalars, SGDScalars
+
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(200):
+        step = int(torch.randint(1, 2**24, (), generator=gen)) if torch.rand((), generator=gen) < 0.5 else \
+            int(torch.randint(1, 50, (), generator=gen))
+        lr, b1, b2, wd = (float(torch.rand((), generator=gen)) * s for s in (0.1, 0.999, 1.0, 0.2))
+        b2 = min(b2, 0.99999)
+        count = torch.tensor([float(step)], device="cuda")
+        got = DS.adam(count, lr, beta1=b1, beta2=b2, eps=1e-8, weight_decay=wd, decoupled=True)
+        want = AdamScalars.make(lr=lr, beta1=b1, beta2=b2, eps=1e-8, weight_decay=wd, step=step, decoupled=True)
+        assert _f32_bits(got.values.tolist()) == _f32_bits(want.kernel_args()), (step, lr, b1, b2, wd)
+        got = DS.sgd(count, lr, momentum=b1, dampening=wd, weight_decay=wd, nesterov=False, decoupled=False)
+        want = SGDScalars.make(lr=lr, momentum=b1, dampening=wd, weight_decay=wd, nesterov=False, step=step,
+                               decoupled=False)
+        assert _f32_bits(got.values.tolist()) == _f32_bits(want.kernel_args()), (step, lr, b1, wd)
+
+
+def _f32_bits(values) -> list[int]:
+    return torch.tensor(list(values), dtype=torch.float32).view(torch.int32).tolist()
+
+
+def test_address_check_reads_dtensors_local_shards(tmp_path):
+    """DTensors have no data of their own: the compiled check refuses them and GraphedStep's check reads their
+    local shards instead, so a gradient moved to a new tensor is seen (one gloo rank, on the CPU)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DeviceMesh, Shard, distribute_tensor
+
+    from flashdist.graph import GraphedStep
+    from flashdist.kernels import host
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        mesh = DeviceMesh("cpu", [0])
+        params = [torch.nn.Parameter(distribute_tensor(torch.randn(8, 32), mesh, [Shard(0)])) for _ in range(3)]
+        for p in params:
+            p.grad = distribute_tensor(torch.randn(8, 32), mesh, [Shard(0)])
+        m = host.load()
+        if m is not None:
+            with pytest.raises(RuntimeError, match="without data of its own"):
+                m.addresses_changed(params, True, torch.zeros(3, dtype=torch.int64))
+        check = object.__new__(GraphedStep)
+        check._host = m
+        seen = torch.zeros((2, 3), dtype=torch.int64)
+        for dtensors in (False, True):  # found by the compiled check's refusal, or told
+            seen.zero_()
+            assert check._addresses_changed(params, seen[0], seen[1], dtensors)
+            assert not check._addresses_changed(params, seen[0], seen[1], dtensors)
+            assert seen[1].tolist() == [p.grad.to_local().data_ptr() for p in params]
+            params[1].grad = params[1].grad.clone()
+            assert check._addresses_changed(params, seen[0], seen[1], dtensors)
+            params[2].grad = None
+            assert check._addresses_changed(params, seen[0], seen[1], dtensors) and seen[1, 2] == 0
+            params[2].grad = distribute_tensor(torch.randn(8, 32), mesh, [Shard(0)])
+    finally:
+        dist.destroy_process_group()

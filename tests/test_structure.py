@@ -24,7 +24,7 @@ LAYERS = [
     ("flashdist.quant",),
 ]
 # Utilities anyone may import; they import no other flashdist module themselves.
-LEAVES = ("flashdist.distributed", "flashdist._compat")
+LEAVES = ("flashdist.distributed", "flashdist._compat", "flashdist.errors")
 
 
 def module_files(root: Path = PACKAGE) -> dict[str, Path]:

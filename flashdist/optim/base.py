@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from .. import distributed as D
+from ..errors import CaptureRefused
 from ..quant import rho as R
 from ..quant.moment import MomentLayout, QuantizedMoment
 from .layout import LAYOUT_OPTIONS, LayoutOptions
@@ -44,7 +45,7 @@ def _refuse_while_capturing(device: torch.device, why: str) -> None:
     """Refuse, before anything changes, a step being captured in a CUDA graph that would need host work a graph
     cannot replay (building plans and state, reading step counts)."""
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(f"flashdist: the optimizer step is being captured in a CUDA graph, but {why}; run one "
+        raise CaptureRefused(f"flashdist: the optimizer step is being captured in a CUDA graph, but {why}; run one "
                            "step with the same parameters, gradients and state before capturing (a warm-up step, as "
                            "torch.cuda.graphs requires), in a group built with capturable=True")
 
@@ -463,6 +464,9 @@ class FlashOptimizer(torch.optim.Optimizer):
                 if old is not None and old != key:
                     self._plans.pop(old, None)
                 self._plan_keys[id(p)] = key
+        if not plan.capturable:  # its step counts live on the host: a graph would replay the first one's
+            _refuse_while_capturing(D.local(params[0]).device, "its param group is not capturable (build the "
+                                    "optimizer with capturable=True)")
         plan.counts.add_(1.0)  # every state["step"] of the plan is a view into this one tensor
         try:
             self._step_plan(group, plan, params, grads)
@@ -472,6 +476,7 @@ class FlashOptimizer(torch.optim.Optimizer):
             plan.counts.sub_(1.0)
             plan.step = None
             self._plans.pop(key, None)
+            self.plan_generation = next(_GENERATIONS)
             raise
 
     @torch.no_grad()

@@ -62,9 +62,13 @@ class StepPlan:
         # where it lives on their device (as torch.optim's capturable steps keep theirs) and the step reads
         # it there, so that a CUDA graph can capture the step.
         self.capturable = capturable(group, params)
-        self.counts = torch.tensor([float(s["step"]) for s in self.states], dtype=torch.float32)
-        if self.capturable:
-            self.counts = self.counts.to(D.local(params[0]).device)
+        steps = [s["step"] for s in self.states]
+        device = D.local(params[0]).device if self.capturable else torch.device("cpu")
+        if all(t.device.type == "cpu" for t in steps):
+            self.counts = torch.tensor([float(t) for t in steps], dtype=torch.float32).to(device)
+        else:  # counts on a GPU (a capturable group's): gathered there, not read one by one
+            self.counts = torch.stack([t.detach().to(steps[0].device, torch.float32).reshape(())
+                                       for t in steps]).to(device)
         self.count = self.counts[:1]  # the common count (plan.step is its host copy), read by capturable steps
         for i, s in enumerate(self.states):
             s["step"] = self.counts[i]

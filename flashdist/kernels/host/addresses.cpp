@@ -9,8 +9,10 @@ namespace {
 
 int64_t address(const at::Tensor& t) {
   if (!t.defined()) return 0;
-  // a tensor subclass without storage of its own (a DTensor): the caller reads its local tensor instead
-  TORCH_CHECK(t.has_storage(), "flashdist: a tensor without storage (a DTensor?)");
+  // a tensor subclass without data of its own (a DTensor: no storage, or an empty one): the caller reads its
+  // local tensor instead
+  TORCH_CHECK(t.has_storage() && (t.numel() == 0 || t.data_ptr() != nullptr),
+              "flashdist: a tensor without data of its own (a DTensor?)");
   return reinterpret_cast<int64_t>(t.data_ptr());
 }
 

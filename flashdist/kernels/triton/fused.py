@@ -39,6 +39,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ...errors import CaptureRefused
 from ..scalars import KERNEL_SLOTS, AdamScalars, DeviceScalars, LionScalars, SGDScalars
 from .bits import ADAM, INTERPRETED, LION, SGD
 from .config import LaunchConfig, current
@@ -84,7 +85,7 @@ def _step_multi(algo: int, params, grads, moments: list, scales: list | None, rh
     if capturing and (plan is None or grad_ptrs != plan.grad_ptrs):
         # a new plan or new gradient addresses copy tables from host memory: a captured copy would read that
         # memory again at every replay, after it was freed
-        raise RuntimeError("flashdist: the step is being captured in a CUDA graph, but its launch plan is "
+        raise CaptureRefused("flashdist: the step is being captured in a CUDA graph, but its launch plan is "
                            f"{'new' if plan is None else 'for gradients at other addresses'}; run one step with "
                            "the same parameters, state and gradient tensors before capturing (a warm-up step, "
                            "as torch.cuda.graphs requires)")

@@ -20,14 +20,17 @@ as soon as one is freed, so it never writes to freed memory and an ``id`` it com
 tensor. Not detected: replacing one scales or rho tensor alone while the old one stays alive elsewhere,
 and swapping the storage of a state tensor in place (``.data =``, ``set_``); the optimizer does neither.
 ``clear_plans()`` drops every cached plan (their device tables are freed once no launch reads them). A plan
-launched inside a CUDA graph capture is also kept apart (``keep_captured``) until one of its state tensors is
-freed, since the graph replays its tables.
+launched inside a CUDA graph capture is also kept apart (``keep_captured``), and never changed again (new
+gradient addresses get a new plan), for as long as a graph may replay its tables: until the graph's owner
+releases it (``GraphedStep``: ``release_captured``) or, for a graph the caller captured, until one of its
+state tensors is freed.
 
 This module imports no triton: it is host-side bookkeeping.
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Iterator, Sequence
 
@@ -73,7 +76,8 @@ class Plan:
 
     @property
     def captured(self) -> bool:
-        """Launched inside a CUDA graph capture: kept alive (``keep_captured``) while its state lives."""
+        """Launched inside a CUDA graph capture that may still be replayed (``keep_captured``): kept alive, and
+        its tables never changed."""
         return self in _CAPTURED
 
     def __init__(self, buckets, device, layout, param_ptrs, numels, grad_dtypes, grad_ptrs):
@@ -128,15 +132,16 @@ class Plan:
             plan = this()
             if plan is not None:
                 cache.discard(plan)
-                _CAPTURED.discard(plan)
+                _CAPTURED.pop(plan, None)
 
         self.state_ids = list(map(id, first))
         self.refs = [weakref.ref(t, freed) for kind in states for t in kind]
 
     def set_grads(self, grads: Sequence[torch.Tensor], ptrs: list[int]) -> bool:
         """Point the tables at new gradient tensors; False when the plan does not fit them (other dtype or
-        alignment, or another number of tensors), so that it is rebuilt."""
-        if len(grads) != len(self.numels):
+        alignment, or another number of tensors), or when a CUDA graph captured it (a graph replays the tables
+        it captured: they must stay as they are), so that a new plan is built."""
+        if len(grads) != len(self.numels) or self.captured:
             return False
         floats = tuple(FLOAT_KIND)
         aligned16 = {}
@@ -312,12 +317,39 @@ class PlanCache:
 _CACHES: dict[LaunchConfig, PlanCache] = {}
 # Plans launched inside a CUDA graph capture: a graph replays their device tables, so they are kept (not only
 # cached, which can drop them) until one of their state tensors is freed, when the graph is void anyway.
-_CAPTURED: set[Plan] = set()
+_CAPTURED: dict[Plan, int] = {}  # plan -> graphs that hold it
+_COLLECTORS: list[list[Plan]] = []
 
 
 def keep_captured(plan: Plan) -> None:
-    """Keep ``plan`` (and its device tables) alive for the CUDA graphs that captured its launches."""
-    _CAPTURED.add(plan)
+    """Keep ``plan`` (and its device tables, which it never changes again) alive for the CUDA graph being
+    captured; within ``collect_captured()``, also note it there, for ``release_captured``."""
+    _CAPTURED[plan] = _CAPTURED.get(plan, 0) + 1
+    if _COLLECTORS:
+        _COLLECTORS[-1].append(plan)
+
+
+@contextlib.contextmanager
+def collect_captured() -> Iterator[list[Plan]]:
+    """The plans the launches inside this block keep for a graph (``flashdist.GraphedStep``'s, which releases
+    them with ``release_captured`` when it drops the graph). Plans kept for graphs a caller captured
+    otherwise stay kept until their state is freed."""
+    plans: list[Plan] = []
+    _COLLECTORS.append(plans)
+    try:
+        yield plans
+    finally:
+        _COLLECTORS.remove(plans)
+
+
+def release_captured(plans: list[Plan]) -> None:
+    """A graph that held ``plans`` (``collect_captured``) is gone: each is kept for one graph fewer."""
+    for plan in plans:
+        held = _CAPTURED.get(plan, 0)
+        if held > 1:
+            _CAPTURED[plan] = held - 1
+        else:
+            _CAPTURED.pop(plan, None)
 
 
 def cache_for(config: LaunchConfig) -> PlanCache:
