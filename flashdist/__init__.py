@@ -7,9 +7,9 @@ bf16 gradient and both Adam moments as 8-bit codes with a bf16 scale per 32 valu
 
 from .checkpoint.fp32 import export_fp32_state_dict, load_fp32_state_dict
 from .gradient_release import GradientRelease, enable_gradient_release
-from .graph import GraphedStep
 from .memory import bytes_per_param, memory_report
 from .optim import FlashAdam, FlashAdamW, FlashLion, FlashOptimizer, FlashSGD, FlashSGDW, PrecisionWarning
+from .optim.graph import GraphedStep
 
 __version__ = "0.1.0"
 

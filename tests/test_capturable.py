@@ -407,7 +407,7 @@ def test_address_check_reads_dtensors_local_shards(tmp_path):
     import torch.distributed as dist
     from torch.distributed.tensor import DeviceMesh, Shard, distribute_tensor
 
-    from flashdist.graph import GraphedStep
+    from flashdist.optim.graph import GraphedStep
     from flashdist.kernels import host
 
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
@@ -435,3 +435,43 @@ def test_address_check_reads_dtensors_local_shards(tmp_path):
             params[2].grad = distribute_tensor(torch.randn(8, 32), mesh, [Shard(0)])
     finally:
         dist.destroy_process_group()
+
+
+def test_graphed_optimizer_on_the_cpu_steps_eagerly_and_keeps_the_option():
+    """``graphed=True`` implies capturable; on the CPU there is nothing to capture: step() steps eagerly, with the
+    bits of an ordinary optimizer; copies keep the option; a capturable that is not a bool is refused."""
+    import pickle
+
+    plain, capt = _params("cpu"), _params("cpu")
+    a, b = OPTIMIZERS["adamw"](plain), OPTIMIZERS["adamw"](capt, graphed=True)
+    assert b.graphed and b.param_groups[0]["capturable"] is True
+    for grads in _grads(2, plain, 11):
+        for p, q, g in zip(plain, capt, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        a.step()
+        b.step()
+    _same_bits(_snapshot(a, plain), _snapshot(b, capt), "graphed on the cpu")
+    assert b._graph is None and pickle.loads(pickle.dumps(b)).graphed
+    b.param_groups[0]["capturable"] = "yes"
+    with pytest.raises(ValueError, match="capturable must be True or False"):
+        b.step()
+    with pytest.raises(ValueError, match="graphed must be True or False"):
+        OPTIMIZERS["adamw"](_params("cpu"), graphed=1)
+
+
+@gpu
+def test_graphed_optimizer_replays_inside_step_and_runs_its_hooks():
+    """``graphed=True``: opt.step() (as a client calls it) replays the captured step, bit for bit against eager
+    steps, with a float learning rate changing every step, and the step hooks run at every call."""
+    plain, capt, a, _, steps = _pair(6, 12)
+    b = OPTIMIZERS["adamw"](capt, graphed=True)
+    calls = []
+    b.register_step_post_hook(lambda opt, args, kwargs: calls.append(1))
+    for k, grads in enumerate(steps, start=1):
+        _set_grads(plain, capt, grads)
+        a.param_groups[0]["lr"] = b.param_groups[0]["lr"] = 1e-2 / k
+        a.step()
+        b.step()
+        torch.cuda.synchronize()
+        _same_bits(_snapshot(a, plain), _snapshot(b, capt), f"step {k}")
+    assert len(calls) == 6 and b._graph is not None and b._graph.replays == 5 and b._graph.captures == 1

@@ -51,6 +51,18 @@ class FlashAdamW(FlashOptimizer):
             1-d partitions concatenate many parameters (flashdist.integrations.deepspeed sets it); the state
             of such a group is created at its first step, because ZeRO swaps the group's tensors for its
             partitions after construction. Plain tensors only (not FSDP2 DTensors). Default False.
+        capturable: keep the step counts on the parameters' GPU and compute the update's scalars there, so
+            that a CUDA graph can capture the step (as torch.optim's ``capturable``); the same bits as without.
+            ``flashdist.GraphedStep(optimizer)`` captures and replays it while the tensors it reads stay where
+            they were (docs/integrations.md). In a graph the caller captures, a float ``lr`` is fixed at
+            capture: give a tensor on the GPU to change it between replays. Nothing changes on the CPU. A
+            setting of how the step runs: a checkpoint without it loads, and loading keeps the optimizer's own.
+            Default False.
+        graphed: ``step()`` itself captures the step in a CUDA graph and replays it while the tensors it reads
+            stay where they were, stepping eagerly otherwise (a ``flashdist.GraphedStep`` inside ``step()``, so
+            that clients that call ``optimizer.step()`` themselves, the Trainer, Lightning, torchtitan, get it
+            too); implies ``capturable=True``. Steps with a closure, and steps of parameters that are not on
+            one GPU, run eagerly. Default False.
 
     Caveats. Moments of 0-d and 1-d parameters stay fp32 outside flat_layout groups (they are a tiny
     share of any model; their FSDP2 shards cut anywhere, so no row-aligned group exists). A group of 32
@@ -77,11 +89,11 @@ class FlashAdamW(FlashOptimizer):
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, master_weight_bits: int | None = 24, quantize_states: bool = True,
                  companded: bool = True, backend: str = "auto", state_dict_format: str = "portable",
-                 flat_layout: bool = False, capturable: bool = False):
+                 flat_layout: bool = False, capturable: bool = False, graphed: bool = False):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         master_weight_bits=master_weight_bits, quantize_states=quantize_states,
-                        companded=companded, flat_layout=flat_layout, capturable=capturable)
-        super().__init__(params, defaults, backend=backend, state_dict_format=state_dict_format)
+                        companded=companded, flat_layout=flat_layout, capturable=capturable or graphed)
+        super().__init__(params, defaults, backend=backend, state_dict_format=state_dict_format, graphed=graphed)
 
     def _check_hyperparameters(self, group: dict) -> None:
         check_number("lr", group["lr"], low=0.0)

@@ -79,14 +79,18 @@ class FlashOptimizer(torch.optim.Optimizer):
     """Whether the torch optimizer this one replaces keeps ``state["step"]`` (torch.optim.SGD does not): a
     state dict of that optimizer without a ``step`` then loads as one step taken."""
 
-    def __init__(self, params, defaults: dict, *, backend: str = "auto", state_dict_format: str = "portable"):
+    def __init__(self, params, defaults: dict, *, backend: str = "auto", state_dict_format: str = "portable",
+                 graphed: bool = False):
         from ..functional.backend import BACKENDS
 
         if backend not in BACKENDS:
             raise ValueError(f"flashdist: backend must be one of {BACKENDS}, got {backend!r}")
         _check_format(state_dict_format, "state_dict_format")
+        if not isinstance(graphed, bool):
+            raise ValueError(f"flashdist: graphed must be True or False, got {graphed!r}")
         self.backend = backend
         self.state_dict_format = state_dict_format
+        self.graphed = graphed
         self.skipped = None  # int32 counter of skipped (non-finite) groups, on the parameters' device
         self._precision_warned = False
         self._reset_caches()
@@ -97,6 +101,8 @@ class FlashOptimizer(torch.optim.Optimizer):
         copy or an unpickled optimizer must not inherit: plans and sets keyed by ``id()``)."""
         self._plans: dict[tuple, StepPlan] = {}
         self._plan_keys: dict[int, tuple] = {}  # id(param) -> key of the plan that holds its step counter
+        self._graph = None  # the GraphedStep of a graphed optimizer, made at its first step on a GPU
+        self._no_graph_at = None  # plan_generation when one could not be made (parameters on the CPU, ...)
         # changes whenever a step plan is dropped or made (so do the tensors a captured step reads): GraphedStep
         self.plan_generation = next(_GENERATIONS)
         self._dtensor_groups: set[int] = set()  # ids of param groups that hold DTensor parameters
@@ -123,6 +129,8 @@ class FlashOptimizer(torch.optim.Optimizer):
         since its state was made; return None when all is well. ``step()`` runs it on every group; call
         it before stepping through :meth:`step_parameters`. Changes nothing."""
         self._check_hyperparameters(group)
+        if not isinstance(group.get("capturable", False), bool):
+            raise ValueError(f"flashdist: capturable must be True or False, got {group['capturable']!r}")
         self._check_layout_unchanged(group)
 
     def layout_options(self, group: dict) -> LayoutOptions:
@@ -424,6 +432,27 @@ class FlashOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        if self.graphed and closure is None:
+            graph = self._graphed_step()
+            if graph is not None:
+                graph()  # a replay of the captured step where nothing it reads moved, else _eager_step
+                return None
+        return self._eager_step(closure)
+
+    def _graphed_step(self):
+        """The GraphedStep of a ``graphed=True`` optimizer, or None where none can be made (parameters not on
+        one CUDA device, a backend other than the Triton kernel): those steps run eagerly, and it is tried
+        again once the parameters or their state change (Accelerate and FSDP2 move them after construction)."""
+        if self._graph is None and self._no_graph_at != self.plan_generation:
+            from .graph import GraphedStep  # (it reads this module's optimizers: imported when first needed)
+
+            try:
+                self._graph = GraphedStep(self, eager=self._eager_step)
+            except ValueError:
+                self._no_graph_at = self.plan_generation
+        return self._graph
+
+    def _eager_step(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -625,7 +654,7 @@ class FlashOptimizer(torch.optim.Optimizer):
         # the caches (plans and sets keyed by id(), which a copy would get stale) are rebuilt on arrival
         state = super().__getstate__()
         state.update(backend=self.backend, state_dict_format=self.state_dict_format, skipped=self.skipped,
-                     _precision_warned=self._precision_warned)
+                     _precision_warned=self._precision_warned, graphed=self.graphed)
         return state
 
     def __setstate__(self, state: dict) -> None:

@@ -26,8 +26,8 @@ class FlashLion(FlashOptimizer):
             lr 3-10x smaller than AdamW's, and a weight decay 3-10x larger).
         betas: (beta1, beta2), the interpolation of the update direction and of the momentum (0.9, 0.99).
         weight_decay: decoupled weight decay (default 0).
-        master_weight_bits, quantize_states, companded, backend, state_dict_format, flat_layout: as
-            :class:`flashdist.FlashAdamW`.
+        master_weight_bits, quantize_states, companded, backend, state_dict_format, flat_layout, capturable,
+        graphed: as :class:`flashdist.FlashAdamW`.
 
     Caveats: those of :class:`flashdist.FlashAdamW`. ``sign(0)`` is 0: a coordinate whose interpolation is
     exactly zero does not move (apart from weight decay).
@@ -38,11 +38,11 @@ class FlashLion(FlashOptimizer):
     def __init__(self, params, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
                  weight_decay: float = 0.0, *, master_weight_bits: int | None = 24, quantize_states: bool = True,
                  companded: bool = True, backend: str = "auto", state_dict_format: str = "portable",
-                 flat_layout: bool = False, capturable: bool = False):
+                 flat_layout: bool = False, capturable: bool = False, graphed: bool = False):
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, master_weight_bits=master_weight_bits,
                         quantize_states=quantize_states, companded=companded, flat_layout=flat_layout,
-                        capturable=capturable)
-        super().__init__(params, defaults, backend=backend, state_dict_format=state_dict_format)
+                        capturable=capturable or graphed)
+        super().__init__(params, defaults, backend=backend, state_dict_format=state_dict_format, graphed=graphed)
 
     def _check_hyperparameters(self, group: dict) -> None:
         check_number("lr", group["lr"], low=0.0)

@@ -25,9 +25,9 @@ class FlashSGD(FlashOptimizer):
         lr, momentum, dampening, weight_decay, nesterov: as ``torch.optim.SGD``. Whether a group keeps a
             momentum buffer (momentum non-zero) is fixed when the optimizer is built; the value may change
             (momentum schedules).
-        master_weight_bits, quantize_states, companded, backend, state_dict_format, flat_layout: as
-            :class:`flashdist.FlashAdamW`; the portable state dict holds fp32 ``momentum_buffer`` (torch.optim.SGD's
-            name, so it loads into torch.optim.SGD and back) plus ``rho`` and ``step``.
+        master_weight_bits, quantize_states, companded, backend, state_dict_format, flat_layout, capturable,
+        graphed: as :class:`flashdist.FlashAdamW`; the portable state dict holds fp32 ``momentum_buffer``
+            (torch.optim.SGD's name, so it loads into torch.optim.SGD and back) plus ``rho`` and ``step``.
 
     Caveats: those of :class:`flashdist.FlashAdamW` (fp32 buffers for 0-d and 1-d parameters outside
     flat_layout groups; a group of 32 values whose gradient holds a NaN or an Inf, or whose momentum or new
@@ -42,11 +42,12 @@ class FlashSGD(FlashOptimizer):
     def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, *, master_weight_bits: int | None = 24,
                  quantize_states: bool = True, companded: bool = True, backend: str = "auto",
-                 state_dict_format: str = "portable", flat_layout: bool = False, capturable: bool = False):
+                 state_dict_format: str = "portable", flat_layout: bool = False, capturable: bool = False,
+                 graphed: bool = False):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
                         master_weight_bits=master_weight_bits, quantize_states=quantize_states,
-                        companded=companded, flat_layout=flat_layout, capturable=capturable)
-        super().__init__(params, defaults, backend=backend, state_dict_format=state_dict_format)
+                        companded=companded, flat_layout=flat_layout, capturable=capturable or graphed)
+        super().__init__(params, defaults, backend=backend, state_dict_format=state_dict_format, graphed=graphed)
 
     def moments_of(self, group: dict) -> tuple[str, ...]:
         return self._moments if group["momentum"] != 0 else ()

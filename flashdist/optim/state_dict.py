@@ -29,7 +29,8 @@ _META_KEYS = ("flashdist_format", "flashdist_version")
 # How a step runs, not what it computes: a checkpoint may lack them (written before they existed) and the loading
 # optimizer keeps its own
 RUN_OPTION_KEYS = ("capturable",)
-_KEPT_GROUP_KEYS = ("params", "param_names") + _META_KEYS + LAYOUT_KEYS + RUN_OPTION_KEYS  # not taken from a loaded group
+# not taken from a loaded group
+_KEPT_GROUP_KEYS = ("params", "param_names") + _META_KEYS + LAYOUT_KEYS + RUN_OPTION_KEYS
 
 __all__ = ["FORMATS", "FORMAT_VERSION", "LAYOUT_KEYS", "dequantize_moment", "export_state_dict", "load_state_dict",
            "quantize_moment"]

@@ -1,5 +1,5 @@
 // Storage addresses of many tensors, compared with those seen before, in one pass: what a replay of a captured
-// CUDA graph needs unchanged (flashdist/graph.py). In Python the same check costs two attribute or method calls
+// CUDA graph needs unchanged (flashdist/optim/graph.py). In Python the same check costs two attribute or method calls
 // per tensor (a few hundred nanoseconds each); here a few nanoseconds.
 
 #include <torch/extension.h>

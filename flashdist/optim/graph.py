@@ -20,12 +20,11 @@ import operator
 
 import torch
 
-from . import distributed as D
-from .errors import CaptureRefused
-from .kernels import host
-from .kernels.triton import plans
-from .optim.base import FlashOptimizer
-from .optim.params import check_number
+from .. import distributed as D
+from ..errors import CaptureRefused
+from ..kernels import host
+from ..kernels.triton import plans
+from .params import check_number
 
 _GRAD = operator.attrgetter("grad")
 _data_ptr = torch.Tensor.data_ptr
@@ -60,14 +59,17 @@ class GraphedStep:
     runs eagerly until something changes. Not seen: data swapped into a state tensor in place (``set_``,
     ``.data =``); the optimizer itself does not.
 
-    Step hooks run when ``optimizer.step()`` runs: at eager steps and at the capture, not at replays.
-    ``captures``, ``replays`` and ``eager_steps`` count what the calls did.
+    Step hooks run when ``optimizer.step()`` runs: at eager steps and at the capture, not at replays (a
+    ``graphed=True`` optimizer runs its own GraphedStep inside ``step()``, so its hooks run at every step).
+    ``captures``, ``replays`` and ``eager_steps`` count what the calls did. ``eager``: the step an eager call
+    and the capture run (default ``optimizer.step``).
     """
 
-    def __init__(self, optimizer: FlashOptimizer):
-        if not isinstance(optimizer, FlashOptimizer):
+    def __init__(self, optimizer, *, eager=None):
+        if not hasattr(optimizer, "plan_generation"):  # (a FlashOptimizer: base.py imports this module)
             raise TypeError(f"flashdist: GraphedStep takes a flashdist optimizer, got {type(optimizer).__name__}")
         self.optimizer = optimizer
+        self._eager = eager or optimizer.step  # what an eager step and the capture run
         self.device = self._check()
         self.graph: torch.cuda.CUDAGraph | None = None
         self.captures = self.replays = self.eager_steps = 0
@@ -115,7 +117,9 @@ class GraphedStep:
         settings = self._settings_key()
         same = settings == self._settings
         if not same:
-            self._check()  # (a group added, a setting changed: the same checks as the constructor's)
+            device = self._check()  # (a group added, a setting changed: the same checks as the constructor's)
+            if device != self.device:  # (parameters moved to another GPU)
+                self.device, self._seen = device, []
         self._settings = settings
         groups = self.optimizer.param_groups
         if len(self._seen) != len(groups):
@@ -172,7 +176,7 @@ class GraphedStep:
             with plans.collect_captured() as kept:
                 try:
                     with torch.cuda.graph(graph):
-                        self.optimizer.step()
+                        self._eager()
                 finally:
                     self._plans = kept
         finally:
@@ -206,6 +210,6 @@ class GraphedStep:
         if not unchanged:
             self._drop()
             self._refused = False
-        self.optimizer.step()
+        self._eager()
         self.eager_steps += 1
         self._settings = self._settings_key()  # (the step may have made new plans)
