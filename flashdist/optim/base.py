@@ -442,12 +442,14 @@ class FlashOptimizer(torch.optim.Optimizer):
     def _graphed_step(self):
         """The GraphedStep of a ``graphed=True`` optimizer, or None where none can be made (parameters not on
         one CUDA device, a backend other than the Triton kernel): those steps run eagerly, and it is tried
-        again once the parameters or their state change (Accelerate and FSDP2 move them after construction)."""
+        again once the parameters or their state change (Accelerate and FSDP2 move them after construction).
+        It is not strict: where its checks fail later (DeepSpeed ZeRO-3 empties groups between steps), it steps
+        eagerly."""
         if self._graph is None and self._no_graph_at != self.plan_generation:
             from .graph import GraphedStep  # (it reads this module's optimizers: imported when first needed)
 
             try:
-                self._graph = GraphedStep(self, eager=self._eager_step)
+                self._graph = GraphedStep(self, eager=self._eager_step, strict=False)
             except ValueError:
                 self._no_graph_at = self.plan_generation
         return self._graph

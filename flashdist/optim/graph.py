@@ -62,14 +62,18 @@ class GraphedStep:
     Step hooks run when ``optimizer.step()`` runs: at eager steps and at the capture, not at replays (a
     ``graphed=True`` optimizer runs its own GraphedStep inside ``step()``, so its hooks run at every step).
     ``captures``, ``replays`` and ``eager_steps`` count what the calls did. ``eager``: the step an eager call
-    and the capture run (default ``optimizer.step``).
+    and the capture run (default ``optimizer.step``). ``strict=False``: a call that finds the optimizer no
+    longer fit for a graph (the checks of the constructor: a group emptied, parameters moved off the GPU)
+    steps eagerly instead of raising, until the settings change again.
     """
 
-    def __init__(self, optimizer, *, eager=None):
+    def __init__(self, optimizer, *, eager=None, strict: bool = True):
         if not hasattr(optimizer, "plan_generation"):  # (a FlashOptimizer: base.py imports this module)
             raise TypeError(f"flashdist: GraphedStep takes a flashdist optimizer, got {type(optimizer).__name__}")
         self.optimizer = optimizer
         self._eager = eager or optimizer.step  # what an eager step and the capture run
+        self._strict = strict  # False: a later call that fails the constructor's checks steps eagerly instead
+        self._unusable = False  # (not strict) the last checks failed: eager steps until the settings change
         self.device = self._check()
         self.graph: torch.cuda.CUDAGraph | None = None
         self.captures = self.replays = self.eager_steps = 0
@@ -117,10 +121,19 @@ class GraphedStep:
         settings = self._settings_key()
         same = settings == self._settings
         if not same:
-            device = self._check()  # (a group added, a setting changed: the same checks as the constructor's)
-            if device != self.device:  # (parameters moved to another GPU)
-                self.device, self._seen = device, []
+            try:
+                device = self._check()  # (a group added, a setting changed: the same checks as the constructor's)
+            except ValueError:
+                if self._strict:
+                    raise
+                self._unusable = True
+            else:
+                self._unusable = False
+                if device != self.device:  # (parameters moved to another GPU)
+                    self.device, self._seen = device, []
         self._settings = settings
+        if self._unusable:
+            return False
         groups = self.optimizer.param_groups
         if len(self._seen) != len(groups):
             self._seen = [[None, None, None] for _ in groups]
