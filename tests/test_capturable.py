@@ -60,17 +60,24 @@ def _same_bits(a, b, where):
         assert torch.equal(x, y), f"{where}: tensor {i} differs"
 
 
-def test_capturable_changes_nothing_on_the_cpu():
-    """On the CPU there is no graph to capture: the step counts stay there and every bit is the same."""
+def _cpu_pair(steps: int, seed: int, **kw):
+    """An ordinary optimizer and one built with ``kw``, on identical CPU parameters, after ``steps`` steps on
+    the same gradients; their bits compared."""
     plain, capt = _params("cpu"), _params("cpu")
-    a, b = OPTIMIZERS["adamw"](plain), OPTIMIZERS["adamw"](capt, capturable=True)
-    assert b.param_groups[0]["capturable"] is True and a.param_groups[0]["capturable"] is False
-    for grads in _grads(3, plain, 1):
+    a, b = OPTIMIZERS["adamw"](plain), OPTIMIZERS["adamw"](capt, **kw)
+    for grads in _grads(steps, plain, seed):
         for p, q, g in zip(plain, capt, grads):
             p.grad, q.grad = g.clone(), g.clone()
         a.step()
         b.step()
-    _same_bits(_snapshot(a, plain), _snapshot(b, capt), "cpu")
+    _same_bits(_snapshot(a, plain), _snapshot(b, capt), f"cpu, {kw}")
+    return a, b, capt
+
+
+def test_capturable_changes_nothing_on_the_cpu():
+    """On the CPU there is no graph to capture: the step counts stay there and every bit is the same."""
+    a, b, capt = _cpu_pair(3, 1, capturable=True)
+    assert b.param_groups[0]["capturable"] is True and a.param_groups[0]["capturable"] is False
     assert b.state[capt[0]]["step"].device.type == "cpu"
 
 
@@ -442,15 +449,8 @@ def test_graphed_optimizer_on_the_cpu_steps_eagerly_and_keeps_the_option():
     bits of an ordinary optimizer; copies keep the option; a capturable that is not a bool is refused."""
     import pickle
 
-    plain, capt = _params("cpu"), _params("cpu")
-    a, b = OPTIMIZERS["adamw"](plain), OPTIMIZERS["adamw"](capt, graphed=True)
+    _, b, _ = _cpu_pair(2, 11, graphed=True)
     assert b.graphed and b.param_groups[0]["capturable"] is True
-    for grads in _grads(2, plain, 11):
-        for p, q, g in zip(plain, capt, grads):
-            p.grad, q.grad = g.clone(), g.clone()
-        a.step()
-        b.step()
-    _same_bits(_snapshot(a, plain), _snapshot(b, capt), "graphed on the cpu")
     assert b._graph is None and pickle.loads(pickle.dumps(b)).graphed
     b.param_groups[0]["capturable"] = "yes"
     with pytest.raises(ValueError, match="capturable must be True or False"):
