@@ -13,7 +13,7 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 step() { echo "== $1"; shift; "$@" 2>&1 | tee "$OUT/$NAME.log" | grep -v '^W1\|NCCL' | tail -n 25; }
-NAME=gpu_tests step "pytest -m gpu" python3 -m pytest -m gpu tests/test_gpu.py -q -x
+NAME=gpu_tests step "pytest -m gpu" python3 -m pytest -m gpu tests/test_gpu.py tests/test_capturable.py -q -x
 NAME=bench_step step "optimizer step" python3 launch/bench_step.py --out "$OUT/bench_step.json"
 NAME=bench_fsdp step "FSDP2 Llama-1B, 2 ranks" python3 -m torch.distributed.run --standalone --nproc_per_node=2 \
   launch/bench_fsdp.py --model 1b --batch 4 --rounds 3 --check --out "$OUT/bench_fsdp.json"
