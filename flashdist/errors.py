@@ -5,5 +5,5 @@ from __future__ import annotations
 
 class CaptureRefused(RuntimeError):
     """An optimizer step being captured in a CUDA graph would need host work that a graph cannot replay (a new
-    launch plan, gradients at new addresses, step counts read on the host, a group that is not capturable).
+    launch plan, gradients at new addresses, step counts read on the host, an optimizer that is not capturable).
     Raised before the step changes anything; ``flashdist.GraphedStep`` then steps eagerly instead."""

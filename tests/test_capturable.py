@@ -77,7 +77,8 @@ def _cpu_pair(steps: int, seed: int, **kw):
 def test_capturable_changes_nothing_on_the_cpu():
     """On the CPU there is no graph to capture: the step counts stay there and every bit is the same."""
     a, b, capt = _cpu_pair(3, 1, capturable=True)
-    assert b.param_groups[0]["capturable"] is True and a.param_groups[0]["capturable"] is False
+    assert b.capturable is True and a.capturable is False
+    assert "capturable" not in b.param_groups[0]  # the optimizer's setting, as backend: not a param-group key
     assert b.state[capt[0]]["step"].device.type == "cpu"
 
 
@@ -270,9 +271,9 @@ def test_address_check_sees_every_move():
 
 
 def test_checkpoints_without_the_option_load_and_the_loader_keeps_its_own(tmp_path):
-    """``capturable`` says how a step runs, not what it computes: a checkpoint written before the option existed
-    (no such param-group key) loads through flashdist.checkpoint, and neither that nor a state dict of a
-    non-capturable run turns the loading optimizer's option off."""
+    """``capturable`` says how a step runs, not what it computes: a setting of the optimizer, not of its param
+    groups, so checkpoints have the keys of earlier versions and load through flashdist.checkpoint, and neither
+    that nor a state dict of a non-capturable run turns the loading optimizer's option off."""
     import flashdist.checkpoint as C
 
     torch.manual_seed(0)
@@ -281,17 +282,16 @@ def test_checkpoints_without_the_option_load_and_the_loader_keeps_its_own(tmp_pa
     model(torch.randn(4, 64, dtype=torch.bfloat16)).square().mean().backward()
     opt.step()
     sd = opt.state_dict()
-    for group in opt.param_groups:
-        del group["capturable"]  # as an optimizer of an earlier version held its groups
+    assert "capturable" not in sd["param_groups"][0]  # so a checkpoint has the keys of earlier versions
     C.save(tmp_path / "old", model, opt, extra={"step": 1})
     other = torch.nn.Linear(64, 64).to(torch.bfloat16)
     loaded = flashdist.FlashAdamW(other.parameters(), lr=1e-3, capturable=True)
     C.load(tmp_path / "old", other, loaded)
     assert torch.equal(other.weight, model.weight) and loaded.param_groups[0]["lr"] == 1e-2
-    assert loaded.param_groups[0]["capturable"] is True
+    assert loaded.capturable is True
     again = flashdist.FlashAdamW(other.parameters(), lr=1e-3, capturable=True)
     again.load_state_dict(sd)
-    assert again.param_groups[0]["capturable"] is True and again.param_groups[0]["lr"] == 1e-2
+    assert again.capturable is True and again.param_groups[0]["lr"] == 1e-2
 
 
 def _pair(n_steps, seed, **kw):
@@ -450,11 +450,11 @@ def test_graphed_optimizer_on_the_cpu_steps_eagerly_and_keeps_the_option():
     import pickle
 
     _, b, _ = _cpu_pair(2, 11, graphed=True)
-    assert b.graphed and b.param_groups[0]["capturable"] is True
-    assert b._graph is None and pickle.loads(pickle.dumps(b)).graphed
-    b.param_groups[0]["capturable"] = "yes"
+    assert b.graphed and b.capturable is True
+    copy = pickle.loads(pickle.dumps(b))
+    assert b._graph is None and copy.graphed and copy.capturable
     with pytest.raises(ValueError, match="capturable must be True or False"):
-        b.step()
+        OPTIMIZERS["adamw"](_params("cpu"), capturable="yes")
     with pytest.raises(ValueError, match="graphed must be True or False"):
         OPTIMIZERS["adamw"](_params("cpu"), graphed=1)
 

@@ -34,7 +34,6 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ..quant.moment import QuantizedMoment
 from ..optim.base import FlashOptimizer
-from ..optim.state_dict import RUN_OPTION_KEYS
 
 from .dcp_files import SafeFileSystemReader, SafeLoadPlanner, TiedWriter, shard_writer, verify_shard
 from .errors import CheckpointError, CheckpointWriteError, error_summary
@@ -177,16 +176,6 @@ def _clone(state):
     return state
 
 
-def _drop_run_options(state: dict, metadata) -> None:
-    """Leave out of what is read the param-group keys that say how a step runs (``RUN_OPTION_KEYS``:
-    ``capturable``) where the checkpoint has none (it was written before they existed): the optimizer keeps
-    its own."""
-    for i, group in enumerate(state.get("optim", {}).get("param_groups", [])):
-        for key in RUN_OPTION_KEYS:
-            if key in group and f"optim.param_groups.{i}.{key}" not in metadata.state_dict_metadata:
-                del group[key]
-
-
 def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """Load a checkpoint written by :func:`save` (at any world size) into ``model`` and ``optimizer``; returns
     the saved ``extra``. Every rank calls it. Raises :class:`CheckpointError` naming what does not match,
@@ -198,7 +187,6 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     # load_state_dict takes both
     fmt = (_saved_format(metadata) or "portable") if isinstance(optimizer, FlashOptimizer) else None
     state = _clone(_state(model, optimizer, None, fmt))
-    _drop_run_options(state, metadata)
     state["extra"] = _template_for_extra(metadata)
     want = {k: v for k, v in _flat_shapes(state).items() if not k.startswith("extra.")}
     have = {k: getattr(m, "size", None) for k, m in metadata.state_dict_metadata.items() if not k.startswith("extra.")}

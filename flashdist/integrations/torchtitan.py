@@ -57,7 +57,6 @@ from torchtitan.components.optimizer.utils import init_optim_state, load_flat_op
 from ..checkpoint.state import FORMATS
 from ..functional.backend import BACKENDS
 from ..optim import FlashAdam, FlashAdamW, FlashLion, FlashOptimizer, FlashSGD, FlashSGDW
-from ..optim.state_dict import RUN_OPTION_KEYS
 
 FLASH_OPTIMIZERS: dict[str, type[FlashOptimizer]] = {
     "FlashAdamW": FlashAdamW, "FlashAdam": FlashAdam, "FlashSGD": FlashSGD, "FlashSGDW": FlashSGDW,
@@ -114,14 +113,6 @@ class FlashOptimizersContainer(OptimizersContainer):
                     for key in _TORCH_IMPL_KEYS:
                         group.pop(key, None)
         return groups, patterns
-
-    def state_dict(self) -> dict[str, Any]:
-        # How a flashdist step runs (``capturable``) is not state: left out of the flat dict, so that a checkpoint
-        # of any flashdist version loads (DCP asks for every key of this dict) and the optimizer keeps its own.
-        sd = super().state_dict()
-        options = {f"param_groups.{fqn}.{key}" for optim in self.optimizers if isinstance(optim, FlashOptimizer)
-                   for group in optim.param_groups for fqn in group.get("param_names") or () for key in RUN_OPTION_KEYS}
-        return {k: v for k, v in sd.items() if k not in options}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # torchtitan's loader takes each parameter's state keys from the live optimizer (codes and scales for

@@ -55,9 +55,9 @@ class FlashAdamW(FlashOptimizer):
             that a CUDA graph can capture the step (as torch.optim's ``capturable``); the same bits as without.
             ``flashdist.GraphedStep(optimizer)`` captures and replays it while the tensors it reads stay where
             they were (docs/integrations.md). In a graph the caller captures, a float ``lr`` is fixed at
-            capture: give a tensor on the GPU to change it between replays. Nothing changes on the CPU. A
-            setting of how the step runs: a checkpoint without it loads, and loading keeps the optimizer's own.
-            Default False.
+            capture: give a tensor on the GPU to change it between replays. Nothing changes on the CPU. Like
+            ``backend``, a setting of the optimizer (``optimizer.capturable``), not of its param groups: it is
+            not in the state dict, and loading one leaves it as it is. Default False.
         graphed: ``step()`` itself captures the step in a CUDA graph and replays it while the tensors it reads
             stay where they were, stepping eagerly otherwise (a ``flashdist.GraphedStep`` inside ``step()``, so
             that clients that call ``optimizer.step()`` themselves, the Trainer, Lightning, torchtitan, get it
@@ -92,8 +92,9 @@ class FlashAdamW(FlashOptimizer):
                  flat_layout: bool = False, capturable: bool = False, graphed: bool = False):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         master_weight_bits=master_weight_bits, quantize_states=quantize_states,
-                        companded=companded, flat_layout=flat_layout, capturable=capturable or graphed)
-        super().__init__(params, defaults, backend=backend, state_dict_format=state_dict_format, graphed=graphed)
+                        companded=companded, flat_layout=flat_layout)
+        super().__init__(params, defaults, backend=backend, state_dict_format=state_dict_format,
+                         capturable=capturable or graphed, graphed=graphed)
 
     def _check_hyperparameters(self, group: dict) -> None:
         check_number("lr", group["lr"], low=0.0)

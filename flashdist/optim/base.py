@@ -47,7 +47,7 @@ def _refuse_while_capturing(device: torch.device, why: str) -> None:
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise CaptureRefused(f"flashdist: the optimizer step is being captured in a CUDA graph, but {why}; run one "
                            "step with the same parameters, gradients and state before capturing (a warm-up step, as "
-                           "torch.cuda.graphs requires), in a group built with capturable=True")
+                           "torch.cuda.graphs requires), in an optimizer built with capturable=True")
 
 
 def _check_format(value: Any, name: str) -> None:
@@ -80,16 +80,18 @@ class FlashOptimizer(torch.optim.Optimizer):
     state dict of that optimizer without a ``step`` then loads as one step taken."""
 
     def __init__(self, params, defaults: dict, *, backend: str = "auto", state_dict_format: str = "portable",
-                 graphed: bool = False):
+                 capturable: bool = False, graphed: bool = False):
         from ..functional.backend import BACKENDS
 
         if backend not in BACKENDS:
             raise ValueError(f"flashdist: backend must be one of {BACKENDS}, got {backend!r}")
         _check_format(state_dict_format, "state_dict_format")
-        if not isinstance(graphed, bool):
-            raise ValueError(f"flashdist: graphed must be True or False, got {graphed!r}")
+        for name, value in (("graphed", graphed), ("capturable", capturable)):  # (capturable is "or graphed")
+            if not isinstance(value, bool):
+                raise ValueError(f"flashdist: {name} must be True or False, got {value!r}")
         self.backend = backend
         self.state_dict_format = state_dict_format
+        self.capturable = capturable  # step counts and scalars on the GPU (optim/plan.py), read when it runs
         self.graphed = graphed
         self.skipped = None  # int32 counter of skipped (non-finite) groups, on the parameters' device
         self._precision_warned = False
@@ -129,8 +131,6 @@ class FlashOptimizer(torch.optim.Optimizer):
         since its state was made; return None when all is well. ``step()`` runs it on every group; call
         it before stepping through :meth:`step_parameters`. Changes nothing."""
         self._check_hyperparameters(group)
-        if not isinstance(group.get("capturable", False), bool):
-            raise ValueError(f"flashdist: capturable must be True or False, got {group['capturable']!r}")
         self._check_layout_unchanged(group)
 
     def layout_options(self, group: dict) -> LayoutOptions:
@@ -478,9 +478,9 @@ class FlashOptimizer(torch.optim.Optimizer):
         self._check_layout_unchanged(group)  # (step() checked already; gradient release steps through here)
         key = (id(group), len(params), id(params[0]))
         plan = self._plans.get(key)
-        if plan is None or not plan.matches(group, params):
+        if plan is None or not plan.matches(self, params):
             _refuse_while_capturing(D.local(params[0]).device, "its plan is new (first step, or the parameters with "
-                                    "gradients, their state or the group's capturable changed)")
+                                    "gradients, their state or optimizer.capturable changed)")
             if self._groups_changed():  # (gradient release steps through here, not through step())
                 self.sync_state()
             for p in params:
@@ -496,8 +496,8 @@ class FlashOptimizer(torch.optim.Optimizer):
                     self._plans.pop(old, None)
                 self._plan_keys[id(p)] = key
         if not plan.capturable:  # its step counts live on the host: a graph would replay the first one's
-            _refuse_while_capturing(D.local(params[0]).device, "its param group is not capturable (build the "
-                                    "optimizer with capturable=True)")
+            _refuse_while_capturing(D.local(params[0]).device, "the optimizer is not capturable (build it with "
+                                    "capturable=True)")
         plan.counts.add_(1.0)  # every state["step"] of the plan is a view into this one tensor
         try:
             self._step_plan(group, plan, params, grads)
@@ -656,7 +656,8 @@ class FlashOptimizer(torch.optim.Optimizer):
         # the caches (plans and sets keyed by id(), which a copy would get stale) are rebuilt on arrival
         state = super().__getstate__()
         state.update(backend=self.backend, state_dict_format=self.state_dict_format, skipped=self.skipped,
-                     _precision_warned=self._precision_warned, graphed=self.graphed)
+                     _precision_warned=self._precision_warned, capturable=self.capturable,
+                     graphed=self.graphed)
         return state
 
     def __setstate__(self, state: dict) -> None:

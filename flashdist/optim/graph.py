@@ -47,7 +47,7 @@ class GraphedStep:
     later calls replay it for as long as nothing it reads moved.
 
     Args:
-        optimizer: a flashdist optimizer whose param groups are ``capturable=True``, whose parameters are on one
+        optimizer: a flashdist optimizer built with ``capturable=True``, whose parameters are on one
             CUDA device and whose backend is the Triton kernel ("auto" or "triton").
 
     A float learning rate (what LR schedulers set), or one in a CPU tensor, is copied at each call into a
@@ -95,10 +95,8 @@ class GraphedStep:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         if not params:
             raise ValueError("flashdist: GraphedStep got an optimizer without parameters")
-        not_capturable = [i for i, group in enumerate(optimizer.param_groups) if not group.get("capturable", False)]
-        if not_capturable:
-            raise ValueError(f"flashdist: GraphedStep needs capturable=True in every param group; param_groups "
-                             f"{not_capturable} are not (build the optimizer with capturable=True)")
+        if not optimizer.capturable:
+            raise ValueError("flashdist: GraphedStep needs an optimizer built with capturable=True")
         devices = {D.local(p).device for p in params}
         if len(devices) != 1 or next(iter(devices)).type != "cuda":
             raise ValueError("flashdist: GraphedStep needs the parameters on one CUDA device, got "
@@ -109,9 +107,9 @@ class GraphedStep:
         return isinstance(lr, torch.Tensor) and lr.device == self.device
 
     def _settings_key(self) -> tuple:
-        """The optimizer's step plans (they change with its state tensors), its backend, and each group's
+        """The optimizer's step plans (they change with its state tensors), backend and capturable, and each group's
         settings other than a learning rate the graph does not hold."""
-        return (self.optimizer.plan_generation, self.optimizer.backend, *(
+        return (self.optimizer.plan_generation, self.optimizer.backend, self.optimizer.capturable, *(
             (len(group["params"]), id(group["lr"]) if self._device_lr(group["lr"]) else float,
              tuple((k, _setting(v)) for k, v in group.items() if k not in ("params", "lr", "param_names")))
             for group in self.optimizer.param_groups))

@@ -40,9 +40,9 @@ class FlashLion(FlashOptimizer):
                  companded: bool = True, backend: str = "auto", state_dict_format: str = "portable",
                  flat_layout: bool = False, capturable: bool = False, graphed: bool = False):
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, master_weight_bits=master_weight_bits,
-                        quantize_states=quantize_states, companded=companded, flat_layout=flat_layout,
-                        capturable=capturable or graphed)
-        super().__init__(params, defaults, backend=backend, state_dict_format=state_dict_format, graphed=graphed)
+                        quantize_states=quantize_states, companded=companded, flat_layout=flat_layout)
+        super().__init__(params, defaults, backend=backend, state_dict_format=state_dict_format,
+                         capturable=capturable or graphed, graphed=graphed)
 
     def _check_hyperparameters(self, group: dict) -> None:
         check_number("lr", group["lr"], low=0.0)

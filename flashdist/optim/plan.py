@@ -58,15 +58,15 @@ class StepPlan:
         self.states = [opt.state[p] for p in params]
         # One tensor holds the step counts of all these parameters, and each state["step"] becomes a 0-d view
         # of it: a step increments them all with one add (torch.optim keeps one tensor per parameter; 2,000
-        # separate adds cost milliseconds). On the CPU, except in a capturable group of CUDA parameters,
+        # separate adds cost milliseconds). On the CPU, except for CUDA parameters of a capturable optimizer,
         # where it lives on their device (as torch.optim's capturable steps keep theirs) and the step reads
         # it there, so that a CUDA graph can capture the step.
-        self.capturable = capturable(group, params)
+        self.capturable = capturable(opt, params)
         steps = [s["step"] for s in self.states]
         device = D.local(params[0]).device if self.capturable else torch.device("cpu")
         if all(t.device.type == "cpu" for t in steps):
             self.counts = torch.tensor([float(t) for t in steps], dtype=torch.float32).to(device)
-        else:  # counts on a GPU (a capturable group's): gathered there, not read one by one
+        else:  # counts on a GPU (a capturable optimizer's): gathered there, not read one by one
             self.counts = torch.stack([t.detach().to(steps[0].device, torch.float32).reshape(())
                                        for t in steps]).to(device)
         self.count = self.counts[:1]  # the common count (plan.step is its host copy), read by capturable steps
@@ -84,15 +84,15 @@ class StepPlan:
         for bucket in self.buckets:
             bucket.everything = len(self.buckets) == 1
 
-    def matches(self, group: dict, params: list[torch.Tensor]) -> bool:
-        """Same parameters, and (flat_layout groups) no state added behind the optimizer's back, and the
-        group's ``capturable`` as when built."""
+    def matches(self, opt, params: list[torch.Tensor]) -> bool:
+        """Same parameters, and (flat_layout groups) no state added behind the optimizer's back, and
+        ``opt.capturable`` as when built."""
         return (len(params) == len(self.params) and all(map(operator.is_, params, self.params))
                 and (self.sizes is None or list(map(len, self.states)) == self.sizes)
-                and self.capturable == capturable(group, params))
+                and self.capturable == capturable(opt, params))
 
 
-def capturable(group: dict, params: list[torch.Tensor]) -> bool:
-    """Whether a step of ``params`` reads its step count and scalars on their device: a ``capturable`` group
-    of CUDA parameters (elsewhere there is no graph to capture, and the option changes nothing)."""
-    return bool(group.get("capturable", False)) and D.local(params[0]).device.type == "cuda"
+def capturable(opt, params: list[torch.Tensor]) -> bool:
+    """Whether a step of ``params`` reads its step count and scalars on their device: CUDA parameters of a
+    capturable optimizer (elsewhere there is no graph to capture, and the option changes nothing)."""
+    return opt.capturable and D.local(params[0]).device.type == "cuda"

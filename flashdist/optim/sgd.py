@@ -46,8 +46,9 @@ class FlashSGD(FlashOptimizer):
                  graphed: bool = False):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
                         master_weight_bits=master_weight_bits, quantize_states=quantize_states,
-                        companded=companded, flat_layout=flat_layout, capturable=capturable or graphed)
-        super().__init__(params, defaults, backend=backend, state_dict_format=state_dict_format, graphed=graphed)
+                        companded=companded, flat_layout=flat_layout)
+        super().__init__(params, defaults, backend=backend, state_dict_format=state_dict_format,
+                         capturable=capturable or graphed, graphed=graphed)
 
     def moments_of(self, group: dict) -> tuple[str, ...]:
         return self._moments if group["momentum"] != 0 else ()

@@ -26,11 +26,7 @@ FORMAT_VERSION = 1
 FORMATS = ("portable", "compressed")
 LAYOUT_KEYS = LAYOUT_OPTIONS
 _META_KEYS = ("flashdist_format", "flashdist_version")
-# How a step runs, not what it computes: a checkpoint may lack them (written before they existed) and the loading
-# optimizer keeps its own
-RUN_OPTION_KEYS = ("capturable",)
-# not taken from a loaded group
-_KEPT_GROUP_KEYS = ("params", "param_names") + _META_KEYS + LAYOUT_KEYS + RUN_OPTION_KEYS
+_KEPT_GROUP_KEYS = ("params", "param_names") + _META_KEYS + LAYOUT_KEYS  # not taken from a loaded group
 
 __all__ = ["FORMATS", "FORMAT_VERSION", "LAYOUT_KEYS", "dequantize_moment", "export_state_dict", "load_state_dict",
            "quantize_moment"]
