@@ -39,23 +39,11 @@ inline void st8(void* p, M k, I x) {
   if (k == ALL) _mm_storeu_si128(static_cast<__m128i*>(p), b);
   else _mm_mask_storeu_epi8(p, k, b);
 }
-inline void st16(void* p, M k, I x) {
-  __m256i b = _mm512_cvtepi32_epi16(x);
-  if (k == ALL) _mm256_storeu_si256(static_cast<__m256i*>(p), b);
-  else _mm256_mask_storeu_epi16(p, k, b);
-}
 inline void st32(float* p, M k, V x) {
   if (k == ALL) _mm512_storeu_ps(p, x);
   else _mm512_mask_storeu_ps(p, k, x);
 }
 
-inline V load_bf16(const uint16_t* p, M k) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(ld16(p, k)), 16));
-}
-inline V load_grad(const void* p, int dt, int64_t i, M k) {
-  if (dt == BF16) return load_bf16(static_cast<const uint16_t*>(p) + i, k);
-  return ld32(static_cast<const float*>(p) + i, k);
-}
 inline I load_i8(const int8_t* p, M k) { return _mm512_cvtepi8_epi32(ld8(p, k)); }
 inline I load_u8(const uint8_t* p, M k) { return _mm512_cvtepu8_epi32(ld8(p, k)); }
 inline I load_i16(const int16_t* p, M k) { return _mm512_cvtepi16_epi32(ld16(p, k)); }
@@ -101,6 +89,56 @@ inline void split_any(V theta, I& pbits, I& rho) {
   pbits = _mm512_mask_mov_epi32(pb, nan, vi(0xFFFF));
 }
 
+// A group's 32 values as its two vectors, loaded and stored together: a bf16 group widened by two word permutes
+// (each value into the high half of its lane, the low half zeroed) instead of a widening and a shift per vector,
+// and a narrowing store of both vectors' low bytes (codes, int8 rho) or low or high words (bf16 bits, int16
+// rho) by one byte or word permute and one store instead of a narrowing instruction and a store per vector. The
+// permutes keep exactly the bytes and words that _mm512_cvtepi32_epi8 / _epi16 keep (truncation).
+using M32 = __mmask32;
+constexpr M32 ALL32 = ~M32(0);
+inline M32 pair_mask(const M k[2]) { return M32(k[0]) | M32(k[1]) << 16; }
+
+template <class T, int N, class F>
+constexpr std::array<T, N> index_table(F f) {
+  std::array<T, N> a{};
+  for (int i = 0; i < N; ++i) a[i] = T(f(i));
+  return a;
+}
+// word i of the widened vectors: word i / 2 (first vector) or 16 + i / 2 (second), in the odd words only
+alignas(64) inline constexpr auto WIDEN_LO = index_table<uint16_t, 32>([](int i) { return i / 2; });
+alignas(64) inline constexpr auto WIDEN_HI = index_table<uint16_t, 32>([](int i) { return 16 + i / 2; });
+// word i of a narrowed pair: the low (2 i) or high (2 i + 1) word of lane i of a (i < 16) or of b (bit 5 set)
+alignas(64) inline constexpr auto LOW_WORDS = index_table<uint16_t, 32>([](int i) { return 2 * i; });
+alignas(64) inline constexpr auto HIGH_WORDS = index_table<uint16_t, 32>([](int i) { return 2 * i + 1; });
+// byte i (of the low 32): the low byte of lane i of a (i < 16) or of b (bit 6 set)
+alignas(64) inline constexpr auto LOW_BYTES = index_table<uint8_t, 64>([](int i) { return 4 * (i % 32); });
+
+inline I table(const void* t) { return _mm512_load_si512(t); }
+
+inline I ld_words(const void* p, M32 k) {
+  return k == ALL32 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(k, p);
+}
+inline void widen_bf16(I x, V out[2]) {
+  out[0] = _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, table(WIDEN_LO.data()), x));
+  out[1] = _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, table(WIDEN_HI.data()), x));
+}
+inline void st8x2(void* p, M32 k, I a, I b) {
+#ifdef __AVX512VBMI__
+  const __m256i y = _mm512_castsi512_si256(_mm512_permutex2var_epi8(a, table(LOW_BYTES.data()), b));
+  if (k == ALL32) _mm256_storeu_si256(static_cast<__m256i*>(p), y);
+  else _mm256_mask_storeu_epi8(p, k, y);
+#else
+  st8(p, M(k), a);
+  st8(static_cast<int8_t*>(p) + 16, M(k >> 16), b);
+#endif
+}
+template <bool high>
+inline void st16x2(void* p, M32 k, I a, I b) {
+  const I y = _mm512_permutex2var_epi16(a, table(high ? HIGH_WORDS.data() : LOW_WORDS.data()), b);
+  if (k == ALL32) _mm512_storeu_si512(p, y);
+  else _mm512_mask_storeu_epi16(p, k, y);
+}
+
 // The common case of each, in fewer operations. merge: a finite, non-zero parameter's bits move by
 // rho << shift toward its sign, which is ((t ^ s) + d) ^ s with s its sign spread over the lane (for s = -1
 // that is t - d).
@@ -108,9 +146,9 @@ inline void split_any(V theta, I& pbits, I& rho) {
 template <int shift>
 inline V merge(I t, I r, bool rare) {
   if (rare) return merge_any<shift>(t, r);
-  const I s = _mm512_srai_epi32(t, 31);
-  const I moved = _mm512_add_epi32(_mm512_xor_si512(t, s), _mm512_slli_epi32(r, shift));
-  return _mm512_castsi512_ps(_mm512_xor_si512(moved, s));
+  const I d = _mm512_slli_epi32(r, shift);
+  const M neg = _mm512_cmplt_epi32_mask(t, _mm512_setzero_si512());  // ((t ^ -1) + d) ^ -1 is t - d
+  return _mm512_castsi512_ps(_mm512_mask_sub_epi32(_mm512_add_epi32(t, d), neg, t, d));
 }
 
 // split: theta's magnitude bits rounded half up to 16 + (16 - shift) bits, R = (mag + half) >> shift, are one
@@ -120,57 +158,77 @@ inline V merge(I t, I r, bool rare) {
 // space). So pbits = (R + steps + s) >> (16 - shift), s the sign spread over the lane (-1 or 0), and rho, in
 // the value's direction, is +-R modulo 2^(16 - shift): the low bits that the narrowing store keeps. Theta's
 // sign bit rides along at bit 31 - shift of R and lands on the bf16 sign bit. Lanes whose magnitude comes
-// within a bf16 step of the largest finite value, infinities and NaNs take split_any.
+// within a bf16 step of the largest finite value, infinities and NaNs take split_any (both vectors of the group
+// where one of them has such a lane).
 template <int shift>
-inline void split(V theta, I& pbits, I& rho) {
+inline void split_common(V theta, I& pbits, I& rho) {
   constexpr int32_t steps = shift ? 128 : 32768, half = shift ? 128 : 0;
   const I x = _mm512_castps_si512(theta);
-  if (_mm512_cmpge_epu32_mask(_mm512_slli_epi32(x, 1), vi(int32_t(0xFEFE0000u))))  // magnitude >= 0x7F7F0000
-    return split_any<shift>(theta, pbits, rho);
-  const I s = _mm512_srai_epi32(x, 31);
+  const M neg = _mm512_cmplt_epi32_mask(x, _mm512_setzero_si512());  // s = -1
   const I r = _mm512_srli_epi32(_mm512_add_epi32(x, vi(half)), shift);
-  pbits = _mm512_srli_epi32(_mm512_add_epi32(r, _mm512_add_epi32(s, vi(steps))), 16 - shift);
-  rho = _mm512_sub_epi32(_mm512_xor_si512(r, s), s);
+  const I up = _mm512_add_epi32(r, vi(steps));
+  pbits = _mm512_srli_epi32(_mm512_mask_sub_epi32(up, neg, up, vi(1)), 16 - shift);
+  rho = _mm512_mask_sub_epi32(r, neg, _mm512_setzero_si512(), r);  // (r ^ s) - s
 }
-
-// Whether a vector of bf16 parameters holds a value merge leaves to merge_any (+-0, inf, NaN)
-inline bool rare_bf16(I t) {
-  return _mm512_cmpge_epu32_mask(_mm512_add_epi32(_mm512_slli_epi32(t, 1), vi(-1)), vi(int32_t(0xFEFFFFFFu)));
-}
-
-// rint and the conversion to an integer in one instruction (round to nearest even): the codes of a group that is
-// written are integers in [-127, 255], so rounding first and truncating after changes nothing
-inline void store_code(void* p, int64_t i, M k, V x) {
-  st8(static_cast<int8_t*>(p) + i, k, _mm512_cvt_roundps_epi32(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+template <int shift>
+inline void split(const V theta[2], I pbits[2], I rho[2]) {
+  const I twice = _mm512_max_epu32(_mm512_slli_epi32(_mm512_castps_si512(theta[0]), 1),
+                                   _mm512_slli_epi32(_mm512_castps_si512(theta[1]), 1));
+  const bool rare = _mm512_cmpge_epu32_mask(twice, vi(int32_t(0xFEFE0000u)));  // magnitude >= 0x7F7F0000
+  for (int j = 0; j < 2; ++j) {
+    if (rare) split_any<shift>(theta[j], pbits[j], rho[j]);
+    else split_common<shift>(theta[j], pbits[j], rho[j]);
+  }
 }
 
 // The parameter layouts of this path: bf16 with int8 or int16 rho, or fp32 (gradients bf16 or fp32).
 enum Param { BF16_RHO8, BF16_RHO16, FP32 };
 
-// theta (the fp32 master weight) of 16 values from i, and its write-back (load_theta and store_theta above)
-template <Param P>
-inline V load_theta(const Desc& d, int64_t i, M k) {
-  if constexpr (P == FP32) return ld32(static_cast<const float*>(d.param) + i, k);
-  I t = _mm512_castps_si512(load_bf16(static_cast<const uint16_t*>(d.param) + i, k));
-  const bool rare = rare_bf16(t);
-  if constexpr (P == BF16_RHO8) return merge<8>(t, load_i8(static_cast<const int8_t*>(d.rho) + i, k), rare);
-  return merge<0>(t, load_i16(static_cast<const int16_t*>(d.rho) + i, k), rare);
+// Loads and stores of a group's 32 values (lanes k32 of the pair, km of each vector): gradients, theta (the fp32
+// master weight) and its write-back (load_theta and store_theta above), and the codes.
+// Whether a group of bf16 parameters holds a value merge leaves to merge_any (+-0, inf, NaN): on each value's
+// 16 bits x, ((x << 1) - 1) >= 0xFEFF (unsigned), which is ((t << 1) - 1) >= 0xFEFFFFFF on its fp32 bits t.
+inline bool rare_bf16x2(I x) {
+  return _mm512_cmpge_epu16_mask(_mm512_add_epi16(_mm512_slli_epi16(x, 1), _mm512_set1_epi16(-1)),
+                                 _mm512_set1_epi16(int16_t(0xFEFF)));
+}
+inline void load_grad2(const Desc& d, int64_t i, M32 k, const M km[2], V out[2]) {
+  if (d.gdt == BF16) return widen_bf16(ld_words(static_cast<const uint16_t*>(d.grad) + i, k), out);
+  for (int j = 0; j < 2; ++j) out[j] = ld32(static_cast<const float*>(d.grad) + i + 16 * j, km[j]);
 }
 template <Param P>
-inline void store_theta(const Desc& d, int64_t i, M k, V theta) {
+inline void load_theta2(const Desc& d, int64_t i, M32 k, const M km[2], V out[2]) {
   if constexpr (P == FP32) {
-    st32(static_cast<float*>(d.param) + i, k, theta);
+    for (int j = 0; j < 2; ++j) out[j] = ld32(static_cast<const float*>(d.param) + i + 16 * j, km[j]);
   } else {
-    I pbits, rho;
-    if constexpr (P == BF16_RHO8) {
-      split<8>(theta, pbits, rho);
-      st8(static_cast<int8_t*>(d.rho) + i, k, rho);
-    } else {
-      split<0>(theta, pbits, rho);
-      st16(static_cast<int16_t*>(d.rho) + i, k, rho);
+    const I x = ld_words(static_cast<const uint16_t*>(d.param) + i, k);
+    const bool rare = rare_bf16x2(x);
+    V t[2];
+    widen_bf16(x, t);
+    for (int j = 0; j < 2; ++j) {
+      const I bits = _mm512_castps_si512(t[j]);
+      if constexpr (P == BF16_RHO8) out[j] = merge<8>(bits, load_i8(static_cast<const int8_t*>(d.rho) + i + 16 * j, km[j]), rare);
+      else out[j] = merge<0>(bits, load_i16(static_cast<const int16_t*>(d.rho) + i + 16 * j, km[j]), rare);
     }
-    st16(static_cast<uint16_t*>(d.param) + i, k, pbits);
   }
+}
+template <Param P>
+inline void store_theta2(const Desc& d, int64_t i, M32 k, const M km[2], const V theta[2]) {
+  if constexpr (P == FP32) {
+    for (int j = 0; j < 2; ++j) st32(static_cast<float*>(d.param) + i + 16 * j, km[j], theta[j]);
+  } else {
+    I pbits[2], rho[2];
+    split<P == BF16_RHO8 ? 8 : 0>(theta, pbits, rho);
+    if constexpr (P == BF16_RHO8) st8x2(static_cast<int8_t*>(d.rho) + i, k, rho[0], rho[1]);
+    else st16x2<false>(static_cast<int16_t*>(d.rho) + i, k, rho[0], rho[1]);
+    st16x2<false>(static_cast<uint16_t*>(d.param) + i, k, pbits[0], pbits[1]);
+  }
+}
+// rint and the conversion to an integer in one instruction (round to nearest even): the codes of a group that is
+// written are integers in [-127, 255], so rounding first and truncating after changes nothing
+inline I code_bits(V x) { return _mm512_cvt_roundps_epi32(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline void store_codes2(void* p, int64_t i, M32 k, V a, V b) {
+  st8x2(static_cast<int8_t*>(p) + i, k, code_bits(a), code_bits(b));
 }
 
 // The companded first moment's values y / (2 - |y|), y = code / 127, of a block's codes, before their groups'
@@ -383,9 +441,14 @@ int64_t adam_block(const Desc& d, const Block& s, float beta1, float beta2, floa
     M k[2];
     group_masks<full>(s, q, k);
     const float sm = bf16_value(d.scales[0][s.sidx + q]), sv = bf16_value(d.scales[1][s.sidx + q]);
+    const int64_t i0 = s.base + int64_t(q) * G;
+    const M32 k32 = full ? ALL32 : pair_mask(k);
+    V gs[2], ts[2];
+    load_grad2(d, i0, k32, k, gs);
+    load_theta2<P>(d, i0, k32, k, ts);
     for (int j = 0; j < 2; ++j) {
-      const int64_t i = s.base + int64_t(q) * G + 16 * j;
-      V g = load_grad(d.grad, d.gdt, i, k[j]);
+      const int64_t i = i0 + 16 * j;
+      V g = gs[j];
       V mj = exp_avg(fm, 2 * q + j, sm, companded, beta1);
       V cv = _mm512_cvtepi32_ps(load_u8(vc + i, k[j]));
       V vj;
@@ -395,7 +458,7 @@ int64_t adam_block(const Desc& d, const Block& s, float beta1, float beta2, floa
       } else {
         vj = _mm512_mul_ps(cv, vf((sv * INV255) * beta2));
       }
-      V t = load_theta<P>(d, i, k[j]);
+      V t = ts[j];
       if (decoupled) t = _mm512_mul_ps(t, vf(decay));
       else g = _mm512_add_ps(g, _mm512_mul_ps(t, vf(wd)));
       mj = _mm512_add_ps(mj, _mm512_mul_ps(g, vf(omb1)));
@@ -405,7 +468,7 @@ int64_t adam_block(const Desc& d, const Block& s, float beta1, float beta2, floa
         vj = _mm512_maskz_mov_ps(k[j], vj);
       }
       V u = _mm512_sqrt_ps(vj);
-      den[q][j] = _mm512_add_ps(_mm512_mul_ps(u, vf(ibc2)), vf(eps));
+      if (!companded) den[q][j] = _mm512_add_ps(_mm512_mul_ps(u, vf(ibc2)), vf(eps));
       m[q][j] = mj;
       sec[q][j] = companded ? u : vj;
       th[q][j] = t;
@@ -421,18 +484,29 @@ int64_t adam_block(const Desc& d, const Block& s, float beta1, float beta2, floa
     if (gv.bad >> q & 1) continue;  // the group keeps its old state (skip_groups)
     M k[2];
     group_masks<full>(s, q, k);
+    V theta[2], code_m[2], code_u[2];
     for (int j = 0; j < 2; ++j) {
-      const int64_t i = s.base + int64_t(q) * G + 16 * j;
       const V mj = m[q][j];
-      V x = _mm512_mul_ps(mj, vf(gv.sn[q]));
-      x = _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(vabs(x), vf(UPDATE_FLUSH), _CMP_LT_OQ), vf(0.f));
-      V theta = _mm512_sub_ps(th[q][j], _mm512_mul_ps(_mm512_div_ps(x, den[q][j]), vf(gv.step[q])));
-      V code_m = signed_code(mj, gv, q, companded);
+      V x;
+      if (companded) {  // |m| s, which is |m s| bit for bit, serves the flush and the companding
+        const V ax = _mm512_mul_ps(vabs(mj), vf(gv.sn[q]));
+        x = _mm512_maskz_mul_ps(_mm512_cmp_ps_mask(ax, vf(UPDATE_FLUSH), _CMP_NLT_UQ), mj, vf(gv.sn[q]));
+        code_m[j] = _mm512_div_ps(_mm512_mul_ps(mj, vf(gv.k254[q])), _mm512_add_ps(vf(gv.as[q]), ax));
+      } else {
+        x = _mm512_mul_ps(mj, vf(gv.sn[q]));
+        x = _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(vabs(x), vf(UPDATE_FLUSH), _CMP_LT_OQ), vf(0.f));
+        code_m[j] = signed_code(mj, gv, q, false);
+      }
+      const V dj = companded ? _mm512_add_ps(_mm512_mul_ps(sec[q][j], vf(ibc2)), vf(eps)) : den[q][j];
+      theta[j] = _mm512_sub_ps(th[q][j], _mm512_mul_ps(_mm512_div_ps(x, dj), vf(gv.step[q])));
       V lifted = gv.vlift[q] == 1.0f ? sec[q][j] : _mm512_mul_ps(sec[q][j], vf(gv.vlift[q]));  // x * 1 is x
-      store_code(d.mom[0], i, k[j], code_m);
-      store_code(d.mom[1], i, k[j], _mm512_mul_ps(lifted, vf(gv.vrcp[q])));
-      store_theta<P>(d, i, k[j], theta);
+      code_u[j] = _mm512_mul_ps(lifted, vf(gv.vrcp[q]));
     }
+    const int64_t i = s.base + int64_t(q) * G;
+    const M32 k32 = full ? ALL32 : pair_mask(k);
+    store_codes2(d.mom[0], i, k32, code_m[0], code_m[1]);
+    store_codes2(d.mom[1], i, k32, code_u[0], code_u[1]);
+    store_theta2<P>(d, i, k32, k, theta);
   }
   return __builtin_popcount(gv.bad);
 }
@@ -451,8 +525,8 @@ int64_t adam_block(const Desc& d, const Block& s, float beta1, float beta2, floa
 }
 
 // The end of a block of FlashLion or FlashSGD(W) with an 8-bit moment: the new first moments m of its groups
-// quantized, each group's codes, scale and parameter values (``store_param(q, j)``, the 16 values of half j)
-// stored, or the group left as it was (skip_groups) where its moment overflows the bf16 scale or it is in
+// quantized, each group's codes, scale and parameter values (``store_param(q, k32, k)``: group q, the lanes of
+// its pair and of each vector) stored, or the group left as it was (skip_groups) where its moment overflows the bf16 scale or it is in
 // ``skip`` (bit q: group q). The per-group values are computed on all groups at once, as adam_block's. The
 // number of groups skipped.
 template <bool full, class StoreParam>
@@ -471,10 +545,10 @@ inline int64_t store_signed_block(const Desc& d, const Block& s, int groups, con
     if (bad >> q & 1) continue;
     M k[2];
     group_masks<full>(s, q, k);
-    for (int j = 0; j < 2; ++j) {
-      store_code(d.mom[0], s.base + int64_t(q) * G + 16 * j, k[j], signed_code(m[q][j], gv, q, companded));
-      store_param(q, j, k[j]);
-    }
+    const M32 k32 = full ? ALL32 : pair_mask(k);
+    store_codes2(d.mom[0], s.base + int64_t(q) * G, k32, signed_code(m[q][0], gv, q, companded),
+                 signed_code(m[q][1], gv, q, companded));
+    store_param(q, k32, k);
   }
   return __builtin_popcount(bad);
 }
@@ -492,11 +566,15 @@ int64_t lion_block(const Desc& d, const Block& s, float beta1, float beta2, floa
     M k[2];
     group_masks<full>(s, q, k);
     const float sm = bf16_value(d.scales[0][s.sidx + q]);
+    const int64_t i0 = s.base + int64_t(q) * G;
+    const M32 k32 = full ? ALL32 : pair_mask(k);
+    V gs[2], ts[2];
+    load_grad2(d, i0, k32, k, gs);
+    load_theta2<P>(d, i0, k32, k, ts);
     for (int j = 0; j < 2; ++j) {
-      const int64_t i = s.base + int64_t(q) * G + 16 * j;
-      V g = load_grad(d.grad, d.gdt, i, k[j]);
+      V g = gs[j];
       V mo = exp_avg(fm, 2 * q + j, sm, companded, 1.0f);
-      V t = _mm512_mul_ps(load_theta<P>(d, i, k[j]), vf(decay));
+      V t = _mm512_mul_ps(ts[j], vf(decay));
       V c = _mm512_add_ps(_mm512_mul_ps(mo, vf(beta1)), _mm512_mul_ps(g, vf(omb1)));
       // float(c > 0) - float(c < 0): +1, -1, or +0 (zero and NaN)
       V dir = _mm512_mask_mov_ps(_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(c, vf(0.f), _CMP_GT_OQ), vf(1.0f)),
@@ -507,8 +585,8 @@ int64_t lion_block(const Desc& d, const Block& s, float beta1, float beta2, floa
     }
     amax[q] = absmax_lanes(m[q][0], m[q][1]);
   }
-  return store_signed_block<full>(d, s, groups, m, amax, 0, companded, [&](int q, int j, M k) {
-    store_theta<P>(d, s.base + int64_t(q) * G + 16 * j, k, th[q][j]);
+  return store_signed_block<full>(d, s, groups, m, amax, 0, companded, [&](int q, M32 k32, const M* k) {
+    store_theta2<P>(d, s.base + int64_t(q) * G, k32, k, th[q]);
   });
 }
 
@@ -535,42 +613,47 @@ int64_t sgd_block(const Desc& d, const Block& s, float momentum_decay, float mom
     group_masks<full>(s, q, k);
     const float sm = bf16_value(d.scales[0][s.sidx + q]);
     M bad_lanes = 0;
+    const int64_t i0 = s.base + int64_t(q) * G;
+    const M32 k32 = full ? ALL32 : pair_mask(k);
+    V gs[2], ts[2];
+    load_grad2(d, i0, k32, k, gs);
+    load_theta2<P>(d, i0, k32, k, ts);
     for (int j = 0; j < 2; ++j) {
-      const int64_t i = s.base + int64_t(q) * G + 16 * j;
-      V g = load_grad(d.grad, d.gdt, i, k[j]);
-      V t = load_theta<P>(d, i, k[j]);
+      V g = gs[j];
+      V t = ts[j];
       if (decoupled) t = _mm512_mul_ps(t, vf(decay));
       else g = _mm512_add_ps(g, _mm512_mul_ps(t, vf(wd)));
       V mj = _mm512_add_ps(exp_avg(fm, 2 * q + j, sm, companded, momentum_decay), _mm512_mul_ps(g, vf(momentum_gain)));
       V dir = nesterov ? _mm512_add_ps(g, _mm512_mul_ps(mj, vf(momentum))) : mj;
-      t = _mm512_sub_ps(t, _mm512_mul_ps(dir, vf(lr)));
+      ts[j] = _mm512_sub_ps(t, _mm512_mul_ps(dir, vf(lr)));
       m[q][j] = full ? mj : _mm512_maskz_mov_ps(k[j], mj);
+    }
+    I pbits[2], rho[2];
+    if constexpr (P == BF16_RHO8) split<8>(ts, pbits, rho);
+    else if constexpr (P == BF16_RHO16) split<0>(ts, pbits, rho);
+    for (int j = 0; j < 2; ++j) {
       I low;  // the new parameter's bits as stored (bf16 in the upper half of the fp32 bits)
       if constexpr (P == FP32) {
-        theta[q][j] = t;
-        low = _mm512_castps_si512(t);
-      } else {
-        I pbits, rho;
-        if constexpr (P == BF16_RHO8) split<8>(t, pbits, rho);
-        else split<0>(t, pbits, rho);
-        // bf16 bits in the upper half, rho in the lower: one vector to keep per 16 values
-        low = _mm512_slli_epi32(pbits, 16);
-        theta[q][j] = _mm512_castsi512_ps(_mm512_or_si512(low, _mm512_and_si512(rho, vi(0xFFFF))));
+        theta[q][j] = ts[j];
+        low = _mm512_castps_si512(ts[j]);
+      } else {  // bf16 bits in the upper half, rho in the lower: one vector to keep per 16 values
+        low = _mm512_slli_epi32(pbits[j], 16);
+        theta[q][j] = _mm512_castsi512_ps(_mm512_or_si512(low, _mm512_and_si512(rho[j], vi(0xFFFF))));
       }
       bad_lanes |= _mm512_mask_cmpeq_epi32_mask(k[j], _mm512_and_si512(low, vi(0x7F800000)), vi(0x7F800000));
     }
     nonfinite |= uint32_t(bad_lanes != 0) << q;
     amax[q] = absmax_lanes(m[q][0], m[q][1]);
   }
-  return store_signed_block<full>(d, s, groups, m, amax, nonfinite, companded, [&](int q, int j, M k) {
-    const int64_t i = s.base + int64_t(q) * G + 16 * j;
+  return store_signed_block<full>(d, s, groups, m, amax, nonfinite, companded, [&](int q, M32 k32, const M* k) {
+    const int64_t i = s.base + int64_t(q) * G;
     if constexpr (P == FP32) {
-      st32(static_cast<float*>(d.param) + i, k, theta[q][j]);
+      for (int j = 0; j < 2; ++j) st32(static_cast<float*>(d.param) + i + 16 * j, k[j], theta[q][j]);
     } else {
-      const I x = _mm512_castps_si512(theta[q][j]);
-      if constexpr (P == BF16_RHO8) st8(static_cast<int8_t*>(d.rho) + i, k, x);
-      else st16(static_cast<int16_t*>(d.rho) + i, k, x);
-      st16(static_cast<uint16_t*>(d.param) + i, k, _mm512_srli_epi32(x, 16));
+      const I x = _mm512_castps_si512(theta[q][0]), y = _mm512_castps_si512(theta[q][1]);
+      if constexpr (P == BF16_RHO8) st8x2(static_cast<int8_t*>(d.rho) + i, k32, x, y);
+      else st16x2<false>(static_cast<int16_t*>(d.rho) + i, k32, x, y);
+      st16x2<true>(static_cast<uint16_t*>(d.param) + i, k32, x, y);  // the bf16 bits: each lane's high word
     }
   });
 }
