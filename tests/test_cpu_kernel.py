@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from flashdist.functional import flash_adam, flash_sgd
+from flashdist.functional import flash_adam, flash_lion, flash_sgd
 from flashdist.kernels import cpu
 from flashdist.quant import codes as Q
 from flashdist.quant import rho as R
@@ -300,13 +300,18 @@ def test_stale_build_lock_does_not_hang(tmp_path):
     assert not (dst / "lock").exists() and (dst / "built").exists()
 
 
+@pytest.mark.parametrize("opt", ["sgd", "lion", "lion-fp32-moments"])
 @pytest.mark.parametrize("bits", [24, 32])
 @pytest.mark.parametrize("lr", [0.0, 1e-3])
-def test_split_and_merge_on_every_bf16_value(bits, lr):
+def test_split_and_merge_on_every_bf16_value(bits, lr, opt):
     """Every bf16 value, each with the low halves of fp32 that sit on or next to a rounding edge of the split
     (ties, the last rho step, carries into the exponent), including zeros, subnormals, the largest finite
-    values, infinities and NaNs: merged and split again by an SGD step (lr 0: the same master weights; lr
-    1e-3: moved ones) through the fused step and the reference, bitwise."""
+    values, infinities and NaNs: merged and split again by an SGD or a Lion step (lr 0: the same master
+    weights; lr 1e-3: moved ones) through the fused step and the reference, bitwise. The two keep the split
+    parameter differently until they store it (SGD checks it for infinities first), as FlashAdam(W) keeps it
+    as Lion does; with fp32 moments the block code splits it (the vectorised path takes 8-bit moments). Among
+    them: negative master weights in the upper half of the last bf16 step, which the reference splits to -inf
+    (the parameter rounds to inf before any step up)."""
     hi = torch.arange(1 << 16, dtype=torch.int64) << 16
     lo = torch.tensor([0, 1, 0x7F, 0x80, 0x81, 0xFF, 0x7F7F, 0x7F80, 0x7FFF, 0x8000, 0x8001, 0x807F, 0x8080,
                        0xFF7F, 0xFF80, 0xFFFF], dtype=torch.int64)
@@ -314,15 +319,22 @@ def test_split_and_merge_on_every_bf16_value(bits, lr):
     param, rho = R.split(theta, torch.bfloat16, R.rho_dtype(bits))
     grad = torch.randn(theta.shape, generator=torch.Generator().manual_seed(0)).bfloat16()
     codes, scales = Q.quantize_exp_avg(torch.zeros(theta.shape), theta.shape[1], True)
+    if opt == "lion-fp32-moments":
+        codes, scales = torch.zeros(theta.shape), None
     runs = []
     for backend in ("cpu", "reference"):
-        state = [t.clone() for t in (param, rho, codes, scales)]
-        flash_sgd([state[0]], [grad], [state[2]], [state[3]], [state[1]], cols=[theta.shape[1]], lr=lr,
-                  momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=False, step=2, decoupled=True,
-                  backend=backend)
+        state = [t.clone() if t is not None else None for t in (param, rho, codes, scales)]
+        if opt == "sgd":
+            flash_sgd([state[0]], [grad], [state[2]], [state[3]], [state[1]], cols=[theta.shape[1]], lr=lr,
+                      momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=False, step=2, decoupled=True,
+                      backend=backend)
+        else:
+            flash_lion([state[0]], [grad], [state[2]], None if scales is None else [state[3]], [state[1]],
+                       cols=[theta.shape[1]], lr=lr, beta1=0.9, beta2=0.99, weight_decay=0.0, backend=backend)
         runs.append(state)
-    for what, a, b in zip(("param", "rho", "codes", "scales"), *runs):
-        assert_same_bits(a, b, what)
+    for what, a, b in zip(("param", "rho", "moments", "scales"), *runs):
+        if a is not None:
+            assert_same_bits(a, b, what)
     if lr == 0.0:  # finite master weights of non-zero parameters come back as they were
         finite = runs[0][0].float().isfinite() & (param != 0)
         assert_same_bits(runs[0][0][finite], param[finite], "param")

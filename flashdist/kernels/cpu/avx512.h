@@ -79,7 +79,8 @@ inline void split_any(V theta, I& pbits, I& rho) {
   I t = _mm512_and_si512(rounded, vi(0x7FFF0000));
   I r = _mm512_srai_epi32(_mm512_add_epi32(_mm512_sub_epi32(mag, t), vi(half)), shift);
   r = _mm512_mask_sub_epi32(r, neg, _mm512_setzero_si512(), r);  // toward theta's sign: rho's value
-  M up = _mm512_mask_cmpge_epi32_mask(~nan, r, vi(steps));
+  // a theta that rounds to inf stays inf (rho 0, below), as in the reference: no step up from it
+  M up = _mm512_mask_cmpge_epi32_mask(~nan & _mm512_cmplt_epi32_mask(t, vi(0x7F800000)), r, vi(steps));
   r = _mm512_mask_sub_epi32(r, up, r, vi(2 * steps));
   pb = _mm512_mask_add_epi32(pb, up, pb, _mm512_mask_blend_epi32(neg, vi(1), vi(-1)));
   M special = _mm512_cmpge_epi32_mask(_mm512_and_si512(pb, vi(0x7FFF)), vi(0x7F80)) | nan;  // inf, NaN: rho 0
@@ -110,8 +111,10 @@ alignas(64) inline constexpr auto WIDEN_HI = index_table<uint16_t, 32>([](int i)
 // word i of a narrowed pair: the low (2 i) or high (2 i + 1) word of lane i of a (i < 16) or of b (bit 5 set)
 alignas(64) inline constexpr auto LOW_WORDS = index_table<uint16_t, 32>([](int i) { return 2 * i; });
 alignas(64) inline constexpr auto HIGH_WORDS = index_table<uint16_t, 32>([](int i) { return 2 * i + 1; });
-// byte i (of the low 32): the low byte of lane i of a (i < 16) or of b (bit 6 set)
-alignas(64) inline constexpr auto LOW_BYTES = index_table<uint8_t, 64>([](int i) { return 4 * (i % 32); });
+// byte i (of the low 32): byte 0 or 1 of lane i of a (i < 16) or of b (bit 6 set)
+alignas(64) inline constexpr std::array<uint8_t, 64> BYTES[2] = {
+    index_table<uint8_t, 64>([](int i) { return 4 * (i % 32); }),
+    index_table<uint8_t, 64>([](int i) { return 4 * (i % 32) + 1; })};
 
 inline I table(const void* t) { return _mm512_load_si512(t); }
 
@@ -122,14 +125,15 @@ inline void widen_bf16(I x, V out[2]) {
   out[0] = _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, table(WIDEN_LO.data()), x));
   out[1] = _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, table(WIDEN_HI.data()), x));
 }
+template <int byte = 0>
 inline void st8x2(void* p, M32 k, I a, I b) {
 #ifdef __AVX512VBMI__
-  const __m256i y = _mm512_castsi512_si256(_mm512_permutex2var_epi8(a, table(LOW_BYTES.data()), b));
+  const __m256i y = _mm512_castsi512_si256(_mm512_permutex2var_epi8(a, table(BYTES[byte].data()), b));
   if (k == ALL32) _mm256_storeu_si256(static_cast<__m256i*>(p), y);
   else _mm256_mask_storeu_epi8(p, k, y);
 #else
-  st8(p, M(k), a);
-  st8(static_cast<int8_t*>(p) + 16, M(k >> 16), b);
+  st8(p, M(k), _mm512_srli_epi32(a, 8 * byte));
+  st8(static_cast<int8_t*>(p) + 16, M(k >> 16), _mm512_srli_epi32(b, 8 * byte));
 #endif
 }
 template <bool high>
@@ -160,24 +164,41 @@ inline V merge(I t, I r, bool rare) {
 // sign bit rides along at bit 31 - shift of R and lands on the bf16 sign bit. Lanes whose magnitude comes
 // within a bf16 step of the largest finite value, infinities and NaNs take split_any (both vectors of the group
 // where one of them has such a lane).
+//
+// Neither is shifted into place: a store takes the bytes that hold them. With x theta's bits (as unsigned) and
+// a = x + half, pbits = ((a >> shift) + steps + s) >> (16 - shift) = (a + (steps + s) << shift) >> 16 (the
+// floors nest), the high word of x + half + steps << shift + s << shift; rho for shift 8 is +-(a >> 8) modulo
+// 2^8: byte 1 of a, and for a negative theta byte 1 of 255 - a = 127 - x, since -floor(a / 256) =
+// floor((255 - a) / 256) (2^32 is a multiple of 2^16, so the two's complement keeps both); for shift 0, +-x
+// modulo 2^16: the low word of x or of -x. So split returns hi, whose high word is pbits, and lo, whose byte 1
+// (shift 8) or low word (shift 0) is rho.
 template <int shift>
-inline void split_common(V theta, I& pbits, I& rho) {
-  constexpr int32_t steps = shift ? 128 : 32768, half = shift ? 128 : 0;
+inline void split_common(V theta, I& hi, I& lo) {
   const I x = _mm512_castps_si512(theta);
   const M neg = _mm512_cmplt_epi32_mask(x, _mm512_setzero_si512());  // s = -1
-  const I r = _mm512_srli_epi32(_mm512_add_epi32(x, vi(half)), shift);
-  const I up = _mm512_add_epi32(r, vi(steps));
-  pbits = _mm512_srli_epi32(_mm512_mask_sub_epi32(up, neg, up, vi(1)), 16 - shift);
-  rho = _mm512_mask_sub_epi32(r, neg, _mm512_setzero_si512(), r);  // (r ^ s) - s
+  if constexpr (shift == 8) {
+    const I t = _mm512_add_epi32(x, vi(128 + (128 << 8)));
+    hi = _mm512_mask_sub_epi32(t, neg, t, vi(1 << 8));
+    lo = _mm512_mask_sub_epi32(_mm512_add_epi32(x, vi(128)), neg, vi(127), x);
+  } else {
+    const I t = _mm512_add_epi32(x, vi(32768));
+    hi = _mm512_mask_sub_epi32(t, neg, t, vi(1));
+    lo = _mm512_mask_sub_epi32(x, neg, _mm512_setzero_si512(), x);
+  }
 }
 template <int shift>
-inline void split(const V theta[2], I pbits[2], I rho[2]) {
+inline void split(const V theta[2], I hi[2], I lo[2]) {
   const I twice = _mm512_max_epu32(_mm512_slli_epi32(_mm512_castps_si512(theta[0]), 1),
                                    _mm512_slli_epi32(_mm512_castps_si512(theta[1]), 1));
   const bool rare = _mm512_cmpge_epu32_mask(twice, vi(int32_t(0xFEFE0000u)));  // magnitude >= 0x7F7F0000
   for (int j = 0; j < 2; ++j) {
-    if (rare) split_any<shift>(theta[j], pbits[j], rho[j]);
-    else split_common<shift>(theta[j], pbits[j], rho[j]);
+    if (rare) {  // split_any's pbits and rho moved to where split_common leaves them
+      split_any<shift>(theta[j], hi[j], lo[j]);
+      hi[j] = _mm512_slli_epi32(hi[j], 16);
+      if constexpr (shift == 8) lo[j] = _mm512_slli_epi32(lo[j], 8);
+    } else {
+      split_common<shift>(theta[j], hi[j], lo[j]);
+    }
   }
 }
 
@@ -217,11 +238,11 @@ inline void store_theta2(const Desc& d, int64_t i, M32 k, const M km[2], const V
   if constexpr (P == FP32) {
     for (int j = 0; j < 2; ++j) st32(static_cast<float*>(d.param) + i + 16 * j, km[j], theta[j]);
   } else {
-    I pbits[2], rho[2];
-    split<P == BF16_RHO8 ? 8 : 0>(theta, pbits, rho);
-    if constexpr (P == BF16_RHO8) st8x2(static_cast<int8_t*>(d.rho) + i, k, rho[0], rho[1]);
-    else st16x2<false>(static_cast<int16_t*>(d.rho) + i, k, rho[0], rho[1]);
-    st16x2<false>(static_cast<uint16_t*>(d.param) + i, k, pbits[0], pbits[1]);
+    I hi[2], lo[2];
+    split<P == BF16_RHO8 ? 8 : 0>(theta, hi, lo);
+    if constexpr (P == BF16_RHO8) st8x2<1>(static_cast<int8_t*>(d.rho) + i, k, lo[0], lo[1]);
+    else st16x2<false>(static_cast<int16_t*>(d.rho) + i, k, lo[0], lo[1]);
+    st16x2<true>(static_cast<uint16_t*>(d.param) + i, k, hi[0], hi[1]);
   }
 }
 // rint and the conversion to an integer in one instruction (round to nearest even): the codes of a group that is
@@ -628,17 +649,18 @@ int64_t sgd_block(const Desc& d, const Block& s, float momentum_decay, float mom
       ts[j] = _mm512_sub_ps(t, _mm512_mul_ps(dir, vf(lr)));
       m[q][j] = full ? mj : _mm512_maskz_mov_ps(k[j], mj);
     }
-    I pbits[2], rho[2];
-    if constexpr (P == BF16_RHO8) split<8>(ts, pbits, rho);
-    else if constexpr (P == BF16_RHO16) split<0>(ts, pbits, rho);
+    I hi[2], lo[2];
+    if constexpr (P == BF16_RHO8) split<8>(ts, hi, lo);
+    else if constexpr (P == BF16_RHO16) split<0>(ts, hi, lo);
     for (int j = 0; j < 2; ++j) {
       I low;  // the new parameter's bits as stored (bf16 in the upper half of the fp32 bits)
       if constexpr (P == FP32) {
         theta[q][j] = ts[j];
         low = _mm512_castps_si512(ts[j]);
       } else {  // bf16 bits in the upper half, rho in the lower: one vector to keep per 16 values
-        low = _mm512_slli_epi32(pbits[j], 16);
-        theta[q][j] = _mm512_castsi512_ps(_mm512_or_si512(low, _mm512_and_si512(rho[j], vi(0xFFFF))));
+        low = hi[j];
+        const I r = P == BF16_RHO8 ? _mm512_srli_epi32(lo[j], 8) : lo[j];
+        theta[q][j] = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(vi(int32_t(0xFFFF0000u)), hi[j], r, 0xCA));
       }
       bad_lanes |= _mm512_mask_cmpeq_epi32_mask(k[j], _mm512_and_si512(low, vi(0x7F800000)), vi(0x7F800000));
     }

@@ -245,7 +245,9 @@ inline void split_bf16(const float* __restrict__ theta, uint16_t* __restrict__ p
     uint32_t pb = mag > 0x7F800000u ? 0xFFFFu : (x + 0x7FFFu + ((x >> 16) & 1u)) >> 16;
     int32_t t = int32_t((pb << 16) & 0x7FFFFFFFu);
     int32_t r = (int32_t(mag) - t + half) >> shift;  // toward |theta|
-    bool up = (sign ? -r : r) >= steps;  // rho (in the value's direction) past its last positive code
+    // rho (in the value's direction) past its last positive code; a theta that rounds to inf stays inf (rho 0),
+    // as in the reference, where the parameter is inf before any step up
+    bool up = t < 0x7F800000 && (sign ? -r : r) >= steps;
     int32_t t2 = sign ? t - 0x10000 : t + 0x10000;
     int32_t r2 = (int32_t(mag) - t2 + half) >> shift;
     t = up ? t2 : t;
