@@ -289,8 +289,9 @@ inline const CompandedTable& companded_table() {
 #endif
 
 // y / (2 - |y|) of 64 codes from p, of which n (at most 64) are the row's (the others read as code 0), in four
-// vectors of 16 in order
-inline void companded_values(const int8_t* p, int n, V out[4]) {
+// vectors of 16 in order. Inlined, as first_moment_values: g++ otherwise calls it once per 64 codes, with a
+// frame and a vzeroupper around a lookup of about the same size.
+__attribute__((always_inline)) inline void companded_values(const int8_t* p, int n, V out[4]) {
   const I c = n >= 64 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8((__mmask64(1) << n) - 1, p);
 #ifdef __AVX512VBMI__
   // -128, never written by quantization but possible in a state loaded from elsewhere, is outside the table
@@ -317,7 +318,7 @@ inline void companded_values(const int8_t* p, int n, V out[4]) {
 
 // The first moments of a block (d.mom[0]'s codes) before their scales, 16 values a vector: companded_values
 // where the moments are companded, the codes as floats where they are linear
-inline void first_moment_values(const Desc& d, const Block& s, bool companded, V out[B / 16]) {
+__attribute__((always_inline)) inline void first_moment_values(const Desc& d, const Block& s, bool companded, V out[B / 16]) {
   const int8_t* codes = static_cast<const int8_t*>(d.mom[0]) + s.base;
   for (int q = 0; q * G < s.n; q += 2) {
     if (companded) {
