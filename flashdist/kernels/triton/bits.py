@@ -122,6 +122,20 @@ def bf16_value(x, COMPILED: tl.constexpr):
 
 
 @triton.jit
+def magnitude_max(x):
+    """The largest magnitude of an fp32 block (1-d, or 2-d by rows) as int32 bits (NaN as a magnitude above
+    infinity's): pairs of
+    one thread's values compared as floats, whose absolute values come free with the comparison, then a
+    maximum over the ints (a warp's int maximum is one instruction, a float one is five shuffles)."""
+    if len(x.shape) == 1:
+        a, b = tl.split(tl.reshape(x, (x.shape[0] // 2, 2)))
+    else:
+        a, b = tl.split(tl.reshape(x, (x.shape[0], x.shape[1] // 2, 2)))
+    m = tl.maximum(tl.abs(a), tl.abs(b), propagate_nan=tl.PropagateNan.ALL)
+    return tl.max(m.to(tl.int32, bitcast=True))
+
+
+@triton.jit
 def max_propagating_nan(a, b):
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 

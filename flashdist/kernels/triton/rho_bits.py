@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .bits import BF16_NAN, FP32_EXP_MASK, SIGN_BIT, SPLIT_LIMIT, f32_to_bf16_bits
+from .bits import BF16_NAN, FP32_EXP_MASK, SIGN_BIT, SPLIT_LIMIT, f32_to_bf16_bits, magnitude_max
 
 
 @triton.jit
@@ -62,7 +62,8 @@ def merge_bf16(p16, rho, RHO_LOG2: tl.constexpr, COMPILED: tl.constexpr):
         bits = p16.to(tl.int32) << 16
         s = bits >> 31  # 0 or -1
         merged = bits + (((rho.to(tl.int32) << RHO_SHIFT) ^ s) - s)
-    if tl.max(merged & 0x7FFFFFFF) >= SPLIT_LIMIT:  # uniform over the block: almost never taken
+    merged = merged.to(tl.float32, bitcast=True)
+    if magnitude_max(merged) >= SPLIT_LIMIT:  # uniform over the block: almost never taken
         bits = p16.to(tl.int32) << 16
         r = rho.to(tl.int32)
         s = bits >> 31
@@ -71,7 +72,8 @@ def merge_bf16(p16, rho, RHO_LOG2: tl.constexpr, COMPILED: tl.constexpr):
         merged = ((ordered ^ s) - s) | (s & SIGN_BIT)
         # rho 0 keeps the parameter, -0 included; an infinite or NaN parameter stays as it is
         merged = tl.where((r == 0) | ((bits & FP32_EXP_MASK) == FP32_EXP_MASK), bits, merged)
-    return merged.to(tl.float32, bitcast=True)
+        merged = merged.to(tl.float32, bitcast=True)
+    return merged
 
 
 # split_bf16's add for int8 rho (RHO_SHIFT 8): ``bits + (s << 8) + 0x8080``, with ``s << 8`` one byte permute
@@ -121,7 +123,7 @@ def split_bf16(theta, x, RHO_LOG2: tl.constexpr, FLAG: tl.constexpr, COMPILED: t
         s = tb >> 31
         w = tb + ((1 << 15) + ((1 << RHO_SHIFT) >> 1)) + (s << RHO_SHIFT)
         y = w ^ s ^ (1 << 15)
-    if tl.max(tb & 0x7FFFFFFF) >= SPLIT_LIMIT:  # uniform over the block: almost never taken
+    if magnitude_max(theta) >= SPLIT_LIMIT:  # uniform over the block: almost never taken
         s = tb >> 31
         a = tb & 0x7FFFFFFF
         v = (a ^ s) - s  # value-ordered
