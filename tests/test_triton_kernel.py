@@ -478,7 +478,7 @@ def _rho_probe(p_ptr, rho_ptr, theta_ptr, merged_ptr, low_ptr, split_rho_ptr, FP
         w, y, _ = rho_bits.split_bf16(theta, theta, RHO_LOG2, False, False)
         tl.store(low_ptr + offs, (w >> 16).to(tl.int16))
         if RHO_LOG2 == 7:
-            r = rho_bits.rho_int8(w, False).to(tl.int32)
+            r = y.to(tl.int32)
         else:
             r = y.to(tl.int16).to(tl.int32)
     tl.store(split_rho_ptr + offs, r)

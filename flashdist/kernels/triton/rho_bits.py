@@ -90,10 +90,10 @@ RHO_INT8_ASM = tl.constexpr(
 
 @triton.jit
 def split_bf16(theta, x, RHO_LOG2: tl.constexpr, FLAG: tl.constexpr, COMPILED: tl.constexpr):
-    """``rho.split`` of fp32 ``theta`` into a bf16 parameter and rho, as two int32 words: the parameter's
-    bits are the high 16 of the first, ``w``; rho is bits ``RHO_SHIFT`` up of the second (int16: the low
-    half), so that the stores take them without a shift. For int8 rho the second is ``w`` itself:
-    ``rho_int8(w)`` reads rho from byte 1 and the sign bit of ``w``.
+    """``rho.split`` of fp32 ``theta`` into a bf16 parameter and rho: the parameter's bits are the high 16 of
+    an int32 word ``w``; int8 rho is an int8 block (``rho_int8`` of ``w`` on the common path: its byte 1 and
+    its sign bit), int16 rho the low half of a second int32 word, so that the stores take them without a
+    shift.
 
     On the fp32 bits of ``theta`` as sign and magnitude ``a``: ``a`` rounded half away from zero to the rho
     grid (``a1 = (a + 2^(RHO_SHIFT-1)) >> RHO_SHIFT``, 2^RHO_SHIFT fp32 steps a rho step), split into the
@@ -108,21 +108,21 @@ def split_bf16(theta, x, RHO_LOG2: tl.constexpr, FLAG: tl.constexpr, COMPILED: t
     Magnitudes from ``SPLIT_LIMIT`` on (the parameter would round to infinity; infinite and NaN ``theta``)
     take the general path, per block: from the midpoint between the largest bf16 value and infinity on, the
     reference rounds to infinity (ties to even), for negative values too; infinite and NaN parameters get rho
-    0 and NaN becomes 0x7FC0. For int8 rho it writes rho into byte 1 of ``w`` as the add does
-    (``rho ^ 0x80 ^ s``, ``s`` the sign of its ``w``).
+    0 and NaN becomes 0x7FC0.
 
-    Returns ``(w, y, x)``: with ``FLAG``, ``x`` (any fp32 block) is NaN where the parameter is not finite
+    Returns ``(w, y, x)``, ``y`` the int8 rho or the second word: with ``FLAG``, ``x`` (any fp32 block) is NaN where the parameter is not finite
     (SGD's skip flag, ``new_param``). Only the general path makes such a parameter, so the flag costs the
     common path nothing."""
     RHO_SHIFT: tl.constexpr = 15 - RHO_LOG2
     tb = theta.to(tl.int32, bitcast=True)
     if COMPILED and RHO_SHIFT == 8:
         w = tl.inline_asm_elementwise(SPLIT_INT8_ASM, "=r,r", [tb], dtype=tl.int32, is_pure=True, pack=1)
-        y = w
     else:
-        s = tb >> 31
-        w = tb + ((1 << 15) + ((1 << RHO_SHIFT) >> 1)) + (s << RHO_SHIFT)
-        y = w ^ s ^ (1 << 15)
+        w = tb + ((1 << 15) + ((1 << RHO_SHIFT) >> 1)) + ((tb >> 31) << RHO_SHIFT)
+    if RHO_SHIFT == 8:
+        y = rho_int8(w, COMPILED)
+    else:
+        y = w ^ (tb >> 31) ^ (1 << 15)
     if magnitude_max(theta) >= SPLIT_LIMIT:  # uniform over the block: almost never taken
         s = tb >> 31
         a = tb & 0x7FFFFFFF
@@ -137,8 +137,7 @@ def split_bf16(theta, x, RHO_LOG2: tl.constexpr, FLAG: tl.constexpr, COMPILED: t
             x = tl.where(mag >= 0x7F80, float("nan"), x)
         w = tl.where(a > 0x7F800000, BF16_NAN, mag | (s & 0x8000)) << 16
         if RHO_SHIFT == 8:
-            w = w | (((r ^ 0x80 ^ (w >> 31)) & 0xFF) << 8)
-            y = w
+            y = r.to(tl.int8)
         else:
             y = r << RHO_SHIFT
     return w, y, x
@@ -219,7 +218,7 @@ def new_param(theta, x, P_KIND: tl.constexpr, RHO_KIND: tl.constexpr, RHO_LOG2: 
             w, y, x = split_bf16(theta, x, RHO_LOG2, FLAG, COMPILED)
             p_out = w >> 16
             if RHO_LOG2 == 7:
-                r = rho_int8(w, COMPILED)
+                r = y
             else:
                 r = y >> (15 - RHO_LOG2)
         else:
