@@ -124,9 +124,9 @@ def bf16_value(x, COMPILED: tl.constexpr):
 @triton.jit
 def magnitude_max(x):
     """The largest magnitude of an fp32 block (1-d, or 2-d by rows) as int32 bits (NaN as a magnitude above
-    infinity's): pairs of
-    one thread's values compared as floats, whose absolute values come free with the comparison, then a
-    maximum over the ints (a warp's int maximum is one instruction, a float one is five shuffles)."""
+    infinity's): pairs of one thread's values compared as floats, whose absolute values come free with the
+    comparison, then a maximum over the ints (a warp's int maximum is one instruction, a float one is five
+    shuffles)."""
     if len(x.shape) == 1:
         a, b = tl.split(tl.reshape(x, (x.shape[0] // 2, 2)))
     else:

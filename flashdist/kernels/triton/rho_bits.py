@@ -78,7 +78,8 @@ def merge_bf16(p16, rho, RHO_LOG2: tl.constexpr, COMPILED: tl.constexpr):
 
 # split_bf16's add for int8 rho (RHO_SHIFT 8): ``bits + (s << 8) + 0x8080``, with ``s << 8`` one byte permute
 # (a zero byte, then the sign byte of ``bits`` replicated three times) instead of a shift and a multiply-add.
-SPLIT_INT8_ASM = tl.constexpr("{ .reg .b32 t; prmt.b32 t, $1, 0, 0xBBB4; add.u32 t, t, $1; add.u32 $0, t, 0x8080; }")
+SPLIT_INT8_ASM = tl.constexpr(
+    "{ .reg .b32 t; prmt.b32 t, $1, 0, 0xBBB4; add.u32 t, t, $1; add.u32 $0, t, 0x8080; }")
 # rho of four such words ``w`` (int8 rho, packed: value k in byte k), ``rho_int8``: byte 1 of each w and the
 # sign of each replicated (two permutes of pairs), gathered into the rho bytes and their sign masks (two
 # more), then ``bytes ^ masks ^ 0x80808080``: six instructions for four values, against two a value for the
@@ -110,9 +111,9 @@ def split_bf16(theta, x, RHO_LOG2: tl.constexpr, FLAG: tl.constexpr, COMPILED: t
     reference rounds to infinity (ties to even), for negative values too; infinite and NaN parameters get rho
     0 and NaN becomes 0x7FC0.
 
-    Returns ``(w, y, x)``, ``y`` the int8 rho or the second word: with ``FLAG``, ``x`` (any fp32 block) is NaN where the parameter is not finite
-    (SGD's skip flag, ``new_param``). Only the general path makes such a parameter, so the flag costs the
-    common path nothing."""
+    Returns ``(w, y, x)``, ``y`` the int8 rho or the second word: with ``FLAG``, ``x`` (any fp32 block) is NaN
+    where the parameter is not finite (SGD's skip flag, ``new_param``). Only the general path makes such a
+    parameter, so the flag costs the common path nothing."""
     RHO_SHIFT: tl.constexpr = 15 - RHO_LOG2
     tb = theta.to(tl.int32, bitcast=True)
     if COMPILED and RHO_SHIFT == 8:
@@ -211,7 +212,8 @@ def new_param(theta, x, P_KIND: tl.constexpr, RHO_KIND: tl.constexpr, RHO_LOG2: 
               FLAG: tl.constexpr, COMPILED: tl.constexpr):
     """``rho.split`` of ``theta`` (without rho: ``theta`` rounded to the param dtype) as (the parameter: its
     bf16 bits in the low 16 of an int32, sign extended, or its fp32 value for fp16 and fp32; rho as an int32
-    (an int8 for int8 rho with a bf16 parameter), 0 without rho; ``x``, with ``FLAG`` NaN where the parameter is not finite)."""
+    (an int8 for int8 rho with a bf16 parameter), 0 without rho; ``x``, with ``FLAG`` NaN where the parameter
+    is not finite)."""
     r = 0
     if P_KIND == 0:
         if RHO_KIND != 0:

@@ -56,7 +56,6 @@ def step_block(
     RHO_LOG2: tl.constexpr,  # log2 of rho.RHO_STEPS: 7 (int8), 15 (int16)
     GROUPS: tl.constexpr,  # groups of 32 slots in this block
 ):
-    RHO_SHIFT = 15 - RHO_LOG2  # fp32 grid steps per rho step at a bf16 param, as a shift
     # ALGO's scalars by name, from their slots (kernels/scalars.py: AdamScalars, SGDScalars, LionScalars).
     # Annotated, so that the interpreter keeps each one a host float as it keeps the arguments (it makes the
     # value of a plain assignment a tensor of its own, fp64 for an fp32 subnormal); compiled, both are the
