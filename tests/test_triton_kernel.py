@@ -466,18 +466,19 @@ def test_rejects_bad_tensors(kernels):
 def _rho_probe(p_ptr, rho_ptr, theta_ptr, merged_ptr, low_ptr, split_rho_ptr, FP16: tl.constexpr,
                RHO_LOG2: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    rho = tl.load(rho_ptr + offs).to(tl.int32)
+    rho = tl.load(rho_ptr + offs)
     theta = tl.load(theta_ptr + offs)
     if FP16:
+        rho = rho.to(tl.int32)
         tl.store(merged_ptr + offs, rho_bits.merge_fp16(tl.load(p_ptr + offs).to(tl.float32), rho, RHO_LOG2))
         low, r = rho_bits.split_fp16(theta, RHO_LOG2)
         tl.store(low_ptr + offs, low.to(tl.float16).to(tl.int16, bitcast=True))
     else:
-        tl.store(merged_ptr + offs, rho_bits.merge_bf16(tl.load(p_ptr + offs).to(tl.int32), rho, 15 - RHO_LOG2))
-        w, y, _ = rho_bits.split_bf16(theta, theta, RHO_LOG2, False)
+        tl.store(merged_ptr + offs, rho_bits.merge_bf16(tl.load(p_ptr + offs), rho, RHO_LOG2, False))
+        w, y, _ = rho_bits.split_bf16(theta, theta, RHO_LOG2, False, False)
         tl.store(low_ptr + offs, (w >> 16).to(tl.int16))
         if RHO_LOG2 == 7:
-            r = (y >> 8).to(tl.int8).to(tl.int32)
+            r = y.to(tl.int32)
         else:
             r = y.to(tl.int16).to(tl.int32)
     tl.store(split_rho_ptr + offs, r)
@@ -843,3 +844,97 @@ def test_step_with_device_scalars_matches_reference_bitwise(kernels, algo):
             ref_step(c.ref["p"], g, c.ref["m"], c.ref["ms"], c.ref["rho"], cols=c.cols, scalars=host, companded=True,
                      skipped=None)
         _assert_equal(cases, f"{algo} step {step}")
+
+
+# ----- the inline PTX of the compiled kernel, run by a small emulator ----------------------------------------
+# The interpreter runs each helper's Triton path, never its inline assembly (``COMPILED``). These run the
+# assembly itself, instruction by instruction, on every value its callers can pass, against that path's
+# arithmetic. Packed operands as Triton passes them: value k of an int16 block in half k of its register,
+# of an int8 block in byte k.
+
+
+def _ptx(asm: str, inputs: list, outputs: int) -> list:
+    """Run ``asm`` (``prmt.b32`` in its default mode, ``xor``/``and``/``or``/``add``/``shl``, ``.reg``
+    declarations) on uint32 arrays: ``$0 .. $(outputs-1)`` are the results, the inputs follow."""
+    import numpy as np
+
+    regs = {f"${outputs + k}": np.asarray(v, dtype=np.uint32) for k, v in enumerate(inputs)}
+
+    def val(x):
+        x = x.strip()
+        return regs[x] if x in regs else np.uint32(int(x, 0))
+
+    for ins in asm.replace("{", ";").replace("}", ";").split(";"):
+        ins = ins.strip()
+        if not ins or ins.startswith(".reg"):
+            continue
+        op, args = ins.split(None, 1)
+        d, *src = [a.strip() for a in args.split(",")]
+        a = val(src[0])
+        if op == "prmt.b32":
+            b, c = val(src[1]), int(src[2], 0)
+            both = a.astype(np.uint64) | (np.asarray(b, dtype=np.uint64) << np.uint64(32))
+            out = np.zeros(np.shape(both), dtype=np.uint32)
+            for i in range(4):
+                sel = (c >> (4 * i)) & 0xF
+                byte = ((both >> np.uint64(8 * (sel & 7))) & np.uint64(0xFF)).astype(np.uint32)
+                if sel & 8:
+                    byte = np.where(byte & 0x80, np.uint32(0xFF), np.uint32(0))
+                out |= byte << np.uint32(8 * i)
+        elif op == "shl.b32":
+            out = a << np.uint32(int(src[1], 0))
+        else:
+            b = val(src[1])
+            out = {"xor.b32": np.bitwise_xor, "and.b32": np.bitwise_and, "or.b32": np.bitwise_or,
+                   "add.u32": np.add}[op](a, b)
+        regs[d] = np.asarray(out, dtype=np.uint32)
+    return [regs[f"${k}"] for k in range(outputs)]
+
+
+def _halves(x16):  # int16 values, four per row -> the two registers that hold them
+    import numpy as np
+
+    u = x16.astype(np.uint16).astype(np.uint32).reshape(-1, 4)
+    return [u[:, 0] | (u[:, 1] << 16), u[:, 2] | (u[:, 3] << 16)]
+
+
+def test_inline_ptx_widens_merges_and_splits_as_the_interpreted_path():
+    import numpy as np
+
+    from flashdist.kernels.triton import bits as B
+
+    every16 = np.arange(-(2**15), 2**15, dtype=np.int32).astype(np.int16)  # every bf16 bit pattern
+    # bf16 widening, every pattern in both halves
+    lo, hi = _ptx(B.BF16_WIDEN_ASM.value, [every16.astype(np.uint16).astype(np.uint32) | (
+        np.roll(every16, 1).astype(np.uint16).astype(np.uint32) << 16)], 2)
+    assert (lo == every16.astype(np.uint16).astype(np.uint32) << 16).all()
+    assert (hi == np.roll(every16, 1).astype(np.uint16).astype(np.uint32) << 16).all()
+
+    # merge: every parameter pattern with every rho, each register of four mixing signs and codes
+    perm = np.random.default_rng(3).permutation(len(every16))
+    for shift in range(256):
+        p = every16[perm] if shift % 2 else every16
+        rho = ((np.arange(len(p)) * 37 + shift) % 256 - 128).astype(np.int8)
+        bits = p.astype(np.int32) << 16
+        s = bits >> 31
+        want = (bits.astype(np.int64) + (((rho.astype(np.int32) << 8) ^ s) - s)).astype(np.uint32)
+        rb = rho.view(np.uint8).astype(np.uint32).reshape(-1, 4)
+        rho_reg = rb[:, 0] | (rb[:, 1] << 8) | (rb[:, 2] << 16) | (rb[:, 3] << 24)
+        got = np.stack(_ptx(rho_bits.MERGE_INT8_ASM.value, [*_halves(p), rho_reg], 4), axis=1).reshape(-1)
+        assert (got == want).all(), f"merge differs at rho offset {shift}"
+
+    # split's add on fp32 patterns of every sign and exponent, and rho read back from the words it makes
+    gen = np.random.default_rng(5)
+    tb = np.concatenate([gen.integers(-(2**31), 2**31, 1 << 22, dtype=np.int64),
+                         np.arange(-(2**15), 2**15) << 16, (np.arange(-(2**15), 2**15) << 16) + 0x7F80,
+                         (np.arange(-(2**15), 2**15) << 16) + 0x8080]).astype(np.uint32).view(np.int32)
+    w = tb.astype(np.int64) + 0x8080 + ((tb >> 31).astype(np.int64) << 8)
+    assert (_ptx(rho_bits.SPLIT_INT8_ASM.value, [tb.view(np.uint32)], 1)[0] == w.astype(np.uint32)).all()
+    words = np.concatenate([w.astype(np.uint32), gen.integers(0, 2**32, 1 << 20, dtype=np.uint64).astype(np.uint32)])
+    words = words[: len(words) // 4 * 4]
+    wi = words.view(np.int32)
+    want = ((wi >> 8) ^ (wi >> 31) ^ 0x80) & 0xFF
+    q = words.reshape(-1, 4)
+    got = _ptx(rho_bits.RHO_INT8_ASM.value, [q[:, 0], q[:, 1], q[:, 2], q[:, 3]], 1)[0]
+    got = np.stack([(got >> (8 * k)) & 0xFF for k in range(4)], axis=1).reshape(-1)
+    assert (got == want).all()

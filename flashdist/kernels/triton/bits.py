@@ -106,6 +106,35 @@ def gather(ptrs, COMPILED: tl.constexpr):
         return tl.load(ptrs)
 
 
+# Widening of bf16 bits (``bf16_value``), two values a register as loaded: the low half shifted up, the high
+# half masked in place.
+BF16_WIDEN_ASM = tl.constexpr("shl.b32 $0, $2, 16; and.b32 $1, $2, 0xFFFF0000;")
+
+
+@triton.jit
+def bf16_value(x, COMPILED: tl.constexpr):
+    """The fp32 value of bf16 bits ``x`` (an int16 block as loaded): one instruction per value on the GPU
+    (widening the int16 first costs two)."""
+    if COMPILED:
+        return tl.inline_asm_elementwise(BF16_WIDEN_ASM, "=r,=r,r", [x], dtype=tl.float32, is_pure=True, pack=2)
+    else:
+        return (x.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def magnitude_max(x):
+    """The largest magnitude of an fp32 block (1-d, or 2-d by rows) as int32 bits (NaN as a magnitude above
+    infinity's): pairs of one thread's values compared as floats, whose absolute values come free with the
+    comparison, then a maximum over the ints (a warp's int maximum is one instruction, a float one is five
+    shuffles)."""
+    if len(x.shape) == 1:
+        a, b = tl.split(tl.reshape(x, (x.shape[0] // 2, 2)))
+    else:
+        a, b = tl.split(tl.reshape(x, (x.shape[0], x.shape[1] // 2, 2)))
+    m = tl.maximum(tl.abs(a), tl.abs(b), propagate_nan=tl.PropagateNan.ALL)
+    return tl.max(m.to(tl.int32, bitcast=True))
+
+
 @triton.jit
 def max_propagating_nan(a, b):
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)

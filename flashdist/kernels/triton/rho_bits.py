@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .bits import BF16_NAN, FP32_EXP_MASK, SIGN_BIT, SPLIT_LIMIT, f32_to_bf16_bits
+from .bits import BF16_NAN, FP32_EXP_MASK, SIGN_BIT, SPLIT_LIMIT, f32_to_bf16_bits, magnitude_max
 
 
 @triton.jit
@@ -19,38 +19,82 @@ def round_half_up_along(q, x):
     return tl.where(sign != 0, -r, r)
 
 
+# merge_bf16's one-add sum for int8 rho, four values at a time from the registers as loaded (two of bf16 bits
+# p01, p23: value k in half k of them; one of rho bytes r: value k in byte k), in ``prmt`` byte permutes:
+# - m: byte k 0xFF where parameter k is negative (the sign byte of its bits replicated), else 0;
+#   x = r ^ m; n = m & 0x01010101;
+# - per value, b = its bits plus 0xFF where negative (bytes: sign replicated, 0, the two of the parameter)
+#   and t = ((rho << 8) ^ s) - 0xFE where negative, (rho << 8) where positive (bytes: n's byte, x's byte,
+#   x's byte's sign twice; s = 0 or -1 the parameter's sign): b + t = bits + ((rho << 8) ^ s) - s.
+# Three instructions a value and three per four values, against seven a value for the widening, the shifts,
+# the sign and the conditional negation one by one.
+MERGE_INT8_ASM = tl.constexpr(
+    "{ .reg .b32 m, x, n, b, t; "
+    "prmt.b32 m, $4, $5, 0xFDB9; xor.b32 x, $6, m; and.b32 n, m, 0x01010101; "
+    "prmt.b32 b, $4, 0, 0x1049; prmt.b32 t, x, n, 0x8804; add.u32 $0, b, t; "
+    "prmt.b32 b, $4, 0, 0x324B; prmt.b32 t, x, n, 0x9915; add.u32 $1, b, t; "
+    "prmt.b32 b, $5, 0, 0x1049; prmt.b32 t, x, n, 0xAA26; add.u32 $2, b, t; "
+    "prmt.b32 b, $5, 0, 0x324B; prmt.b32 t, x, n, 0xBB37; add.u32 $3, b, t; }")
+
+
 @triton.jit
-def merge_bf16(p16, rho, RHO_SHIFT: tl.constexpr):
-    """``rho.merge`` for a bf16 parameter (its bits ``p16``, int32 sign extended) and an int32 ``rho``.
+def merge_bf16(p16, rho, RHO_LOG2: tl.constexpr, COMPILED: tl.constexpr):
+    """``rho.merge`` for a bf16 parameter (its bits ``p16``, int16 as loaded) and its ``rho`` (int8 or int16,
+    as loaded).
 
     ``rho * h / 2^(k-1)`` is ``rho << RHO_SHIFT`` units of the fp32 grid at the parameter (RHO_SHIFT = 8
     for int8, 0 for int16): bf16 spacing is 2^16 fp32 steps, h half of it, and toward zero from a power of
     two both the fp32 step and h halve. fp32 bit patterns read as sign-magnitude integers are that grid
     (subnormals included), so the reference's exact float sum is an integer sum: the magnitude bits move by
-    ``rho << RHO_SHIFT`` away from zero for a positive parameter and toward it for a negative one, one add.
+    ``rho << RHO_SHIFT`` away from zero for a positive parameter and toward it for a negative one, one add
+    (on the GPU with int8 rho, ``MERGE_INT8_ASM``: the same sum in byte permutes).
 
     That sum is the reference's wherever the parameter is finite and the sum does not cross zero: every
     state that ``split_bf16`` (or ``rho.split``) makes. Any other state (an infinite or NaN parameter, a
     zero with a rho toward the other sign: user input) gives a magnitude of at least ``SPLIT_LIMIT``, and a
     block holding one takes the general path: the sum on value-ordered bits (``-x`` -> ``-bits(x)``), an
     infinite or NaN parameter left as it is, as in the reference."""
-    bits = p16 << 16
-    s = bits >> 31  # 0 or -1
-    merged = bits + (((rho << RHO_SHIFT) ^ s) - s)
-    if tl.max(merged & 0x7FFFFFFF) >= SPLIT_LIMIT:  # uniform over the block: almost never taken
-        ordered = ((bits & 0x7FFFFFFF) ^ s) - s + (rho << RHO_SHIFT)
+    RHO_SHIFT: tl.constexpr = 15 - RHO_LOG2
+    if COMPILED and RHO_SHIFT == 8:
+        merged = tl.inline_asm_elementwise(MERGE_INT8_ASM, "=r,=r,=r,=r,r,r,r", [p16, rho], dtype=tl.int32,
+                                           is_pure=True, pack=4)
+    else:
+        bits = p16.to(tl.int32) << 16
+        s = bits >> 31  # 0 or -1
+        merged = bits + (((rho.to(tl.int32) << RHO_SHIFT) ^ s) - s)
+    merged = merged.to(tl.float32, bitcast=True)
+    if magnitude_max(merged) >= SPLIT_LIMIT:  # uniform over the block: almost never taken
+        bits = p16.to(tl.int32) << 16
+        r = rho.to(tl.int32)
+        s = bits >> 31
+        ordered = ((bits & 0x7FFFFFFF) ^ s) - s + (r << RHO_SHIFT)
         s = ordered >> 31
         merged = ((ordered ^ s) - s) | (s & SIGN_BIT)
         # rho 0 keeps the parameter, -0 included; an infinite or NaN parameter stays as it is
-        merged = tl.where((rho == 0) | ((bits & FP32_EXP_MASK) == FP32_EXP_MASK), bits, merged)
-    return merged.to(tl.float32, bitcast=True)
+        merged = tl.where((r == 0) | ((bits & FP32_EXP_MASK) == FP32_EXP_MASK), bits, merged)
+        merged = merged.to(tl.float32, bitcast=True)
+    return merged
+
+
+# split_bf16's add for int8 rho (RHO_SHIFT 8): ``bits + (s << 8) + 0x8080``, with ``s << 8`` one byte permute
+# (a zero byte, then the sign byte of ``bits`` replicated three times) instead of a shift and a multiply-add.
+SPLIT_INT8_ASM = tl.constexpr(
+    "{ .reg .b32 t; prmt.b32 t, $1, 0, 0xBBB4; add.u32 t, t, $1; add.u32 $0, t, 0x8080; }")
+# rho of four such words ``w`` (int8 rho, packed: value k in byte k), ``rho_int8``: byte 1 of each w and the
+# sign of each replicated (two permutes of pairs), gathered into the rho bytes and their sign masks (two
+# more), then ``bytes ^ masks ^ 0x80808080``: six instructions for four values, against two a value for the
+# XOR and the shift to byte 0 and three for four to pack the bytes.
+RHO_INT8_ASM = tl.constexpr(
+    "{ .reg .b32 a, b, c, d; prmt.b32 a, $1, $2, 0xFB51; prmt.b32 b, $3, $4, 0xFB51; "
+    "prmt.b32 c, a, b, 0x5410; prmt.b32 d, a, b, 0x7632; xor.b32 c, c, d; xor.b32 $0, c, 0x80808080; }")
 
 
 @triton.jit
-def split_bf16(theta, x, RHO_LOG2: tl.constexpr, FLAG: tl.constexpr):
-    """``rho.split`` of fp32 ``theta`` into a bf16 parameter and rho, as two int32 words: the parameter's
-    bits are the high 16 of the first, rho is bits ``RHO_SHIFT`` up of the second (int8: byte 1; int16: the
-    low half), so that the stores take them without a shift.
+def split_bf16(theta, x, RHO_LOG2: tl.constexpr, FLAG: tl.constexpr, COMPILED: tl.constexpr):
+    """``rho.split`` of fp32 ``theta`` into a bf16 parameter and rho: the parameter's bits are the high 16 of
+    an int32 word ``w``; int8 rho is an int8 block (``rho_int8`` of ``w`` on the common path: its byte 1 and
+    its sign bit), int16 rho the low half of a second int32 word, so that the stores take them without a
+    shift.
 
     On the fp32 bits of ``theta`` as sign and magnitude ``a``: ``a`` rounded half away from zero to the rho
     grid (``a1 = (a + 2^(RHO_SHIFT-1)) >> RHO_SHIFT``, 2^RHO_SHIFT fp32 steps a rho step), split into the
@@ -59,23 +103,29 @@ def split_bf16(theta, x, RHO_LOG2: tl.constexpr, FLAG: tl.constexpr):
     ``s`` = 0 (positive) or -1, one add does both roundings: ``w = bits + BIAS + (s << RHO_SHIFT)`` holds the
     parameter's magnitude in its high 16 bits and ``a1 + 2^(k-1) + s`` mod 2^k in the rho field, which is
     ``rho + 2^(k-1)`` (positive) or ``2^(k-1) - 1 - rho`` (negative): ``rho = field ^ 2^(k-1) ^ s``. The
-    sign bit passes through the add. The parameter's sign is that of ``theta`` (a zero keeps it, as the
-    reference's round-to-nearest does).
+    sign bit passes through the add (``s`` is also the sign of ``w``). The parameter's sign is that of
+    ``theta`` (a zero keeps it, as the reference's round-to-nearest does).
 
     Magnitudes from ``SPLIT_LIMIT`` on (the parameter would round to infinity; infinite and NaN ``theta``)
     take the general path, per block: from the midpoint between the largest bf16 value and infinity on, the
     reference rounds to infinity (ties to even), for negative values too; infinite and NaN parameters get rho
     0 and NaN becomes 0x7FC0.
 
-    Returns ``(w, y, x)``: with ``FLAG``, ``x`` (any fp32 block) is NaN where the parameter is not finite
-    (SGD's skip flag, ``new_param``). Only the general path makes such a parameter, so the flag costs the
-    common path nothing."""
+    Returns ``(w, y, x)``, ``y`` the int8 rho or the second word: with ``FLAG``, ``x`` (any fp32 block) is NaN
+    where the parameter is not finite (SGD's skip flag, ``new_param``). Only the general path makes such a
+    parameter, so the flag costs the common path nothing."""
     RHO_SHIFT: tl.constexpr = 15 - RHO_LOG2
     tb = theta.to(tl.int32, bitcast=True)
-    s = tb >> 31
-    w = tb + ((1 << 15) + ((1 << RHO_SHIFT) >> 1)) + (s << RHO_SHIFT)
-    y = w ^ s ^ (1 << 15)
-    if tl.max(tb & 0x7FFFFFFF) >= SPLIT_LIMIT:  # uniform over the block: almost never taken
+    if COMPILED and RHO_SHIFT == 8:
+        w = tl.inline_asm_elementwise(SPLIT_INT8_ASM, "=r,r", [tb], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        w = tb + ((1 << 15) + ((1 << RHO_SHIFT) >> 1)) + ((tb >> 31) << RHO_SHIFT)
+    if RHO_SHIFT == 8:
+        y = rho_int8(w, COMPILED)
+    else:
+        y = w ^ (tb >> 31) ^ (1 << 15)
+    if magnitude_max(theta) >= SPLIT_LIMIT:  # uniform over the block: almost never taken
+        s = tb >> 31
         a = tb & 0x7FFFFFFF
         v = (a ^ s) - s  # value-ordered
         if RHO_SHIFT != 0:
@@ -87,8 +137,20 @@ def split_bf16(theta, x, RHO_LOG2: tl.constexpr, FLAG: tl.constexpr):
         if FLAG:
             x = tl.where(mag >= 0x7F80, float("nan"), x)
         w = tl.where(a > 0x7F800000, BF16_NAN, mag | (s & 0x8000)) << 16
-        y = r << RHO_SHIFT
+        if RHO_SHIFT == 8:
+            y = r.to(tl.int8)
+        else:
+            y = r << RHO_SHIFT
     return w, y, x
+
+
+@triton.jit
+def rho_int8(w, COMPILED: tl.constexpr):
+    """int8 rho of ``split_bf16``'s words ``w``: byte 1 ``^ 0x80 ^ s``, ``s`` the sign of ``w``."""
+    if COMPILED:
+        return tl.inline_asm_elementwise(RHO_INT8_ASM, "=r,r,r,r,r", [w], dtype=tl.int8, is_pure=True, pack=4)
+    else:
+        return ((((w >> 8) ^ (w >> 31) ^ 0x80) << 24) >> 24).to(tl.int8)
 
 
 @triton.jit
@@ -147,16 +209,20 @@ def signs_differ(a, b):
 
 @triton.jit
 def new_param(theta, x, P_KIND: tl.constexpr, RHO_KIND: tl.constexpr, RHO_LOG2: tl.constexpr,
-               FLAG: tl.constexpr):
+              FLAG: tl.constexpr, COMPILED: tl.constexpr):
     """``rho.split`` of ``theta`` (without rho: ``theta`` rounded to the param dtype) as (the parameter: its
-    bf16 bits in the low 16 of an int32, sign extended, or its fp32 value for fp16 and fp32; rho as an int32,
-    0 without rho; ``x``, with ``FLAG`` NaN where the parameter is not finite)."""
+    bf16 bits in the low 16 of an int32, sign extended, or its fp32 value for fp16 and fp32; rho as an int32
+    (an int8 for int8 rho with a bf16 parameter), 0 without rho; ``x``, with ``FLAG`` NaN where the parameter
+    is not finite)."""
     r = 0
     if P_KIND == 0:
         if RHO_KIND != 0:
-            w, y, x = split_bf16(theta, x, RHO_LOG2, FLAG)
+            w, y, x = split_bf16(theta, x, RHO_LOG2, FLAG, COMPILED)
             p_out = w >> 16
-            r = y >> (15 - RHO_LOG2)
+            if RHO_LOG2 == 7:
+                r = y
+            else:
+                r = y >> (15 - RHO_LOG2)
         else:
             p_out = f32_to_bf16_bits(theta)
             if FLAG:

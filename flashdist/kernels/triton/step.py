@@ -30,7 +30,7 @@ import triton.language as tl
 
 from .bits import (ADAM_ALGO, FP32_EXP_MASK, FP32_MAX, GROUP, INV127, INV255, LIFT, SCALE_MAX, SGD_ALGO,
                    SIGNED_CODE_MAGIC, SQRT_SCALE_MAX, TINY, UNSIGNED_CODE_MAGIC, UPDATE_FLUSH, code_bits,
-                   div_normalized, divide, f32_to_bf16_bits, gather, group_normalizer, sqrt_rn)
+                   bf16_value, div_normalized, divide, f32_to_bf16_bits, gather, group_normalizer, sqrt_rn)
 from .rho_bits import merge_bf16, merge_fp16, new_param
 
 
@@ -56,7 +56,6 @@ def step_block(
     RHO_LOG2: tl.constexpr,  # log2 of rho.RHO_STEPS: 7 (int8), 15 (int16)
     GROUPS: tl.constexpr,  # groups of 32 slots in this block
 ):
-    RHO_SHIFT = 15 - RHO_LOG2  # fp32 grid steps per rho step at a bf16 param, as a shift
     # ALGO's scalars by name, from their slots (kernels/scalars.py: AdamScalars, SGDScalars, LionScalars).
     # Annotated, so that the interpreter keeps each one a host float as it keeps the arguments (it makes the
     # value of a plain assignment a tensor of its own, fp64 for an fp32 subnormal); compiled, both are the
@@ -147,7 +146,7 @@ def step_block(
 
     # Gradient (which elements or groups are skipped is decided below, from the new moments).
     if G_KIND == 0:
-        g = (tl.load(g_ptr + offs, mask=mask, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        g = bf16_value(tl.load(g_ptr + offs, mask=mask, other=0), COMPILED)
     else:
         g = tl.load(g_ptr + offs, mask=mask, other=0).to(tl.float32)
 
@@ -188,11 +187,11 @@ def step_block(
 
     # Master weight (rho.merge).
     if P_KIND == 0:
-        p16 = tl.load(p_ptr + offs, mask=mask, other=0).to(tl.int32)
+        p16 = tl.load(p_ptr + offs, mask=mask, other=0)
         if RHO_KIND != 0:
-            theta = merge_bf16(p16, tl.load(rho_ptr + offs, mask=mask, other=0).to(tl.int32), RHO_SHIFT)
+            theta = merge_bf16(p16, tl.load(rho_ptr + offs, mask=mask, other=0), RHO_LOG2, COMPILED)
         else:
-            theta = (p16 << 16).to(tl.float32, bitcast=True)
+            theta = bf16_value(p16, COMPILED)
     else:
         theta = tl.load(p_ptr + offs, mask=mask, other=0).to(tl.float32)
         if RHO_KIND != 0:
@@ -248,9 +247,9 @@ def step_block(
     # the new parameter is not finite, flagged by a NaN in the momentum (or the gradient) there.
     if ALGO == SGD_ALGO:
         if HAS_M:
-            p_out, r, m = new_param(theta, m, P_KIND, RHO_KIND, RHO_LOG2, True)
+            p_out, r, m = new_param(theta, m, P_KIND, RHO_KIND, RHO_LOG2, True, COMPILED)
         else:
-            p_out, r, g = new_param(theta, g, P_KIND, RHO_KIND, RHO_LOG2, True)
+            p_out, r, g = new_param(theta, g, P_KIND, RHO_KIND, RHO_LOG2, True, COMPILED)
     if not QUANTIZED:
         if not HAS_M:
             bad = (g.to(tl.int32, bitcast=True) & FP32_EXP_MASK) == FP32_EXP_MASK
@@ -311,7 +310,7 @@ def step_block(
 
     # New parameter and rho.
     if ALGO != SGD_ALGO:
-        p_out, r, theta = new_param(theta, theta, P_KIND, RHO_KIND, RHO_LOG2, False)
+        p_out, r, theta = new_param(theta, theta, P_KIND, RHO_KIND, RHO_LOG2, False, COMPILED)
     if P_KIND == 0:
         tl.store(p_ptr + offs, p_out.to(tl.int16), mask=keep)
     elif P_KIND == 1:
