@@ -332,6 +332,68 @@ def test_kernel_keeps_block_values_out_of_shared_memory():
         assert r["shared"] == 0 and r["spills"] == 0, (name, r)
 
 
+def _rho_probe_compiled():
+    import triton
+    import triton.language as tl
+
+    from flashdist.kernels.triton import rho_bits
+
+    @triton.jit
+    def probe(p_ptr, rho_ptr, theta_ptr, merged_ptr, low_ptr, rho_out_ptr, RHO_LOG2: tl.constexpr,
+              BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        merged = rho_bits.merge_bf16(tl.load(p_ptr + offs), tl.load(rho_ptr + offs), RHO_LOG2, True)
+        tl.store(merged_ptr + offs, merged)
+        w, y, _ = rho_bits.split_bf16(tl.load(theta_ptr + offs), merged, RHO_LOG2, False, True)
+        tl.store(low_ptr + offs, (w >> 16).to(tl.int16))
+        if RHO_LOG2 == 7:
+            r = y.to(tl.int32)
+        else:
+            r = y.to(tl.int16).to(tl.int32)
+        tl.store(rho_out_ptr + offs, r)
+
+    return probe
+
+
+@pytest.mark.parametrize("rho_dtype", [torch.int8, torch.int16], ids=["int8", "int16"])
+def test_compiled_rho_merge_and_split_every_bf16_value(rho_dtype):
+    """The compiled merge and split of bf16 parameters (for int8 rho in byte permutes of inline PTX, which the
+    interpreter never runs) against rho.merge / rho.split on the card: every bf16 value with every int8 code
+    (int16: its ends, middle and random codes), and as master weights the merged values, one fp32 step off
+    them and random fp32 patterns; blocks holding infinities and NaNs take the general path, the others the
+    common one."""
+    dev = "cuda"
+    steps = int(R.RHO_STEPS[rho_dtype])
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32, device=dev).to(torch.int16).view(torch.bfloat16)
+    if rho_dtype == torch.int8:
+        codes = torch.arange(-steps, steps, device=dev)
+    else:
+        codes = torch.cat([torch.tensor([-steps, -steps + 1, -1, 0, 1, steps - 1], device=dev),
+                           torch.randint(-steps, steps, (26,), device=dev)])
+    p = every.repeat(len(codes))
+    rho = codes.repeat_interleave(len(every)).to(rho_dtype)
+    grid = R.merge(p, rho)
+    theta = torch.cat([grid, (grid.view(torch.int32) + 1).view(torch.float32),
+                       torch.randint(-(2**31), 2**31 - 1, (1 << 22,), dtype=torch.int32, device=dev).view(
+                           torch.float32)])[: len(p)]
+    n = len(p)
+    block = 1 << 12
+    assert n % block == 0
+    merged = torch.empty(n, device=dev)
+    low = torch.empty(n, dtype=torch.int16, device=dev)
+    split_rho = torch.empty(n, dtype=torch.int32, device=dev)
+    _rho_probe_compiled()[(n // block,)](p.view(torch.int16), rho, theta, merged, low, split_rho,
+                                         RHO_LOG2=steps.bit_length() - 1, BLOCK=block)
+    bad = (_bits(merged) != _bits(grid)) & ~(merged.isnan() & grid.isnan())
+    assert not bad.any(), f"merge: {int(bad.sum())} differ, e.g. param {_bits(p)[bad][:4].tolist()} rho " \
+                          f"{rho[bad][:4].tolist()}"
+    want_low, want_rho = R.split(theta, torch.bfloat16, rho_dtype)
+    bad = (_bits(want_low) != low) & ~(want_low.isnan() & low.view(torch.bfloat16).isnan())
+    assert not bad.any(), f"split: {int(bad.sum())} params differ, e.g. theta {_bits(theta)[bad][:4].tolist()}"
+    bad = want_rho.int() != split_rho
+    assert not bad.any(), f"split: {int(bad.sum())} rho differ, e.g. theta {_bits(theta)[bad][:4].tolist()}"
+
+
 def test_report_exact_fraction():
     """Runs after the comparisons (file order): how often the kernel matched the CUDA reference bit for bit."""
     if not EXACT:
