@@ -27,19 +27,15 @@ def prefetch_lines(p_addr, g_addr, m_addr, v_addr, rho_addr, P_KIND: tl.constexp
     step``: a block of a stream is a whole number of lines (a power of two of at least 128 bytes; a stream
     whose block is smaller gets no slot), so rounding its address down to a line commutes with moving it by
     blocks. A stream that does not start on a line boundary leaves its last partial line of a block to the
-    loads. Returns (line0, step): int64 line addresses and int32 bytes per block; the slots past the block's
-    lines repeat the first ones."""
+    loads. Returns (line0, step): int64 line addresses and int32 bytes per block, both 0 in a slot that
+    holds no line."""
     SLOTS: tl.constexpr = GROUPS * 32
     P_LINES: tl.constexpr = SLOTS * (4 if P_KIND == 2 else 2) // 128
     G_LINES: tl.constexpr = SLOTS * (4 if G_KIND == 2 else 2) // 128
     R_LINES: tl.constexpr = SLOTS * RHO_KIND // 128
     M_LINES: tl.constexpr = (SLOTS * (1 if QUANTIZED else 4) // 128) if HAS_M else 0
     V_LINES: tl.constexpr = M_LINES if ALGO == ADAM_ALGO else 0
-    TOTAL: tl.constexpr = P_LINES + G_LINES + R_LINES + M_LINES + V_LINES
-    # the slots past the block's lines repeat the first ones (PREFETCH < 2 * TOTAL), so that every slot asks
-    # for a line of the tensor and no block's prefetch needs a test
     k = tl.arange(0, PREFETCH)
-    k = tl.where(k < TOTAL, k, k - TOTAL)
     zero = tl.zeros((PREFETCH,), tl.int64)
     # each slot's stream: its address, its lines per block, and the slots of the streams before it
     addr = tl.where(k < P_LINES, zero + p_addr, zero + g_addr)
@@ -54,8 +50,9 @@ def prefetch_lines(p_addr, g_addr, m_addr, v_addr, rho_addr, P_KIND: tl.constexp
     addr = tl.where(k < P_LINES + G_LINES + R_LINES + M_LINES, addr, zero + v_addr)
     lines = tl.where(k < P_LINES + G_LINES + R_LINES + M_LINES, lines, V_LINES)
     before = tl.where(k < P_LINES + G_LINES + R_LINES + M_LINES, before, P_LINES + G_LINES + R_LINES + M_LINES)
-    line0 = ((addr >> 7) << 7) + (k - before).to(tl.int64) * 128
-    return line0, lines * 128
+    live = k < P_LINES + G_LINES + R_LINES + M_LINES + V_LINES
+    line0 = tl.where(live, ((addr >> 7) << 7) + (k - before).to(tl.int64) * 128, 0)
+    return line0, tl.where(live, lines * 128, 0)
 
 
 @triton.jit
@@ -63,14 +60,14 @@ def prefetch_block(line0, step, blk, LEVEL: tl.constexpr):
     """Ask the cache (L2, or L1 with ``LEVEL`` 1) for block ``blk``'s lines (``prefetch_lines``), so that a
     program computes one block while the next one's bytes travel. A hint: nothing waits for it and no
     register receives data."""
-    # line0 + blk * step: one wide multiply-add
-    blk = blk.to(tl.int32) + tl.zeros(step.shape, tl.int32)
+    line = line0 + blk.to(tl.int64) * step
+    live = (line != 0).to(tl.int32)
     if LEVEL == 1:
-        tl.inline_asm_elementwise("{ .reg .b64 a; mad.wide.s32 a, $2, $3, $1; prefetch.global.L1 [a]; mov.u32 $0, 0; }",
-                                  "=r,l,r,r", [line0, blk, step], dtype=tl.int32, is_pure=False, pack=1)
+        tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L1 [$1]; mov.u32 $0, 0; }",
+                                  "=r,l,r", [line, live], dtype=tl.int32, is_pure=False, pack=1)
     else:
-        tl.inline_asm_elementwise("{ .reg .b64 a; mad.wide.s32 a, $2, $3, $1; prefetch.global.L2 [a]; mov.u32 $0, 0; }",
-                                  "=r,l,r,r", [line0, blk, step], dtype=tl.int32, is_pure=False, pack=1)
+        tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+                                  "=r,l,r", [line, live], dtype=tl.int32, is_pure=False, pack=1)
 
 
 
