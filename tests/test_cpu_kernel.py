@@ -341,6 +341,26 @@ def test_split_and_merge_on_every_bf16_value(bits, lr, opt):
         assert_same_bits(runs[0][1][finite], rho[finite], "rho")
 
 
+@pytest.mark.skipif(not {"avx512f", "avx512bw", "avx512vl", "avx512vbmi"} <= _cpu_flags(),
+                    reason="this CPU has no AVX-512 VBMI: the package's own build is already the one without it")
+def test_avx512_path_without_vbmi(tmp_path):
+    """The vectorised path as built on CPUs with AVX-512 F/BW/VL but no VBMI (Skylake-SP and Cascade Lake Xeons):
+    the narrowing stores and the companded first moment's values take their fallbacks. Built here with the VBMI
+    macro undefined, and bitwise against the reference on the 8-bit cases of every optimizer and on every bf16
+    value's split."""
+    src = tmp_path / "step.cpp"
+    src.write_text("#include <immintrin.h>\n#undef __AVX512VBMI__\n" + cpu.SOURCE.read_text())
+    shutil.copy(cpu.SOURCE.with_name("avx512.h"), tmp_path / "avx512.h")
+    module = cpu.build_from(src)
+    with cpu.using(module):
+        assert cpu.vector_isa() == "avx512"
+        for case in CASES:
+            if case.moments.startswith("q") and case.dtype == "bf16" and case.bits == 24:
+                _run(case)
+        test_split_and_merge_on_every_bf16_value(24, 1e-3, "lion")
+        test_first_moment_code_minus_128(True)
+
+
 @pytest.mark.parametrize("companded", [True, False])
 def test_first_moment_code_minus_128(companded):
     """-128, a first-moment code quantization never writes (a state from elsewhere may hold it), decodes as the
