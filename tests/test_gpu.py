@@ -332,29 +332,6 @@ def test_kernel_keeps_block_values_out_of_shared_memory():
         assert r["shared"] == 0 and r["spills"] == 0, (name, r)
 
 
-def _rho_probe_compiled():
-    import triton
-    import triton.language as tl
-
-    from flashdist.kernels.triton import rho_bits
-
-    @triton.jit
-    def probe(p_ptr, rho_ptr, theta_ptr, merged_ptr, low_ptr, rho_out_ptr, RHO_LOG2: tl.constexpr,
-              BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        merged = rho_bits.merge_bf16(tl.load(p_ptr + offs), tl.load(rho_ptr + offs), RHO_LOG2, True)
-        tl.store(merged_ptr + offs, merged)
-        w, y, _ = rho_bits.split_bf16(tl.load(theta_ptr + offs), merged, RHO_LOG2, False, True)
-        tl.store(low_ptr + offs, (w >> 16).to(tl.int16))
-        if RHO_LOG2 == 7:
-            r = y.to(tl.int32)
-        else:
-            r = y.to(tl.int16).to(tl.int32)
-        tl.store(rho_out_ptr + offs, r)
-
-    return probe
-
-
 @pytest.mark.parametrize("rho_dtype", [torch.int8, torch.int16], ids=["int8", "int16"])
 def test_compiled_rho_merge_and_split_every_bf16_value(rho_dtype):
     """The compiled merge and split of bf16 parameters (for int8 rho in byte permutes of inline PTX, which the
@@ -382,8 +359,9 @@ def test_compiled_rho_merge_and_split_every_bf16_value(rho_dtype):
     merged = torch.empty(n, device=dev)
     low = torch.empty(n, dtype=torch.int16, device=dev)
     split_rho = torch.empty(n, dtype=torch.int32, device=dev)
-    _rho_probe_compiled()[(n // block,)](p.view(torch.int16), rho, theta, merged, low, split_rho,
-                                         RHO_LOG2=steps.bit_length() - 1, BLOCK=block)
+    from _rho_probe import rho_probe
+    rho_probe[(n // block,)](p.view(torch.int16), rho, theta, merged, low, split_rho, FP16=False,
+                             RHO_LOG2=steps.bit_length() - 1, BLOCK=block, COMPILED=True)
     bad = (_bits(merged) != _bits(grid)) & ~(merged.isnan() & grid.isnan())
     assert not bad.any(), f"merge: {int(bad.sum())} differ, e.g. param {_bits(p)[bad][:4].tolist()} rho " \
                           f"{rho[bad][:4].tolist()}"

@@ -47,6 +47,7 @@ from flashdist.kernels import reference  # noqa: E402
 from flashdist.kernels.scalars import KERNEL_SLOTS, AdamScalars, LionScalars, SGDScalars  # noqa: E402
 from flashdist.quant import codes as Q  # noqa: E402
 from flashdist.quant import rho as R  # noqa: E402
+from _rho_probe import rho_probe  # noqa: E402
 
 IN_PROCESS = isinstance(triton.language.max, InterpretedFunction) and isinstance(programs.table_kernel,
                                                                                  InterpretedFunction)
@@ -462,28 +463,6 @@ def test_rejects_bad_tensors(kernels):
 # ----- rho's split and merge on their own, over every bf16 / fp16 value -------------------------------------
 
 
-@triton.jit
-def _rho_probe(p_ptr, rho_ptr, theta_ptr, merged_ptr, low_ptr, split_rho_ptr, FP16: tl.constexpr,
-               RHO_LOG2: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    rho = tl.load(rho_ptr + offs)
-    theta = tl.load(theta_ptr + offs)
-    if FP16:
-        rho = rho.to(tl.int32)
-        tl.store(merged_ptr + offs, rho_bits.merge_fp16(tl.load(p_ptr + offs).to(tl.float32), rho, RHO_LOG2))
-        low, r = rho_bits.split_fp16(theta, RHO_LOG2)
-        tl.store(low_ptr + offs, low.to(tl.float16).to(tl.int16, bitcast=True))
-    else:
-        tl.store(merged_ptr + offs, rho_bits.merge_bf16(tl.load(p_ptr + offs), rho, RHO_LOG2, False))
-        w, y, _ = rho_bits.split_bf16(theta, theta, RHO_LOG2, False, False)
-        tl.store(low_ptr + offs, (w >> 16).to(tl.int16))
-        if RHO_LOG2 == 7:
-            r = y.to(tl.int32)
-        else:
-            r = y.to(tl.int16).to(tl.int32)
-    tl.store(split_rho_ptr + offs, r)
-
-
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Equal bit patterns, or both NaN (the float sum may quiet a signalling NaN parameter)."""
     return (_bits(a) == _bits(b)) | (torch.isnan(a) & torch.isnan(b))
@@ -534,9 +513,9 @@ def test_rho_split_and_merge_every_value(param_dtype, rho_dtype):
     merged = torch.empty(n)
     low = torch.empty(n, dtype=torch.int16)
     split_rho = torch.empty(n, dtype=torch.int32)
-    _rho_probe[(n // block,)](p_in.view(torch.int16) if param_dtype == torch.bfloat16 else p_in, rho_in, theta_in,
+    rho_probe[(n // block,)](p_in.view(torch.int16) if param_dtype == torch.bfloat16 else p_in, rho_in, theta_in,
                              merged, low, split_rho, FP16=param_dtype == torch.float16,
-                             RHO_LOG2=steps.bit_length() - 1, BLOCK=block)
+                             RHO_LOG2=steps.bit_length() - 1, BLOCK=block, COMPILED=False)
     want_merged = R.merge(p_in, rho_in)
     assert _same_bits(merged, want_merged).all(), "merge differs"
     want_low, want_rho = R.split(theta_in, param_dtype, rho_dtype)
