@@ -86,12 +86,13 @@ class FlashOptimizer(torch.optim.Optimizer):
         if backend not in BACKENDS:
             raise ValueError(f"flashdist: backend must be one of {BACKENDS}, got {backend!r}")
         _check_format(state_dict_format, "state_dict_format")
-        for name, value in (("graphed", graphed), ("capturable", capturable)):  # (capturable is "or graphed")
+        for name, value in (("graphed", graphed), ("capturable", capturable)):
             if not isinstance(value, bool):
                 raise ValueError(f"flashdist: {name} must be True or False, got {value!r}")
         self.backend = backend
         self.state_dict_format = state_dict_format
-        self.capturable = capturable  # step counts and scalars on the GPU (optim/plan.py), read when it runs
+        # step counts and scalars on the GPU (optim/plan.py), read when it runs; graphed implies it
+        self.capturable = capturable or graphed
         self.graphed = graphed
         self.skipped = None  # int32 counter of skipped (non-finite) groups, on the parameters' device
         self._precision_warned = False

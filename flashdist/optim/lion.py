@@ -42,7 +42,7 @@ class FlashLion(FlashOptimizer):
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, master_weight_bits=master_weight_bits,
                         quantize_states=quantize_states, companded=companded, flat_layout=flat_layout)
         super().__init__(params, defaults, backend=backend, state_dict_format=state_dict_format,
-                         capturable=capturable or graphed, graphed=graphed)
+                         capturable=capturable, graphed=graphed)
 
     def _check_hyperparameters(self, group: dict) -> None:
         check_number("lr", group["lr"], low=0.0)

@@ -48,7 +48,7 @@ class FlashSGD(FlashOptimizer):
                         master_weight_bits=master_weight_bits, quantize_states=quantize_states,
                         companded=companded, flat_layout=flat_layout)
         super().__init__(params, defaults, backend=backend, state_dict_format=state_dict_format,
-                         capturable=capturable or graphed, graphed=graphed)
+                         capturable=capturable, graphed=graphed)
 
     def moments_of(self, group: dict) -> tuple[str, ...]:
         return self._moments if group["momentum"] != 0 else ()
