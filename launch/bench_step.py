@@ -25,7 +25,12 @@ Rows:
 
 ``--sweep`` also times the kernel-only step, both variants, under a few launch configurations
 (``flashdist.kernels.triton.LaunchConfig``): groups per block, blocks per program, warps, the L2 prefetch,
-large-tensor threshold.
+register caps, large-tensor threshold. ``--graphed`` sweeps an optimizer class through GraphedStep instead
+(``--optimizer``), ``--rounds`` times every configuration that many times round by round, and ``--pause`` lets
+the GPU idle before each timing (a card that heats up under a long sweep slows the configurations timed last):
+
+    python launch/bench_step.py --sweep-only --graphed --rounds 5 --pause 1 --workloads llama-3.2-1b \
+        --variants exact --configs default "8 groups, 1 warp, 8 blocks, at most 80 registers"
 """
 
 from __future__ import annotations
@@ -277,6 +282,9 @@ SWEEP = {
     "prefetch into L1": dict(prefetch_level=1),
     "prefetch into L1, 2 blocks ahead": dict(prefetch_level=1, prefetch_ahead=2),
     "approx at the compiler's registers": dict(approx_max_registers=None),
+    "exact at the compiler's registers": dict(exact_max_registers=None),
+    "defaults before 2026-12-02 (32 blocks, exact at the compiler's registers)": _layout(
+        8, 1, 32, exact_max_registers=None),
     "at most 96 registers": dict(max_registers=96),
     "at most 88 registers": dict(max_registers=88),
     "at most 80 registers": dict(max_registers=80),
@@ -286,6 +294,15 @@ SWEEP = {
     "prefetch into L1, at most 72 registers": dict(prefetch_level=1, max_registers=72),
     "16 groups, 1 warp, 16 blocks, at most 72 registers": _layout(16, 1, 16, max_registers=72),
     "8 groups, 1 warp, 16 blocks": _layout(8, 1, 16),
+    "8 groups, 1 warp, 8 blocks": _layout(8, 1, 8),
+    "8 groups, 1 warp, 4 blocks": _layout(8, 1, 4),
+    "8 groups, 1 warp, 2 blocks": _layout(8, 1, 2),
+    "8 groups, 1 warp, 8 blocks, at most 72 registers": _layout(8, 1, 8, max_registers=72),
+    "8 groups, 1 warp, 8 blocks, at most 80 registers": _layout(8, 1, 8, max_registers=80),
+    "8 groups, 1 warp, 8 blocks, prefetch into L1": _layout(8, 1, 8, prefetch_level=1),
+    "8 groups, 1 warp, 12 blocks": _layout(8, 1, 12),
+    "8 groups, 1 warp, 16 blocks, prefetch into L1": _layout(8, 1, 16, prefetch_level=1),
+    "8 groups, 1 warp, 24 blocks": _layout(8, 1, 24),
     "8 groups, 1 warp, 64 blocks": _layout(8, 1, 64),
     "4 groups, 1 warp, 64 blocks": _layout(4, 1, 64),
     "16 groups, 1 warp, 16 blocks": _layout(16, 1, 16),
@@ -297,25 +314,48 @@ SWEEP = {
 }
 
 
-def run_sweep(bw, workloads, configs=tuple(SWEEP)):
+# The optimizers a graphed sweep can time, with the bytes their step moves.
+SWEEP_OPTIMIZERS = {
+    "FlashAdamW": (lambda ps: flashdist.FlashAdamW(ps, lr=LR, capturable=True), flashdist_bytes),
+    "FlashSGD": (lambda ps: flashdist.FlashSGD(ps, lr=LR, momentum=0.9, capturable=True), one_moment_bytes),
+    "FlashLion": (lambda ps: flashdist.FlashLion(ps, lr=LR, capturable=True), one_moment_bytes),
+}
+
+
+def run_sweep(bw, workloads, configs=tuple(SWEEP), rounds=1, graphed=False, variants=(True, False),
+              optimizer="FlashAdamW", pause=0.0):
+    """Time the configurations ``configs`` round by round (each round times every configuration once, so that
+    a drift of the machine spreads over all of them; ``pause`` seconds of idle GPU before each timing): the
+    kernel-only step (FlashAdamW), or with ``graphed`` the class ``optimizer`` through GraphedStep (one
+    optimizer per configuration, on the same parameters)."""
     rows = []
+    make, nbytes = SWEEP_OPTIMIZERS[optimizer]
     for workload in workloads:
         shapes = WORKLOADS[workload]()
         params = make_params(shapes, torch.bfloat16)
-        moved = flashdist_bytes(shapes)
-        for exact in (True, False):
-            kernel = KernelOnly(params, exact)
-            for label, config in ((label, SWEEP[label]) for label in configs):
-                row = dict(workload=workload, exact=exact, config=label, **config)
-                try:
-                    kernel.config = DEFAULT.replace(exact=exact, **config)
-                    ms = time_cuda(kernel.step)[0]
-                    row.update(ms=ms, of_floor=moved / bw / (ms / 1e3))
-                except Exception as e:  # a configuration that cannot run here is reported, not fatal
-                    row["error"] = f"{type(e).__name__}: {e}"[:300]
-                rows.append(row)
-                print(json.dumps(rows[-1]), flush=True)
-        params = kernel = None
+        moved = nbytes(shapes) if graphed else flashdist_bytes(shapes)
+        for exact in variants:
+            steppers = {}
+            for label in configs:
+                config = DEFAULT.replace(exact=exact, **SWEEP[label])
+                steppers[label] = WithVariant(make(params), exact, True) if graphed else KernelOnly(params, exact)
+                steppers[label].config = config
+            for r in range(rounds):
+                for label, stepper in steppers.items():
+                    row = dict(workload=workload, optimizer=optimizer if graphed else "kernel only", exact=exact,
+                               config=label, round=r, graphed=graphed, **SWEEP[label])
+                    try:
+                        time.sleep(pause)
+                        ms = time_cuda(stepper.step)[0]
+                        row.update(ms=ms, of_floor=moved / bw / (ms / 1e3))
+                    except Exception as e:  # a configuration that cannot run here is reported, not fatal
+                        row["error"] = f"{type(e).__name__}: {e}"[:300]
+                    rows.append(row)
+                    print(json.dumps(rows[-1]), flush=True)
+            steppers = None
+            gc.collect()
+            torch.cuda.empty_cache()
+        params = None
         gc.collect()
         torch.cuda.empty_cache()
     return rows
@@ -337,6 +377,25 @@ def table(rows) -> str:
     return "\n".join(out)
 
 
+
+def sweep_table(sweep) -> str:
+    """One line per workload, variant and configuration: the median of its rounds' times and their range."""
+    out = ["| workload | step | variant | configuration | ms, median of rounds (range) | of floor |",
+           "|---|---|---|---|---|---|"]
+    keys = dict.fromkeys((r["workload"], r["optimizer"], r["exact"], r["config"]) for r in sweep)
+    for workload, optimizer, exact, config in keys:
+        runs = [r for r in sweep if (r["workload"], r["optimizer"], r["exact"], r["config"]) ==
+                (workload, optimizer, exact, config)]
+        times = sorted(r["ms"] for r in runs if "ms" in r)
+        if times:
+            best = max(r["of_floor"] for r in runs if "ms" in r)
+            timing = f"{statistics.median(times):.3f} ({times[0]:.3f}-{times[-1]:.3f}) | {best:.2f}"
+        else:
+            timing = f"- | {runs[0].get('error')}"
+        out.append(f"| {workload} | {optimizer} | {'exact' if exact else 'approx'} | {config} | {timing} |")
+    return "\n".join(out)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="write the results as JSON to this path")
@@ -344,6 +403,15 @@ def main():
     ap.add_argument("--sweep-only", action="store_true", help="time only the launch configurations of --sweep")
     ap.add_argument("--configs", nargs="+", choices=list(SWEEP), default=list(SWEEP), metavar="NAME",
                     help="the configurations the sweep times (default: all)")
+    ap.add_argument("--rounds", type=int, default=1, help="time each configuration of the sweep this many times, "
+                    "round by round")
+    ap.add_argument("--graphed", action="store_true",
+                    help="sweep the FlashAdamW class through GraphedStep instead of the kernel-only step")
+    ap.add_argument("--optimizer", choices=list(SWEEP_OPTIMIZERS), default="FlashAdamW",
+                    help="the optimizer a --graphed sweep times")
+    ap.add_argument("--pause", type=float, default=0.0, help="seconds the GPU idles before each timing of the sweep")
+    ap.add_argument("--variants", nargs="+", choices=("exact", "approx"), default=("exact", "approx"),
+                    help="the kernel variants the sweep times")
     ap.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     ap.add_argument("--only", nargs="+", default=None, metavar="TEXT",
                     help="time only the rows whose optimizer name contains one of these texts")
@@ -371,13 +439,10 @@ def main():
     print()
     if rows:
         print(table(rows), flush=True)
-    sweep = run_sweep(bw, args.workloads, args.configs) if args.sweep or args.sweep_only else []
+    sweep = run_sweep(bw, args.workloads, args.configs, args.rounds, args.graphed,
+                      tuple(v == "exact" for v in args.variants), args.optimizer, args.pause) if args.sweep or args.sweep_only else []
     if sweep:
-        print("\n| workload | variant | configuration | kernel ms | of floor |")
-        print("|---|---|---|---|---|")
-        for r in sweep:
-            timing = f"{r['ms']:.3f} | {r['of_floor']:.2f}" if "ms" in r else f"- | {r.get('error')}"
-            print(f"| {r['workload']} | {'exact' if r['exact'] else 'approx'} | {r['config']} | {timing} |")
+        print(sweep_table(sweep), flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(info, copy_bandwidth=bw, rows=rows, sweep=sweep), f, indent=1)

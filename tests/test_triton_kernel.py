@@ -397,10 +397,23 @@ def test_clear_plans_and_one_cache_per_config(kernels):
 @pytest.mark.parametrize("field, value", [("table_groups", 48), ("large_groups", 0), ("num_warps", 3),
                                           ("table_blocks", 0), ("large_numel", -1), ("prefetch_ahead", 1.5),
                                           ("plan_cache_size", True), ("max_registers", 0), ("prefetch_level", 3),
-                                          ("exact", 1)])
+                                          ("exact_max_registers", 1.0), ("approx_max_registers", -8), ("exact", 1)])
 def test_launch_config_refuses_bad_values(field, value):
     with pytest.raises(ValueError, match=rf"LaunchConfig\.{field} must be"):
         DEFAULT.replace(**{field: value})
+
+
+def test_register_caps_by_variant_and_moments():
+    """8-bit moments: the exact variant compiles under ``exact_max_registers``, the approximate one under
+    ``approx_max_registers``; fp32 moments under none; ``max_registers`` overrides both everywhere."""
+    config = DEFAULT.replace(exact_max_registers=72, approx_max_registers=88)
+    assert config.replace(exact=True).compile_options()["maxnreg"] == 72
+    assert config.replace(exact=False).compile_options()["maxnreg"] == 88
+    assert "maxnreg" not in config.compile_options(quantized=False)
+    assert "maxnreg" not in config.replace(exact_max_registers=None).compile_options()
+    for exact, quantized in ((True, True), (False, True), (True, False)):
+        capped = config.replace(exact=exact, max_registers=64).compile_options(quantized)
+        assert capped == dict(num_warps=config.num_warps, enable_fp_fusion=False, maxnreg=64)
 
 
 def test_launch_config_is_immutable_and_module_settings_are_refused():

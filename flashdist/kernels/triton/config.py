@@ -46,11 +46,12 @@ class LaunchConfig:
     microseconds of host time, so only embedding-sized ones); smaller ones share the table launch."""
     table_groups: int = 8
     """Groups of 32 slots per block in the table launch (a power of two)."""
-    table_blocks: int = 32
-    """Consecutive blocks of one tensor per program of the table launch."""
+    table_blocks: int = 8
+    """Consecutive blocks of one tensor per program of the table launch (fewer: shorter tails at the end of a
+    launch; more: the program's setup paid over more blocks)."""
     large_groups: int = 8
     """Groups of 32 slots per block in a per-tensor launch (a power of two)."""
-    large_blocks: int = 32
+    large_blocks: int = 8
     """Consecutive blocks per program of a per-tensor launch."""
     num_warps: int = 1
     """Warps per program (a power of two). One warp: no barrier couples warps (the scale stores and the skip
@@ -62,8 +63,12 @@ class LaunchConfig:
     prefetch_level: int = 2
     """The cache level the prefetch fills: 2 (L2) or 1 (the program's SM's L1, and L2)."""
     max_registers: int | None = None
-    """Registers per thread the compiler may use (None: its choice, or ``approx_max_registers``); fewer let
-    more warps share an SM."""
+    """Registers per thread the compiler may use in every launch (None: ``exact_max_registers`` or
+    ``approx_max_registers`` with 8-bit moments, the compiler's choice with fp32 moments); fewer let more
+    warps share an SM."""
+    exact_max_registers: int | None = 72
+    """The register cap of the exact variant with 8-bit moments when ``max_registers`` is None (FlashAdamW's
+    step at 70 registers instead of 94, 28 warps an SM instead of 21, no spills)."""
     approx_max_registers: int | None = 88
     """The register cap of the approximate variant with 8-bit moments when ``max_registers`` is None."""
     plan_cache_size: int = 256
@@ -79,7 +84,7 @@ class LaunchConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"flashdist: LaunchConfig.{name} must be a positive int, got {value!r}")
-        for name in ("max_registers", "approx_max_registers"):
+        for name in ("max_registers", "exact_max_registers", "approx_max_registers"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"flashdist: LaunchConfig.{name} must be None or a positive int, got {value!r}")
@@ -97,10 +102,10 @@ class LaunchConfig:
         """The compiler options of a launch on 8-bit (or fp32) moments: warps per program, no FMA contraction
         (the reference's products and sums stay separate), and the register cap when one applies."""
         options = dict(num_warps=self.num_warps, enable_fp_fusion=False)
-        if self.max_registers is not None or self.exact or not quantized:
+        if self.max_registers is not None or not quantized:
             cap = self.max_registers
         else:
-            cap = self.approx_max_registers
+            cap = self.exact_max_registers if self.exact else self.approx_max_registers
         if cap is not None:
             options["maxnreg"] = cap
         return options
