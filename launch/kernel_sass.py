@@ -33,13 +33,19 @@ ALGOS = {"adam": 0, "sgd": 1, "lion": 2}
 
 def specialisations():
     """(name, constexpr overrides) of the table kernel: each update with 8-bit and fp32 moments, exact and
-    approximate, bf16 parameters with int8 rho; SGD without momentum too."""
+    approximate, bf16 parameters with int8 rho; SGD without momentum, a capturable step, and FlashAdamW's exact
+    step on int16 rho and on fp32 parameters too."""
     for (algo, code), quantized, exact in itertools.product(ALGOS.items(), (True, False), (True, False)):
         yield (f"{algo}-{'q8' if quantized else 'fp32m'}-{'exact' if exact else 'approx'}",
                dict(ALGO=code, HAS_M=True, QUANTIZED=quantized, EXACT=exact, COMPILED=True))
     yield "sgd-no-momentum-exact", dict(ALGO=1, HAS_M=False, QUANTIZED=False, EXACT=True, COMPILED=True)
     # a capturable step: the scalars read from device memory
     yield "adam-q8-exact-capturable", dict(ALGO=0, HAS_M=True, QUANTIZED=True, EXACT=True, COMPILED=True, SCALARS=True)
+    # layouts other than the default, which compile without the exact variant's register cap
+    yield "adam-q8-exact-int16-rho", dict(ALGO=0, HAS_M=True, QUANTIZED=True, EXACT=True, COMPILED=True, RHO_KIND=2,
+                                          RHO_LOG2=15)
+    yield "adam-q8-exact-fp32-params", dict(ALGO=0, HAS_M=True, QUANTIZED=True, EXACT=True, COMPILED=True, P_KIND=2,
+                                            G_KIND=2, RHO_KIND=0)
 
 
 def compile_one(overrides: dict, arch: int = 90, groups: int | None = None, config=None) -> dict:
@@ -50,6 +56,7 @@ def compile_one(overrides: dict, arch: int = 90, groups: int | None = None, conf
     from triton.compiler import ASTSource
 
     from flashdist.kernels.triton import DEFAULT, programs
+    from flashdist.kernels.triton.config import fits_exact_cap
     from flashdist.kernels.triton.prefetch import prefetch_slots
 
     config = config or DEFAULT
@@ -60,10 +67,11 @@ def compile_one(overrides: dict, arch: int = 90, groups: int | None = None, conf
     consts.update(overrides)
     config = config.replace(exact=consts["EXACT"])
     consts["PREFETCH"] = prefetch_slots(consts, consts["GROUPS"], config)  # as a launch on the GPU sets it
+    options = config.compile_options(consts["QUANTIZED"], fits_exact_cap(consts))  # as fused.py chooses them
     signature = {"work_ptr": "*i32", "tensors_ptr": "*i64", "table_ptr": "*fp32", "skipped_ptr": "*i32",
                  "scalars_ptr": "*fp32", **dict.fromkeys(SCALARS, "fp32"), **dict.fromkeys(consts, "constexpr")}
     compiled = triton.compile(ASTSource(programs.table_kernel, signature, constexprs=consts),
-                              target=GPUTarget("cuda", arch, 32), options=config.compile_options(consts["QUANTIZED"]))
+                              target=GPUTarget("cuda", arch, 32), options=options)
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])

@@ -43,6 +43,7 @@ import flashdist.kernels.triton.fused as K  # noqa: E402
 from flashdist.kernels.triton import DEFAULT, LaunchConfig, cached_plans, clear_plans, using  # noqa: E402
 from flashdist.kernels.triton import programs, rho_bits  # noqa: E402
 from flashdist.kernels.triton.bits import SPLIT_LIMIT  # noqa: E402
+from flashdist.kernels.triton.config import fits_exact_cap  # noqa: E402
 from flashdist.kernels import reference  # noqa: E402
 from flashdist.kernels.scalars import KERNEL_SLOTS, AdamScalars, LionScalars, SGDScalars  # noqa: E402
 from flashdist.quant import codes as Q  # noqa: E402
@@ -414,6 +415,35 @@ def test_register_caps_by_variant_and_moments():
     for exact, quantized in ((True, True), (False, True), (True, False)):
         capped = config.replace(exact=exact, max_registers=64).compile_options(quantized)
         assert capped == dict(num_warps=config.num_warps, enable_fp_fusion=False, maxnreg=64)
+    # the exact cap only on the default layout, where the kernel fits it without spilling
+    assert "maxnreg" not in config.replace(exact=True).compile_options(True, default_layout=False)
+    assert config.replace(exact=False).compile_options(True, default_layout=False)["maxnreg"] == 88
+    default = dict(P_KIND=0, G_KIND=0, RHO_KIND=1, ALIGNED=True, ALIGN16=True, COMPANDED=True, ALGO=0,
+                   FAST_UPDATE=True)
+    assert fits_exact_cap(default) and fits_exact_cap(dict(default, ALGO=1, FAST_UPDATE=False))
+    for change in (dict(RHO_KIND=2), dict(RHO_KIND=0), dict(P_KIND=2), dict(G_KIND=1), dict(ALIGNED=False),
+                   dict(ALIGN16=False), dict(COMPANDED=False), dict(FAST_UPDATE=False)):
+        assert not fits_exact_cap(dict(default, **change)), change
+
+
+def test_launches_take_the_exact_register_cap_on_the_default_layout_only(kernels, monkeypatch):
+    """The launcher asks for ``exact_max_registers`` where the tensors have the default layout (bf16 with int8
+    rho, whole groups, aligned) and for none elsewhere (int16 rho here), as launch/kernel_sass.py compiles."""
+    asked = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **flags: asked.append((flags["RHO_KIND"], flags.get("maxnreg")))
+
+    monkeypatch.setattr(K, "table_kernel", Recorder())
+    monkeypatch.setattr(K, "tensor_kernel", Recorder())
+    gen = torch.Generator().manual_seed(5)
+    for rho in (torch.int8, torch.int16):
+        cases = [Case((4, 64), torch.bfloat16, torch.bfloat16, rho, True, gen)]
+        _step_both(kernels, cases, [c.new_grad(gen) for c in cases],
+                   AdamScalars.make(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=1,
+                                    decoupled=True), True, False)
+    assert asked == [(1, SMALL_BLOCKS.exact_max_registers), (2, None)]
 
 
 def test_launch_config_is_immutable_and_module_settings_are_refused():
