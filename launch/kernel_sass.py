@@ -56,7 +56,7 @@ def compile_one(overrides: dict, arch: int = 90, groups: int | None = None, conf
     from triton.compiler import ASTSource
 
     from flashdist.kernels.triton import DEFAULT, programs
-    from flashdist.kernels.triton.config import fits_exact_cap
+    from flashdist.kernels.triton.config import default_layout
     from flashdist.kernels.triton.prefetch import prefetch_slots
 
     config = config or DEFAULT
@@ -67,7 +67,7 @@ def compile_one(overrides: dict, arch: int = 90, groups: int | None = None, conf
     consts.update(overrides)
     config = config.replace(exact=consts["EXACT"])
     consts["PREFETCH"] = prefetch_slots(consts, consts["GROUPS"], config)  # as a launch on the GPU sets it
-    options = config.compile_options(consts["QUANTIZED"], fits_exact_cap(consts))  # as fused.py chooses them
+    options = config.compile_options(consts["QUANTIZED"], default_layout(consts))  # as fused.py chooses them
     signature = {"work_ptr": "*i32", "tensors_ptr": "*i64", "table_ptr": "*fp32", "skipped_ptr": "*i32",
                  "scalars_ptr": "*fp32", **dict.fromkeys(SCALARS, "fp32"), **dict.fromkeys(consts, "constexpr")}
     compiled = triton.compile(ASTSource(programs.table_kernel, signature, constexprs=consts),

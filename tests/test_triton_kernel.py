@@ -43,7 +43,7 @@ import flashdist.kernels.triton.fused as K  # noqa: E402
 from flashdist.kernels.triton import DEFAULT, LaunchConfig, cached_plans, clear_plans, using  # noqa: E402
 from flashdist.kernels.triton import programs, rho_bits  # noqa: E402
 from flashdist.kernels.triton.bits import SPLIT_LIMIT  # noqa: E402
-from flashdist.kernels.triton.config import fits_exact_cap  # noqa: E402
+from flashdist.kernels.triton.config import default_layout  # noqa: E402
 from flashdist.kernels import reference  # noqa: E402
 from flashdist.kernels.scalars import KERNEL_SLOTS, AdamScalars, LionScalars, SGDScalars  # noqa: E402
 from flashdist.quant import codes as Q  # noqa: E402
@@ -404,9 +404,10 @@ def test_launch_config_refuses_bad_values(field, value):
         DEFAULT.replace(**{field: value})
 
 
-def test_register_caps_by_variant_and_moments():
-    """8-bit moments: the exact variant compiles under ``exact_max_registers``, the approximate one under
-    ``approx_max_registers``; fp32 moments under none; ``max_registers`` overrides both everywhere."""
+def test_register_caps_by_variant_moments_and_layout():
+    """8-bit moments on the default layout: the exact variant compiles under ``exact_max_registers``, the
+    approximate one under ``approx_max_registers``; fp32 moments and other layouts under none;
+    ``max_registers`` overrides both everywhere."""
     config = DEFAULT.replace(exact_max_registers=72, approx_max_registers=88)
     assert config.replace(exact=True).compile_options()["maxnreg"] == 72
     assert config.replace(exact=False).compile_options()["maxnreg"] == 88
@@ -415,20 +416,20 @@ def test_register_caps_by_variant_and_moments():
     for exact, quantized in ((True, True), (False, True), (True, False)):
         capped = config.replace(exact=exact, max_registers=64).compile_options(quantized)
         assert capped == dict(num_warps=config.num_warps, enable_fp_fusion=False, maxnreg=64)
-    # the exact cap only on the default layout, where the kernel fits it without spilling
-    assert "maxnreg" not in config.replace(exact=True).compile_options(True, default_layout=False)
-    assert config.replace(exact=False).compile_options(True, default_layout=False)["maxnreg"] == 88
+    # the caps only on the default layout, where the kernel fits them without spilling
+    for exact in (True, False):
+        assert "maxnreg" not in config.replace(exact=exact).compile_options(True, default_layout=False)
     default = dict(P_KIND=0, G_KIND=0, RHO_KIND=1, ALIGNED=True, ALIGN16=True, COMPANDED=True, ALGO=0,
                    FAST_UPDATE=True)
-    assert fits_exact_cap(default) and fits_exact_cap(dict(default, ALGO=1, FAST_UPDATE=False))
+    assert default_layout(default) and default_layout(dict(default, ALGO=1, FAST_UPDATE=False))
     for change in (dict(RHO_KIND=2), dict(RHO_KIND=0), dict(P_KIND=2), dict(G_KIND=1), dict(ALIGNED=False),
                    dict(ALIGN16=False), dict(COMPANDED=False), dict(FAST_UPDATE=False)):
-        assert not fits_exact_cap(dict(default, **change)), change
+        assert not default_layout(dict(default, **change)), change
 
 
-def test_launches_take_the_exact_register_cap_on_the_default_layout_only(kernels, monkeypatch):
+def test_launches_take_the_register_cap_on_the_default_layout_only(kernels, monkeypatch):
     """The launcher asks for ``exact_max_registers`` where the tensors have the default layout (bf16 with int8
-    rho, whole groups, aligned) and for none elsewhere (int16 rho here), as launch/kernel_sass.py compiles."""
+    rho, whole groups, aligned) and for no cap elsewhere (int16 rho here), as launch/kernel_sass.py compiles."""
     asked = []
 
     class Recorder:

@@ -64,14 +64,15 @@ class LaunchConfig:
     """The cache level the prefetch fills: 2 (L2) or 1 (the program's SM's L1, and L2)."""
     max_registers: int | None = None
     """Registers per thread the compiler may use in every launch (None: ``exact_max_registers`` or
-    ``approx_max_registers`` with 8-bit moments, the compiler's choice with fp32 moments); fewer let more
-    warps share an SM."""
+    ``approx_max_registers`` with 8-bit moments on the default layout, the compiler's choice elsewhere); fewer
+    let more warps share an SM."""
     exact_max_registers: int | None = 72
-    """The register cap of the exact variant with 8-bit moments on the default layout (``fits_exact_cap``)
+    """The register cap of the exact variant with 8-bit moments on the default layout (``default_layout``)
     when ``max_registers`` is None: FlashAdamW's step at 70 registers instead of 94, 28 warps an SM instead
     of 21, no spills. Other layouts compile at the compiler's choice (under this cap they spill)."""
     approx_max_registers: int | None = 88
-    """The register cap of the approximate variant with 8-bit moments when ``max_registers`` is None."""
+    """The register cap of the approximate variant with 8-bit moments on the default layout when
+    ``max_registers`` is None."""
     plan_cache_size: int = 256
     """Launch plans of this configuration kept in the cache: a few per optimizer call site (one per bucket of
     step count and layout), and gradient release steps each batch of FSDP2 groups with a call of its own
@@ -100,27 +101,26 @@ class LaunchConfig:
         return dataclasses.replace(self, **changes)
 
     def compile_options(self, quantized: bool = True, default_layout: bool = True) -> dict:
-        """The compiler options of a launch on 8-bit (or fp32) moments: warps per program, no FMA contraction
-        (the reference's products and sums stay separate), and the register cap when one applies
-        (``exact_max_registers`` only where ``default_layout``: see ``fits_exact_cap``)."""
+        """The compiler options of a launch on 8-bit (or fp32) moments, on the default layout (see
+        ``default_layout``) or another: warps per program, no FMA contraction (the reference's products and
+        sums stay separate), and the register cap when one applies."""
         options = dict(num_warps=self.num_warps, enable_fp_fusion=False)
-        if self.max_registers is not None or not quantized:
+        if self.max_registers is not None or not quantized or not default_layout:
             cap = self.max_registers
-        elif self.exact:
-            cap = self.exact_max_registers if default_layout else None
         else:
-            cap = self.approx_max_registers
+            cap = self.exact_max_registers if self.exact else self.approx_max_registers
         if cap is not None:
             options["maxnreg"] = cap
         return options
 
 
-def fits_exact_cap(flags: dict) -> bool:
-    """Whether a launch with the kernel's constexpr ``flags`` has the default layout, the one
-    ``LaunchConfig.exact_max_registers`` was measured on and compiles under without spilling: bf16 parameters
-    and gradients with int8 rho, rows of whole groups at 16-byte aligned addresses, companded moments and
-    Adam's one-branch division (``FAST_UPDATE``). Other layouts (int16 or no rho, fp16 or fp32 parameters,
-    rows that end inside a group, unaligned views, linear moments) need more registers
+def default_layout(flags: dict) -> bool:
+    """Whether a launch with the kernel's constexpr ``flags`` has the default layout, the one the register caps
+    (``LaunchConfig.exact_max_registers``, ``approx_max_registers``) were measured on and compile under without
+    spilling: bf16 parameters and gradients with int8 rho, rows of whole groups at 16-byte aligned addresses,
+    companded moments and Adam's one-branch division (``FAST_UPDATE``). Under the exact cap other layouts
+    (int16 or no rho, fp16 or fp32 parameters, rows that end inside a group, unaligned views, linear moments)
+    spill, under the approximate one rows that end inside a group and unaligned views do
     (tests/test_kernel_compiles.py compiles both sides)."""
     return (flags.get("P_KIND") == 0 and flags.get("G_KIND") == 0 and flags.get("RHO_KIND") == 1
             and bool(flags.get("ALIGNED")) and bool(flags.get("ALIGN16")) and bool(flags.get("COMPANDED"))

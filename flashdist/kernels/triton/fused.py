@@ -42,7 +42,7 @@ import torch
 from ...errors import CaptureRefused
 from ..scalars import KERNEL_SLOTS, AdamScalars, DeviceScalars, LionScalars, SGDScalars
 from .bits import ADAM, INTERPRETED, LION, SGD
-from .config import LaunchConfig, current, fits_exact_cap
+from .config import LaunchConfig, current, default_layout
 from .plans import build_plan, cache_for, keep_captured
 from .prefetch import prefetch_slots
 from .programs import table_kernel, tensor_kernel
@@ -126,7 +126,7 @@ def _step_multi(algo: int, params, grads, moments: list, scales: list | None, rh
                      ALGO=algo, HAS_M=bool(moments), NESTEROV=nesterov, EXACT=config.exact,
                      COMPILED=not INTERPRETED, FAST_UPDATE=fast_update, AHEAD=config.prefetch_ahead,
                      LEVEL=config.prefetch_level, SCALARS=on_device)
-        flags.update(config.compile_options(bucket.flags["QUANTIZED"], fits_exact_cap(flags)))
+        flags.update(config.compile_options(bucket.flags["QUANTIZED"], default_layout(flags)))
         if bucket.items:
             table_kernel[(bucket.items,)](bucket.work, bucket.tensors, plan.exp_avg_table, counter, values, *args,
                                           GROUPS=config.table_groups,
