@@ -30,7 +30,7 @@ register caps, large-tensor threshold. ``--graphed`` sweeps an optimizer class t
 the GPU idle before each timing (a card that heats up under a long sweep slows the configurations timed last):
 
     python launch/bench_step.py --sweep-only --graphed --rounds 5 --pause 1 --workloads llama-3.2-1b \
-        --variants exact --configs default "8 groups, 1 warp, 8 blocks, at most 80 registers"
+        --variants exact --configs default "8 groups, 1 warp, 32 blocks" "at most 80 registers"
 """
 
 from __future__ import annotations
@@ -293,16 +293,12 @@ SWEEP = {
     "prefetch into L1, at most 80 registers": dict(prefetch_level=1, max_registers=80),
     "prefetch into L1, at most 72 registers": dict(prefetch_level=1, max_registers=72),
     "16 groups, 1 warp, 16 blocks, at most 72 registers": _layout(16, 1, 16, max_registers=72),
-    "8 groups, 1 warp, 16 blocks": _layout(8, 1, 16),
-    "8 groups, 1 warp, 8 blocks": _layout(8, 1, 8),
-    "8 groups, 1 warp, 4 blocks": _layout(8, 1, 4),
     "8 groups, 1 warp, 2 blocks": _layout(8, 1, 2),
-    "8 groups, 1 warp, 8 blocks, at most 72 registers": _layout(8, 1, 8, max_registers=72),
-    "8 groups, 1 warp, 8 blocks, at most 80 registers": _layout(8, 1, 8, max_registers=80),
-    "8 groups, 1 warp, 8 blocks, prefetch into L1": _layout(8, 1, 8, prefetch_level=1),
+    "8 groups, 1 warp, 4 blocks": _layout(8, 1, 4),
     "8 groups, 1 warp, 12 blocks": _layout(8, 1, 12),
-    "8 groups, 1 warp, 16 blocks, prefetch into L1": _layout(8, 1, 16, prefetch_level=1),
+    "8 groups, 1 warp, 16 blocks": _layout(8, 1, 16),
     "8 groups, 1 warp, 24 blocks": _layout(8, 1, 24),
+    "8 groups, 1 warp, 32 blocks": _layout(8, 1, 32),
     "8 groups, 1 warp, 64 blocks": _layout(8, 1, 64),
     "4 groups, 1 warp, 64 blocks": _layout(4, 1, 64),
     "16 groups, 1 warp, 16 blocks": _layout(16, 1, 16),
@@ -377,7 +373,6 @@ def table(rows) -> str:
     return "\n".join(out)
 
 
-
 def sweep_table(sweep) -> str:
     """One line per workload, variant and configuration: the median of its rounds' times and their range."""
     out = ["| workload | step | variant | configuration | ms, median of rounds (range) | of floor |",
@@ -416,6 +411,10 @@ def main():
     ap.add_argument("--only", nargs="+", default=None, metavar="TEXT",
                     help="time only the rows whose optimizer name contains one of these texts")
     args = ap.parse_args()
+    if args.rounds < 1 or args.pause < 0:
+        ap.error("--rounds must be at least 1 and --pause at least 0")
+    if args.optimizer != "FlashAdamW" and not args.graphed:
+        ap.error("--optimizer applies to a --graphed sweep (the kernel-only sweep times FlashAdamW's step)")
     if not torch.cuda.is_available():
         sys.exit("bench_step.py needs a CUDA device")
     import triton
@@ -439,8 +438,10 @@ def main():
     print()
     if rows:
         print(table(rows), flush=True)
-    sweep = run_sweep(bw, args.workloads, args.configs, args.rounds, args.graphed,
-                      tuple(v == "exact" for v in args.variants), args.optimizer, args.pause) if args.sweep or args.sweep_only else []
+    sweep = []
+    if args.sweep or args.sweep_only:
+        sweep = run_sweep(bw, args.workloads, args.configs, args.rounds, args.graphed,
+                          tuple(v == "exact" for v in args.variants), args.optimizer, args.pause)
     if sweep:
         print(sweep_table(sweep), flush=True)
     if args.out:
