@@ -139,8 +139,8 @@ def split_bf16(theta, x, RHO_LOG2: tl.constexpr, FLAG: tl.constexpr, COMPILED: t
         w = tl.where(a > 0x7F800000, BF16_NAN, mag | (s & 0x8000)) << 16
         if RHO_SHIFT == 8:
             y = r.to(tl.int8)
-        else:
-            y = r << RHO_SHIFT
+        else:  # int16: rho itself is the word's low half
+            y = r
     return w, y, x
 
 
@@ -212,17 +212,13 @@ def new_param(theta, x, P_KIND: tl.constexpr, RHO_KIND: tl.constexpr, RHO_LOG2: 
               FLAG: tl.constexpr, COMPILED: tl.constexpr):
     """``rho.split`` of ``theta`` (without rho: ``theta`` rounded to the param dtype) as (the parameter: its
     bf16 bits in the low 16 of an int32, sign extended, or its fp32 value for fp16 and fp32; rho as an int32
-    (an int8 for int8 rho with a bf16 parameter), 0 without rho; ``x``, with ``FLAG`` NaN where the parameter
+    (with a bf16 parameter: an int8 for int8 rho, rho in the low half for int16 rho), 0 without rho; ``x``, with ``FLAG`` NaN where the parameter
     is not finite)."""
     r = 0
     if P_KIND == 0:
         if RHO_KIND != 0:
-            w, y, x = split_bf16(theta, x, RHO_LOG2, FLAG, COMPILED)
+            w, r, x = split_bf16(theta, x, RHO_LOG2, FLAG, COMPILED)  # r: int8 rho, or int16's in the low half
             p_out = w >> 16
-            if RHO_LOG2 == 7:
-                r = y
-            else:
-                r = y >> (15 - RHO_LOG2)
         else:
             p_out = f32_to_bf16_bits(theta)
             if FLAG:
