@@ -141,11 +141,19 @@ def max_propagating_nan(a, b):
 
 
 @triton.jit
-def group_normalizer(m):
+def group_normalizer(m, COMPILED: tl.constexpr):
     """Per group (row) of a block of first moments: the absmax ``A`` (NaN where a value is NaN), ``a`` (``A``,
     or 1 where it is 0 or NaN), the biased exponent ``e`` of ``a`` clamped to [8, 253], and
-    ``s = 2^(127 - e)`` (``codes.pow2_normalizer``)."""
-    absmax = tl.reduce(tl.abs(m), 1, max_propagating_nan)
+    ``s = 2^(127 - e)`` (``codes.pow2_normalizer``).
+
+    Under the interpreter, which calls a reduction's combine function in Python once per pair of values, the
+    absmax is the largest of the magnitudes' bits instead: the same value wherever it is finite or infinite,
+    and a NaN wherever the row holds one (a NaN's magnitude bits lie above infinity's), which is all that
+    reads it (the skip test, and the scale stored only for groups that are kept)."""
+    if COMPILED:
+        absmax = tl.reduce(tl.abs(m), 1, max_propagating_nan)
+    else:
+        absmax = tl.max(tl.abs(m).to(tl.int32, bitcast=True), 1).to(tl.float32, bitcast=True)
     a = tl.where(absmax > 0, absmax, 1.0)
     e = tl.minimum(tl.maximum(a.to(tl.int32, bitcast=True) >> 23, 8), 253)
     return absmax, a, e, ((254 - e) << 23).to(tl.float32, bitcast=True)

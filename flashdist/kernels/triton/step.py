@@ -215,7 +215,7 @@ def step_block(
             # 2^-48 taken as 0, divided, times step_size / s; the quotients lie in [2^-125, 2^124] (or are 0)
             # when FAST_UPDATE, where div_normalized needs no range check or branch. (The approximate variant
             # scales too, to stay the reference's function up to its division; docs/benchmarks.md has its cost.)
-            absmax, a, e, s = group_normalizer(m)
+            absmax, a, e, s = group_normalizer(m, COMPILED)
             scaled = m * s[:, None]
             scaled = tl.where(tl.abs(scaled) < UPDATE_FLUSH, 0.0, scaled)
             if EXACT and FAST_UPDATE:
@@ -265,7 +265,7 @@ def step_block(
     if QUANTIZED:
         # (Adam's update computed the first moment's absmax, with a and the normalizer s below.)
         if ALGO != ADAM_ALGO:
-            absmax, a, e, s = group_normalizer(m)
+            absmax, a, e, s = group_normalizer(m, COMPILED)
             bad_group = ~(absmax <= SCALE_MAX)
         elif COMPANDED:  # the second moment is stored as codes of u = sqrt(v)
             v_absmax = tl.max(u, axis=1)
