@@ -2,7 +2,8 @@
 // CUDA graph needs unchanged (flashdist/optim/graph.py). In Python the same check costs two attribute or method calls
 // per tensor (a few hundred nanoseconds each); here a few nanoseconds.
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/utils/pybind.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 namespace {
