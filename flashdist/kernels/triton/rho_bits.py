@@ -212,8 +212,8 @@ def new_param(theta, x, P_KIND: tl.constexpr, RHO_KIND: tl.constexpr, RHO_LOG2: 
               FLAG: tl.constexpr, COMPILED: tl.constexpr):
     """``rho.split`` of ``theta`` (without rho: ``theta`` rounded to the param dtype) as (the parameter: its
     bf16 bits in the low 16 of an int32, sign extended, or its fp32 value for fp16 and fp32; rho as an int32
-    (with a bf16 parameter: an int8 for int8 rho, rho in the low half for int16 rho), 0 without rho; ``x``, with ``FLAG`` NaN where the parameter
-    is not finite)."""
+    (with a bf16 parameter: an int8 for int8 rho, rho in the low half for int16 rho), 0 without rho; ``x``,
+    with ``FLAG`` NaN where the parameter is not finite)."""
     r = 0
     if P_KIND == 0:
         if RHO_KIND != 0:
