@@ -44,21 +44,37 @@ def _cpu_flags() -> set[str]:
         return set()
 
 
+def _copy_source(folder):
+    """step.cpp and the headers beside it, copied into folder; the copy of step.cpp"""
+    for f in [cpu.SOURCE, *cpu.SOURCE.parent.glob("*.h")]:
+        shutil.copy(f, folder / f.name)
+    return folder / cpu.SOURCE.name
+
+
 @pytest.mark.skipif(not {"avx512f", "avx512bw", "avx512vl"} <= _cpu_flags(),
                     reason="this CPU has no AVX-512 F/BW/VL: the block code is the whole fused step")
 def test_avx512_path_is_built():
     # the bitwise tests below then run FlashAdam(W)'s 8-bit cases through the vectorised path
     assert cpu.vector_isa() == "avx512"
 
+
+@pytest.mark.skipif("avx2" not in _cpu_flags() or {"avx512f", "avx512bw", "avx512vl"} <= _cpu_flags(),
+                    reason="this CPU has no AVX2, or has AVX-512 (its path is built; test_avx2_path covers AVX2)")
+def test_avx2_path_is_built():
+    # the bitwise tests below then run FlashAdam(W)'s 8-bit cases through the AVX2 path
+    assert cpu.vector_isa() == "avx2"
+
 def test_build_key_covers_the_headers_beside_the_source(tmp_path):
-    # a changed avx512.h must rebuild, not load a stale library
-    shutil.copy(cpu.SOURCE, tmp_path / "step.cpp")
-    shutil.copy(cpu.SOURCE.with_name("avx512.h"), tmp_path / "avx512.h")
-    before = cpu.build_key(tmp_path / "step.cpp")
+    # a changed header must rebuild, not load a stale library
+    source = _copy_source(tmp_path)
+    before = cpu.build_key(source)
     assert before == cpu.build_key()
-    with open(tmp_path / "avx512.h", "a") as f:
-        f.write("\n")
-    assert cpu.build_key(tmp_path / "step.cpp") != before
+    for header in ("avx512.h", "avx2.h"):
+        with open(tmp_path / header, "a") as f:
+            f.write("\n")
+        after = cpu.build_key(source)
+        assert after != before
+        before = after
 
 
 def test_build_from_and_using_swap_the_step_for_a_block(tmp_path):
@@ -300,16 +316,16 @@ def test_stale_build_lock_does_not_hang(tmp_path):
     assert not (dst / "lock").exists() and (dst / "built").exists()
 
 
-@pytest.mark.parametrize("opt", ["sgd", "lion", "lion-fp32-moments"])
+@pytest.mark.parametrize("opt", ["sgd", "lion", "lion-fp32-moments", "adamw"])
 @pytest.mark.parametrize("bits", [24, 32])
 @pytest.mark.parametrize("lr", [0.0, 1e-3])
 def test_split_and_merge_on_every_bf16_value(bits, lr, opt):
     """Every bf16 value, each with the low halves of fp32 that sit on or next to a rounding edge of the split
     (ties, the last rho step, carries into the exponent), including zeros, subnormals, the largest finite
-    values, infinities and NaNs: merged and split again by an SGD or a Lion step (lr 0: the same master
-    weights; lr 1e-3: moved ones) through the fused step and the reference, bitwise. The two keep the split
-    parameter differently until they store it (SGD checks it for infinities first), as FlashAdam(W) keeps it
-    as Lion does; with fp32 moments the block code splits it (the vectorised path takes 8-bit moments). Among
+    values, infinities and NaNs: merged and split again by an SGD, a Lion or an AdamW step (lr 0: the same
+    master weights; lr 1e-3: moved ones) through the fused step and the reference, bitwise. SGD and Lion keep
+    the split parameter differently until they store it (SGD checks it for infinities first), and FlashAdam(W)
+    keeps it as Lion does; with fp32 moments the block code splits it (the vectorised path takes 8-bit moments). Among
     them: negative master weights in the upper half of the last bf16 step, which the reference splits to -inf
     (the parameter rounds to inf before any step up)."""
     hi = torch.arange(1 << 16, dtype=torch.int64) << 16
@@ -319,12 +335,17 @@ def test_split_and_merge_on_every_bf16_value(bits, lr, opt):
     param, rho = R.split(theta, torch.bfloat16, R.rho_dtype(bits))
     grad = torch.randn(theta.shape, generator=torch.Generator().manual_seed(0)).bfloat16()
     codes, scales = Q.quantize_exp_avg(torch.zeros(theta.shape), theta.shape[1], True)
+    sq, sq_scales = Q.quantize_exp_avg_sq(torch.full(theta.shape, 1e-6), theta.shape[1], True)
     if opt == "lion-fp32-moments":
         codes, scales = torch.zeros(theta.shape), None
     runs = []
     for backend in ("cpu", "reference"):
-        state = [t.clone() if t is not None else None for t in (param, rho, codes, scales)]
-        if opt == "sgd":
+        state = [t.clone() if t is not None else None for t in (param, rho, codes, scales, sq, sq_scales)]
+        if opt == "adamw":
+            flash_adam([state[0]], [grad], [state[2]], [state[4]], [state[3]], [state[5]], [state[1]],
+                       cols=[theta.shape[1]], lr=lr, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, step=2,
+                       decoupled=True, companded=True, backend=backend)
+        elif opt == "sgd":
             flash_sgd([state[0]], [grad], [state[2]], [state[3]], [state[1]], cols=[theta.shape[1]], lr=lr,
                       momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=False, step=2, decoupled=True,
                       backend=backend)
@@ -332,7 +353,7 @@ def test_split_and_merge_on_every_bf16_value(bits, lr, opt):
             flash_lion([state[0]], [grad], [state[2]], None if scales is None else [state[3]], [state[1]],
                        cols=[theta.shape[1]], lr=lr, beta1=0.9, beta2=0.99, weight_decay=0.0, backend=backend)
         runs.append(state)
-    for what, a, b in zip(("param", "rho", "moments", "scales"), *runs):
+    for what, a, b in zip(("param", "rho", "moments", "scales", "second moments", "their scales"), *runs):
         if a is not None:
             assert_same_bits(a, b, what)
     if lr == 0.0:  # finite master weights of non-zero parameters come back as they were
@@ -348,9 +369,8 @@ def test_avx512_path_without_vbmi(tmp_path):
     the narrowing stores and the companded first moment's values take their fallbacks. Built here with the VBMI
     macro undefined, and bitwise against the reference on the 8-bit cases of every optimizer and on every bf16
     value's split."""
-    src = tmp_path / "step.cpp"
+    src = _copy_source(tmp_path)
     src.write_text("#include <immintrin.h>\n#undef __AVX512VBMI__\n" + cpu.SOURCE.read_text())
-    shutil.copy(cpu.SOURCE.with_name("avx512.h"), tmp_path / "avx512.h")
     module = cpu.build_from(src)
     with cpu.using(module):
         assert cpu.vector_isa() == "avx512"
@@ -382,3 +402,22 @@ def test_first_moment_code_minus_128(companded):
     for what, a, b in zip(("param", "exp_avg", "exp_avg_sq", "scales", "sq scales", "rho"), *runs):
         assert_same_bits(a, b, what)
     assert not torch.equal(runs[0][0], param)
+
+
+@pytest.mark.skipif(not {"avx2", "avx512f", "avx512bw", "avx512vl"} <= _cpu_flags(),
+                    reason="this CPU has no AVX-512: the package's own build is the AVX2 path, which the tests above "
+                           "cover (or it has no AVX2 either)")
+def test_avx2_path(tmp_path):
+    """The vectorised path of CPUs with AVX2 but no AVX-512 (AMD Zen 1-3, Intel client cores), built here with the
+    AVX-512 macros undefined, bitwise against the reference on the 8-bit FlashAdam(W) cases (whole blocks, a row's
+    partial block, bf16 and fp32 parameters) and on parameters of every bf16 value."""
+    src = _copy_source(tmp_path)
+    src.write_text("#include <immintrin.h>\n#undef __AVX512F__\n" + cpu.SOURCE.read_text())
+    with cpu.using(cpu.build_from(src)):
+        assert cpu.vector_isa() == "avx2"
+        for case in CASES:
+            if case.opt.startswith("adam") and case.moments.startswith("q"):
+                _run(case)
+        for bits in (24, 32):
+            test_split_and_merge_on_every_bf16_value(bits, 1e-3, "adamw")
+        test_first_moment_code_minus_128(True)

@@ -27,7 +27,7 @@
 #include <string>
 #include <vector>
 
-#ifdef __F16C__
+#if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -517,6 +517,7 @@ inline void load_signed(const Desc& d, const Block& s, int which, bool companded
 }
 
 #include "avx512.h"  // namespace simd: the AVX-512 path, where the build machine has it
+#include "avx2.h"    // namespace avx2: the AVX2 path, where it has AVX2 but not AVX-512
 
 // ---- the steps ----
 
@@ -537,6 +538,18 @@ struct Adam {
                                                   decoupled, companded);
       if (d.pdt == F32)
         return simd::adam_block<simd::FP32>(d, s, beta1, beta2, omb1, omb2, eps, wd, decay, step_size, ibc2,
+                                            decoupled, companded);
+    }
+#elif defined(FLASHDIST_AVX2)
+    if (quantized && (d.gdt == BF16 || d.gdt == F32)) {
+      if (d.pdt == BF16 && d.rho && d.rdt == I8)
+        return avx2::adam_block<avx2::BF16_RHO8>(d, s, beta1, beta2, omb1, omb2, eps, wd, decay, step_size, ibc2,
+                                                 decoupled, companded);
+      if (d.pdt == BF16 && d.rho && d.rdt == I16)
+        return avx2::adam_block<avx2::BF16_RHO16>(d, s, beta1, beta2, omb1, omb2, eps, wd, decay, step_size, ibc2,
+                                                  decoupled, companded);
+      if (d.pdt == F32)
+        return avx2::adam_block<avx2::FP32>(d, s, beta1, beta2, omb1, omb2, eps, wd, decay, step_size, ibc2,
                                             decoupled, companded);
     }
 #endif
@@ -875,8 +888,10 @@ int64_t lion_step(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
 
 // The instruction set of the explicitly vectorised paths this build has ("" where the block code runs alone).
 std::string vector_isa() {
-#ifdef FLASHDIST_AVX512
+#if defined(FLASHDIST_AVX512)
   return "avx512";
+#elif defined(FLASHDIST_AVX2)
+  return "avx2";
 #else
   return "";
 #endif

@@ -1,0 +1,370 @@
+// The explicitly vectorised (AVX2) part of step.cpp's fused CPU steps, for CPUs without AVX-512 (AMD Zen 1-3,
+// Intel client cores and Xeons before Skylake-SP). Not a standalone header: step.cpp includes it after the
+// block code's helpers (Desc, Block, the bf16 and code helpers, the scale bounds), whose semantics it
+// reproduces bit for bit, as avx512.h does with 16 lanes.
+//
+// One block (up to 8 quantization groups of one row) is computed as avx512.h computes it: every group's new
+// moments and absmaxes, the per-group values of all groups at once (one lane each, here 8 lanes for 8 groups),
+// then each group's update and codes. A group is four 8-lane vectors. The operations and their order are those
+// of the block code: IEEE + - * / sqrt, round to nearest even, no FMA (-ffp-contract=off). Parameters that are
+// zero, infinite or NaN, and master weights within a bf16 step of the largest finite value, are merged and
+// split by the block code's scalar functions (the group's 32 values); a block that ends inside a group (a
+// row's last) runs on a zero-padded copy of its values, which reads as the reference's padding, and only the
+// row's values are copied back.
+#pragma once
+
+#if !defined(FLASHDIST_AVX512) && defined(__AVX2__)
+#define FLASHDIST_AVX2 1
+
+namespace avx2 {
+
+using V = __m256;
+using I = __m256i;
+
+inline V vf(float x) { return _mm256_set1_ps(x); }
+inline I vi(int32_t x) { return _mm256_set1_epi32(x); }
+inline I as_int(V x) { return _mm256_castps_si256(x); }
+inline V as_float(I x) { return _mm256_castsi256_ps(x); }
+inline V vabs(V x) { return _mm256_and_ps(x, as_float(vi(0x7FFFFFFF))); }
+inline __m128i ld128(const void* p) { return _mm_loadu_si128(static_cast<const __m128i*>(p)); }
+inline __m128i ld64(const void* p) { return _mm_loadl_epi64(static_cast<const __m128i*>(p)); }
+
+// Unsigned x >= c in every lane's bits, as a lane mask: max(x, c) == x
+inline I ge_u32(I x, I c) { return _mm256_cmpeq_epi32(_mm256_max_epu32(x, c), x); }
+
+// 8 values of each source type as fp32 (bf16: its bits in the upper half) or int32
+inline V load_bf16(const uint16_t* p) { return as_float(_mm256_slli_epi32(_mm256_cvtepu16_epi32(ld128(p)), 16)); }
+inline I load_i8(const int8_t* p) { return _mm256_cvtepi8_epi32(ld64(p)); }
+inline I load_u8(const uint8_t* p) { return _mm256_cvtepu8_epi32(ld64(p)); }
+inline I load_i16(const int16_t* p) { return _mm256_cvtepi16_epi32(ld128(p)); }
+
+// Narrowing stores of a group's four vectors: byte `byte` of each lane (32 bytes), or the low or high word of
+// each lane of two vectors (16 words), in order. Each vector's bytes are gathered into its own quarter of every
+// 128-bit half (pshufb), the four are or-ed, and one permute puts the halves' quarters in order: the bytes the
+// truncating conversions keep.
+// Mask v of BYTE_MASKS[byte] takes byte `byte` of each lane of a 128-bit half into quarter v of that half
+// (-128: a zero byte)
+constexpr std::array<std::array<int8_t, 32>, 4> byte_masks(int byte) {
+  std::array<std::array<int8_t, 32>, 4> m{};
+  for (int v = 0; v < 4; ++v)
+    for (int b = 0; b < 32; ++b) m[v][b] = int8_t(b % 16 / 4 == v ? 4 * (b % 4) + byte : -128);
+  return m;
+}
+alignas(32) inline constexpr std::array<std::array<int8_t, 32>, 4> BYTE_MASKS[2] = {byte_masks(0), byte_masks(1)};
+
+template <int byte>
+__attribute__((always_inline)) inline void st8x4(void* p, const I x[4]) {
+  I y = _mm256_setzero_si256();
+  for (int v = 0; v < 4; ++v)
+    y = _mm256_or_si256(y, _mm256_shuffle_epi8(x[v], _mm256_load_si256(reinterpret_cast<const I*>(BYTE_MASKS[byte][v].data()))));
+  y = _mm256_permutevar8x32_epi32(y, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(static_cast<I*>(p), y);
+}
+template <bool high>
+__attribute__((always_inline)) inline void st16x2(void* p, I a, I b) {
+  constexpr int8_t o = high ? 2 : 0, z = -128;  // the word's first byte; a zero byte
+  const I ma = _mm256_setr_epi8(o, o + 1, o + 4, o + 5, o + 8, o + 9, o + 12, o + 13, z, z, z, z, z, z, z, z,
+                                o, o + 1, o + 4, o + 5, o + 8, o + 9, o + 12, o + 13, z, z, z, z, z, z, z, z);
+  const I mb = _mm256_setr_epi8(z, z, z, z, z, z, z, z, o, o + 1, o + 4, o + 5, o + 8, o + 9, o + 12, o + 13,
+                                z, z, z, z, z, z, z, z, o, o + 1, o + 4, o + 5, o + 8, o + 9, o + 12, o + 13);
+  const I y = _mm256_or_si256(_mm256_shuffle_epi8(a, ma), _mm256_shuffle_epi8(b, mb));
+  _mm256_storeu_si256(static_cast<I*>(p), _mm256_permute4x64_epi64(y, 0xD8));  // quarters a0 b0 a1 b1 -> a0 a1 b0 b1
+}
+// The codes of a group, rounded (round to nearest even, the default rounding mode): signed codes in
+// [-127, 127] or unsigned ones in [0, 255], so the saturating packs keep them as the truncation would
+template <bool is_signed>
+__attribute__((always_inline)) inline void store_codes4(void* p, const V x[4]) {
+  const I ab = _mm256_packs_epi32(_mm256_cvtps_epi32(x[0]), _mm256_cvtps_epi32(x[1]));
+  const I cd = _mm256_packs_epi32(_mm256_cvtps_epi32(x[2]), _mm256_cvtps_epi32(x[3]));
+  I y = is_signed ? _mm256_packs_epi16(ab, cd) : _mm256_packus_epi16(ab, cd);
+  y = _mm256_permutevar8x32_epi32(y, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(static_cast<I*>(p), y);
+}
+
+enum Param { BF16_RHO8, BF16_RHO16, FP32 };
+
+// theta (the fp32 master weight) of a group's 32 values at i. bf16 + rho: the common case of merge_bf16, a
+// finite non-zero parameter's bits moved by rho << shift toward its sign, ((t ^ s) + d) ^ s with s the sign
+// spread over the lane; a group with a zero, infinite or NaN parameter (on the 16 bits x, (x << 1) - 1 >=
+// 0xFEFF unsigned) is merged by merge_bf16 itself.
+template <Param P>
+__attribute__((always_inline)) inline void load_theta4(const Desc& d, int64_t i, V out[4]) {
+  if constexpr (P == FP32) {
+    for (int v = 0; v < 4; ++v) out[v] = _mm256_loadu_ps(static_cast<const float*>(d.param) + i + 8 * v);
+  } else {
+    const uint16_t* p = static_cast<const uint16_t*>(d.param) + i;
+    int rare = 0;
+    for (int h = 0; h < 2; ++h) {
+      const I x = _mm256_loadu_si256(reinterpret_cast<const I*>(p + 16 * h));
+      const I y = _mm256_add_epi16(_mm256_slli_epi16(x, 1), _mm256_set1_epi16(-1));
+      const I c = _mm256_set1_epi16(int16_t(0xFEFF));
+      rare |= _mm256_movemask_epi8(_mm256_cmpeq_epi16(_mm256_max_epu16(y, c), y));
+    }
+    if (rare) {
+      alignas(32) float t[G];
+      if constexpr (P == BF16_RHO8) merge_bf16(p, static_cast<const int8_t*>(d.rho) + i, t, 8, G);
+      else merge_bf16(p, static_cast<const int16_t*>(d.rho) + i, t, 0, G);
+      for (int v = 0; v < 4; ++v) out[v] = _mm256_load_ps(t + 8 * v);
+      return;
+    }
+    for (int v = 0; v < 4; ++v) {
+      const I t = as_int(load_bf16(p + 8 * v));
+      const I dd = P == BF16_RHO8 ? _mm256_slli_epi32(load_i8(static_cast<const int8_t*>(d.rho) + i + 8 * v), 8)
+                                  : load_i16(static_cast<const int16_t*>(d.rho) + i + 8 * v);
+      const I s = _mm256_srai_epi32(t, 31);
+      out[v] = as_float(_mm256_xor_si256(_mm256_add_epi32(_mm256_xor_si256(t, s), dd), s));
+    }
+  }
+}
+
+// The new parameter (and rho) of a group's 32 values at i from theta. bf16 + rho: avx512.h's split_common (its
+// comment derives it): hi's high word is the bf16 value, lo's byte 1 (int8 rho) or low word (int16) is rho. A
+// group with a master weight of magnitude >= 0x7F7F0000 (within a bf16 step of the largest finite value,
+// infinite or NaN) is split by split_bf16 itself.
+template <Param P>
+__attribute__((always_inline)) inline void store_theta4(const Desc& d, int64_t i, const V theta[4]) {
+  if constexpr (P == FP32) {
+    for (int v = 0; v < 4; ++v) _mm256_storeu_ps(static_cast<float*>(d.param) + i + 8 * v, theta[v]);
+  } else {
+    uint16_t* p = static_cast<uint16_t*>(d.param) + i;
+    I twice = _mm256_setzero_si256();
+    for (int v = 0; v < 4; ++v) twice = _mm256_max_epu32(twice, _mm256_slli_epi32(as_int(theta[v]), 1));
+    if (_mm256_movemask_epi8(ge_u32(twice, vi(int32_t(0xFEFE0000u))))) {
+      alignas(32) float t[G];
+      for (int v = 0; v < 4; ++v) _mm256_store_ps(t + 8 * v, theta[v]);
+      if constexpr (P == BF16_RHO8) split_bf16<int8_t, 8>(t, p, static_cast<int8_t*>(d.rho) + i, G);
+      else split_bf16<int16_t, 0>(t, p, static_cast<int16_t*>(d.rho) + i, G);
+      return;
+    }
+    I hi[4], lo[4];
+    for (int v = 0; v < 4; ++v) {
+      const I x = as_int(theta[v]), s = _mm256_srai_epi32(x, 31);  // s = -1 for a negative theta
+      if constexpr (P == BF16_RHO8) {  // t - 256 and 127 - x = ~x + 128 where negative
+        hi[v] = _mm256_add_epi32(_mm256_add_epi32(x, vi(128 + (128 << 8))), _mm256_slli_epi32(s, 8));
+        lo[v] = _mm256_add_epi32(_mm256_xor_si256(x, s), vi(128));
+      } else {  // t - 1 and -x where negative
+        hi[v] = _mm256_add_epi32(_mm256_add_epi32(x, vi(32768)), s);
+        lo[v] = _mm256_sub_epi32(_mm256_xor_si256(x, s), s);
+      }
+    }
+    if constexpr (P == BF16_RHO8) {
+      st8x4<1>(static_cast<int8_t*>(d.rho) + i, lo);
+    } else {
+      st16x2<false>(static_cast<int16_t*>(d.rho) + i, lo[0], lo[1]);
+      st16x2<false>(static_cast<int16_t*>(d.rho) + i + 16, lo[2], lo[3]);
+    }
+    st16x2<true>(p, hi[0], hi[1]);
+    st16x2<true>(p + 16, hi[2], hi[3]);
+  }
+}
+
+__attribute__((always_inline)) inline void load_grad4(const Desc& d, int64_t i, V out[4]) {
+  for (int v = 0; v < 4; ++v)
+    out[v] = d.gdt == BF16 ? load_bf16(static_cast<const uint16_t*>(d.grad) + i + 8 * v)
+                           : _mm256_loadu_ps(static_cast<const float*>(d.grad) + i + 8 * v);
+}
+
+// The first moment before its group's scale (dequantize_signed with scale and factor 1): y / (2 - |y|) of
+// y = code / 127 where companded, the code where linear
+inline V first_moment_value(const int8_t* p, bool companded) {
+  const V c = _mm256_cvtepi32_ps(load_i8(p));
+  if (!companded) return c;
+  const V y = _mm256_mul_ps(c, vf(INV127));
+  return _mm256_div_ps(y, _mm256_sub_ps(vf(2.0f), vabs(y)));
+}
+
+// Lane-wise max of the magnitudes' bits of a group's vectors
+inline I absmax_lanes(const V x[4]) {
+  I a = _mm256_max_epu32(as_int(vabs(x[0])), as_int(vabs(x[1])));
+  return _mm256_max_epu32(a, _mm256_max_epu32(as_int(vabs(x[2])), as_int(vabs(x[3]))));
+}
+
+// x[0..7] -> one vector whose lane q is the largest (unsigned) lane of x[q]: a transposing tree
+__attribute__((always_inline)) inline I reduce_max8(const I* x) {
+  I p[4], q[2];
+  for (int i = 0; i < 4; ++i)
+    p[i] = _mm256_max_epu32(_mm256_unpacklo_epi32(x[2 * i], x[2 * i + 1]), _mm256_unpackhi_epi32(x[2 * i], x[2 * i + 1]));
+  for (int i = 0; i < 2; ++i)
+    q[i] = _mm256_max_epu32(_mm256_unpacklo_epi64(p[2 * i], p[2 * i + 1]), _mm256_unpackhi_epi64(p[2 * i], p[2 * i + 1]));
+  return _mm256_max_epu32(_mm256_permute2x128_si256(q[0], q[1], 0x20), _mm256_permute2x128_si256(q[0], q[1], 0x31));
+}
+
+// Per-group values of a block's up to 8 groups, one lane each (avx512.h's GroupValues, from the same fp32
+// operations as quantize_signed, quantize_unsigned and the update's scaling)
+struct GroupValues {
+  alignas(32) float sn[8], step[8], k254[8], as[8], mlift[8], mrcp[8], vlift[8], vrcp[8];
+  uint32_t bad;  // bit q: group q's new moments do not fit their scales (the group is skipped)
+};
+
+inline V nonzero_or_one_bits(I bits) {  // absmax bits (no sign): 0 -> 1.0
+  return as_float(_mm256_blendv_epi8(bits, vi(0x3F800000), _mm256_cmpeq_epi32(bits, _mm256_setzero_si256())));
+}
+inline V lift_of(V a) {  // a < TINY ? LIFT : 1 (a NaN: 1)
+  return _mm256_blendv_ps(vf(1.0f), vf(LIFT), _mm256_cmp_ps(a, vf(TINY), _CMP_LT_OQ));
+}
+// Lanes (as bits) whose absmax bits are above bound; magnitudes' bits are below 2^31, so the signed comparison
+// is the unsigned one (a NaN's bits are above every bound)
+inline uint32_t above(I bits, float bound) {
+  return uint32_t(_mm256_movemask_ps(as_float(_mm256_cmpgt_epi32(bits, vi(int32_t(f2u(bound)))))));
+}
+
+// The first moment's values (signed_group_values of avx512.h); returns the lanes that overflow the scale, e:
+// pow2_normalizer's exponent (1 / sn = 2^(e - 127) exactly)
+inline uint32_t signed_group_values(I am, bool companded, GroupValues& out, I& e) {
+  const V a = nonzero_or_one_bits(am);
+  e = _mm256_min_epi32(_mm256_max_epi32(_mm256_srli_epi32(as_int(a), 23), vi(8)), vi(253));
+  const V sn = as_float(_mm256_slli_epi32(_mm256_sub_epi32(vi(254), e), 23));
+  _mm256_store_ps(out.sn, sn);
+  if (companded) {
+    _mm256_store_ps(out.k254, _mm256_mul_ps(vf(254.0f), sn));
+    _mm256_store_ps(out.as, _mm256_mul_ps(a, sn));
+  } else {
+    const V lift = lift_of(a);
+    _mm256_store_ps(out.mlift, lift);
+    _mm256_store_ps(out.mrcp, _mm256_div_ps(vf(127.0f), _mm256_mul_ps(a, lift)));
+  }
+  return above(am, SCALE_MAX);
+}
+
+// The new scales of the groups kept: bf16 of their absmaxes (finite, so f2bf's rounding on the bits), all
+// eight in one store where the block has eight groups and keeps them all
+inline void store_scales(uint16_t* scales, int groups, uint32_t bad, I absmax) {
+  const I odd = _mm256_and_si256(_mm256_srli_epi32(absmax, 16), vi(1));
+  const I b = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(absmax, vi(0x7FFF)), odd), 16);
+  const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+  if (groups == B / G && !bad) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(scales), w);
+    return;
+  }
+  alignas(16) uint16_t v[8];
+  _mm_store_si128(reinterpret_cast<__m128i*>(v), w);
+  for (int q = 0; q < groups; ++q)
+    if (!(bad >> q & 1)) scales[q] = v[q];
+}
+
+// A group's int8 codes (before rounding) of 16 values m of group q of a first moment
+inline V signed_code(V m, const GroupValues& gv, int q, bool companded) {
+  if (companded)
+    return _mm256_div_ps(_mm256_mul_ps(m, vf(gv.k254[q])), _mm256_add_ps(vf(gv.as[q]), _mm256_mul_ps(vabs(m), vf(gv.sn[q]))));
+  return _mm256_mul_ps(_mm256_mul_ps(m, vf(gv.mlift[q])), vf(gv.mrcp[q]));
+}
+
+// A block that ends inside a group, run by `run` on a zero-padded copy (base 0) of its values; the row's values
+// of the parameter, rho and moment codes are copied back. Zero gradients, parameters and codes past the row give
+// zero moments there, as the reference's padding does, and their lanes are not written back.
+template <class Run>
+int64_t on_padded_copy(const Desc& d, const Block& s, Run run) {
+  alignas(32) uint8_t param[4 * B], grad[4 * B], rho[2 * B], mom[2][B];
+  const size_t psize = d.pdt == F32 ? 4 : 2, gsize = d.gdt == F32 ? 4 : 2, rsize = d.rdt == I8 ? 1 : 2;
+  Desc c = d;
+  auto copy_in = [&](void* dst, const void* src, size_t size) {
+    std::memcpy(dst, static_cast<const uint8_t*>(src) + s.base * size, s.n * size);
+    std::memset(static_cast<uint8_t*>(dst) + s.n * size, 0, (s.L - s.n) * size);
+  };
+  copy_in(param, d.param, psize);
+  copy_in(grad, d.grad, gsize);
+  c.param = param;
+  c.grad = grad;
+  if (d.rho) { copy_in(rho, d.rho, rsize); c.rho = rho; }
+  for (int k = 0; k < 2; ++k)
+    if (d.mom[k]) { copy_in(mom[k], d.mom[k], 1); c.mom[k] = mom[k]; }
+  const int64_t skipped = run(c, Block{0, s.L, s.L, s.sidx});
+  std::memcpy(static_cast<uint8_t*>(d.param) + s.base * psize, param, s.n * psize);
+  if (d.rho) std::memcpy(static_cast<uint8_t*>(d.rho) + s.base * rsize, rho, s.n * rsize);
+  for (int k = 0; k < 2; ++k)
+    if (d.mom[k]) std::memcpy(static_cast<uint8_t*>(d.mom[k]) + s.base, mom[k], s.n);
+  return skipped;
+}
+
+// One block of FlashAdam(W) with 8-bit moments whose values are whole groups (s.n == s.L); the number of
+// skipped groups.
+template <Param P, bool decoupled, bool companded>
+int64_t adam_block(const Desc& d, const Block& s, float beta1, float beta2, float omb1, float omb2, float eps,
+                   float wd, float decay, float step_size, float ibc2) {
+  const int8_t* mc = static_cast<const int8_t*>(d.mom[0]);
+  const uint8_t* vc = static_cast<const uint8_t*>(d.mom[1]);
+  const int groups = s.L / G;
+  V m[B / G][4], sec[B / G][4], th[B / G][4];
+  I am[B / G], au[B / G];
+  for (int q = groups; q < B / G; ++q) am[q] = au[q] = _mm256_setzero_si256();
+  for (int q = 0; q < groups; ++q) {
+    const float sm = bf16_value(d.scales[0][s.sidx + q]), sv = bf16_value(d.scales[1][s.sidx + q]);
+    const V mmult = vf(companded ? sm * beta1 : (sm * INV127) * beta1);
+    const float su = sv * INV255;
+    const V vmult = vf(companded ? (su * su) * beta2 : su * beta2);
+    const int64_t i0 = s.base + int64_t(q) * G;
+    V gs[4];
+    load_grad4(d, i0, gs);
+    load_theta4<P>(d, i0, th[q]);
+    for (int v = 0; v < 4; ++v) {
+      const int64_t i = i0 + 8 * v;
+      V g = gs[v];
+      V mj = _mm256_mul_ps(first_moment_value(mc + i, companded), mmult);
+      const V cv = _mm256_cvtepi32_ps(load_u8(vc + i));
+      V vj = _mm256_mul_ps(companded ? _mm256_mul_ps(cv, cv) : cv, vmult);
+      if (decoupled) th[q][v] = _mm256_mul_ps(th[q][v], vf(decay));
+      else g = _mm256_add_ps(g, _mm256_mul_ps(th[q][v], vf(wd)));
+      m[q][v] = _mm256_add_ps(mj, _mm256_mul_ps(g, vf(omb1)));
+      vj = _mm256_add_ps(vj, _mm256_mul_ps(_mm256_mul_ps(g, g), vf(omb2)));
+      sec[q][v] = companded ? _mm256_sqrt_ps(vj) : vj;
+    }
+    am[q] = absmax_lanes(m[q]);
+    au[q] = absmax_lanes(sec[q]);
+  }
+  const I amax = reduce_max8(am), umax = reduce_max8(au);
+  GroupValues gv;
+  I e;
+  gv.bad = (signed_group_values(amax, companded, gv, e) | above(umax, companded ? SQRT_SCALE_MAX : SCALE_MAX)) &
+           ((1u << groups) - 1);
+  _mm256_store_ps(gv.step, _mm256_mul_ps(vf(step_size), as_float(_mm256_slli_epi32(e, 23))));
+  const V b = nonzero_or_one_bits(umax), lift = lift_of(b);
+  _mm256_store_ps(gv.vlift, lift);
+  _mm256_store_ps(gv.vrcp, _mm256_div_ps(vf(255.0f), _mm256_mul_ps(b, lift)));
+  store_scales(d.scales[0] + s.sidx, groups, gv.bad, amax);
+  store_scales(d.scales[1] + s.sidx, groups, gv.bad, umax);
+  for (int q = 0; q < groups; ++q) {
+    if (gv.bad >> q & 1) continue;  // the group keeps its old state (skip_groups)
+    V theta[4], code_m[4], code_u[4];
+    const V sn = vf(gv.sn[q]), step = vf(gv.step[q]), vrcp = vf(gv.vrcp[q]);
+    for (int v = 0; v < 4; ++v) {
+      const V mj = m[q][v];
+      V x, den;
+      if (companded) {  // |m| sn, which is |m sn| bit for bit, serves the flush and the companding
+        const V ax = _mm256_mul_ps(vabs(mj), sn);
+        x = _mm256_and_ps(_mm256_mul_ps(mj, sn), _mm256_cmp_ps(ax, vf(UPDATE_FLUSH), _CMP_NLT_UQ));
+        code_m[v] = _mm256_div_ps(_mm256_mul_ps(mj, vf(gv.k254[q])), _mm256_add_ps(vf(gv.as[q]), ax));
+        den = _mm256_add_ps(_mm256_mul_ps(sec[q][v], vf(ibc2)), vf(eps));
+      } else {
+        x = _mm256_mul_ps(mj, sn);
+        x = _mm256_and_ps(x, _mm256_cmp_ps(vabs(x), vf(UPDATE_FLUSH), _CMP_NLT_UQ));
+        code_m[v] = signed_code(mj, gv, q, false);
+        den = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(sec[q][v]), vf(ibc2)), vf(eps));
+      }
+      theta[v] = _mm256_sub_ps(th[q][v], _mm256_mul_ps(_mm256_div_ps(x, den), step));
+      const V lifted = gv.vlift[q] == 1.0f ? sec[q][v] : _mm256_mul_ps(sec[q][v], vf(gv.vlift[q]));  // x * 1 is x
+      code_u[v] = _mm256_mul_ps(lifted, vrcp);
+    }
+    const int64_t i = s.base + int64_t(q) * G;
+    store_codes4<true>(static_cast<int8_t*>(d.mom[0]) + i, code_m);
+    store_codes4<false>(static_cast<uint8_t*>(d.mom[1]) + i, code_u);
+    store_theta4<P>(d, i, theta);
+  }
+  return __builtin_popcount(gv.bad);
+}
+
+// adam_block with its flags known when compiling, on whole groups (a block that ends inside a group: on a
+// padded copy)
+template <Param P>
+int64_t adam_block(const Desc& d, const Block& s, float beta1, float beta2, float omb1, float omb2, float eps,
+                   float wd, float decay, float step_size, float ibc2, bool decoupled, bool companded) {
+  auto run = [&](const Desc& dd, const Block& ss) {
+#define FLASHDIST_ADAM(D, C) adam_block<P, D, C>(dd, ss, beta1, beta2, omb1, omb2, eps, wd, decay, step_size, ibc2)
+    if (decoupled) return companded ? FLASHDIST_ADAM(true, true) : FLASHDIST_ADAM(true, false);
+    return companded ? FLASHDIST_ADAM(false, true) : FLASHDIST_ADAM(false, false);
+#undef FLASHDIST_ADAM
+  };
+  return s.n == s.L ? run(d, s) : on_padded_copy(d, s, run);
+}
+
+}  // namespace avx2
+#endif
