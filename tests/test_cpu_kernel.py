@@ -61,7 +61,8 @@ def test_avx512_path_is_built():
 @pytest.mark.skipif("avx2" not in _cpu_flags() or {"avx512f", "avx512bw", "avx512vl"} <= _cpu_flags(),
                     reason="this CPU has no AVX2, or has AVX-512 (its path is built; test_avx2_path covers AVX2)")
 def test_avx2_path_is_built():
-    # the bitwise tests below then run FlashAdam(W)'s 8-bit cases through the AVX2 path
+    # the bitwise tests below then run the 8-bit cases of FlashAdam(W), FlashSGD(W) and FlashLion through the
+    # AVX2 path
     assert cpu.vector_isa() == "avx2"
 
 def test_build_key_covers_the_headers_beside_the_source(tmp_path):
@@ -404,20 +405,59 @@ def test_first_moment_code_minus_128(companded):
     assert not torch.equal(runs[0][0], param)
 
 
+@pytest.mark.parametrize("decoupled", [True, False])
+@pytest.mark.parametrize("bits", [None, 24, 32])
+def test_sgd_skips_a_group_whose_new_parameter_is_not_finite(bits, decoupled):
+    """FlashSGD(W) with 8-bit momentum skips a group whose new parameter is infinite or NaN while its momentum
+    fits its scale: a step that overflows, an infinite and a NaN parameter (fp32 parameters, which the bitwise
+    matrix above never drives there, and bf16 + rho), in whole groups and a row's last, partial one."""
+    gen = torch.Generator().manual_seed(7)
+    shape, cols = (3, 300), 300
+    theta = torch.randn(shape, generator=gen) * 1e-2
+    theta[0, 37], theta[1, 290], theta[2, 100] = 3e38, float("inf"), float("nan")
+    grad = torch.randn(shape, generator=gen) * 1e-3
+    grad[0, 37] = -1e37  # the momentum fits its scale, the step (lr 100) overflows
+    if bits is None:
+        param, rho = theta, None
+    else:
+        param, rho = R.split(theta, torch.bfloat16, R.rho_dtype(bits))
+        grad = grad.bfloat16()
+    buf, scales = Q.quantize_exp_avg(torch.randn(shape, generator=gen) * 1e-3, cols, True)
+    runs, skipped = [], []
+    for backend in ("cpu", "reference"):
+        state = [t.clone() if t is not None else None for t in (param, buf, scales, rho)]
+        count = torch.zeros((), dtype=torch.int32)
+        flash_sgd([state[0]], [grad], [state[1]], [state[2]], None if rho is None else [state[3]], cols=[cols],
+                  lr=100.0, momentum=0.9, dampening=0.0, weight_decay=1e-3, nesterov=False, step=2,
+                  decoupled=decoupled, skipped=count, backend=backend)
+        runs.append(state)
+        skipped.append(int(count))
+    for what, a, b in zip(("param", "momentum", "scales", "rho"), *runs):
+        if a is not None:
+            assert_same_bits(a, b, what)
+    assert skipped[0] == skipped[1] == 3
+
+
 @pytest.mark.skipif(not {"avx2", "avx512f", "avx512bw", "avx512vl"} <= _cpu_flags(),
                     reason="this CPU has no AVX-512: the package's own build is the AVX2 path, which the tests above "
                            "cover (or it has no AVX2 either)")
 def test_avx2_path(tmp_path):
     """The vectorised path of CPUs with AVX2 but no AVX-512 (AMD Zen 1-3, Intel client cores), built here with the
-    AVX-512 macros undefined, bitwise against the reference on the 8-bit FlashAdam(W) cases (whole blocks, a row's
-    partial block, bf16 and fp32 parameters) and on parameters of every bf16 value."""
+    AVX-512 macros undefined, bitwise against the reference on the 8-bit cases of every optimizer (FlashAdam(W),
+    FlashSGD(W), FlashLion; whole blocks, a row's partial block, bf16 and fp32 parameters), on parameters of every
+    bf16 value (AdamW; SGD, which checks the split parameter for infinities before it stores it; Lion) and on SGD
+    groups skipped for a parameter that is not finite."""
     src = _copy_source(tmp_path)
     src.write_text("#include <immintrin.h>\n#undef __AVX512F__\n" + cpu.SOURCE.read_text())
     with cpu.using(cpu.build_from(src)):
         assert cpu.vector_isa() == "avx2"
         for case in CASES:
-            if case.opt.startswith("adam") and case.moments.startswith("q"):
+            if case.moments.startswith("q"):
                 _run(case)
         for bits in (24, 32):
             test_split_and_merge_on_every_bf16_value(bits, 1e-3, "adamw")
+        test_split_and_merge_on_every_bf16_value(24, 1e-3, "lion")
+        test_split_and_merge_on_every_bf16_value(24, 1e-3, "sgd")
+        for bits in (None, 24):
+            test_sgd_skips_a_group_whose_new_parameter_is_not_finite(bits, True)
         test_first_moment_code_minus_128(True)

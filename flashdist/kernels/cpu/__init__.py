@@ -7,11 +7,11 @@ one). The source, ``step.cpp`` beside this file (with ``avx512.h``), is compiled
 keyed by the source, flags, torch and Python versions and the CPU, so later processes load it at once:
 ``$FLASHDIST_CPU_BUILD_DIR``, else ``$XDG_CACHE_HOME/flashdist`` or ``~/.cache/flashdist``. It is built
 with ``-march=native`` (the build runs on the machine that uses it) and ``-ffp-contract=off``, without fast
-math. Where the build machine has AVX-512 (F, BW, VL), FlashAdam(W) with 8-bit moments on bf16 + rho or fp32
-parameters runs an explicitly vectorised path that keeps each quantization group in registers from its codes
-to its new codes (same operations, same bits; with AVX-512 VBMI the companded first moment's values are
-looked up in a table of the same fp32 values instead of divided); ``vector_isa()`` says whether the build has
-it.
+math. Where the build machine has AVX-512 (F, BW, VL), the 8-bit steps on bf16 + rho or fp32 parameters run an
+explicitly vectorised path that keeps each quantization group in registers from its codes to its new codes
+(``avx512.h``; same operations, same bits; with AVX-512 VBMI the companded first moment's values are looked up
+in a table of the same fp32 values instead of divided); where it has AVX2 but not AVX-512 (AMD Zen 1-3, Intel
+client cores), the same blocks in 8-lane vectors (``avx2.h``). ``vector_isa()`` says which the build has.
 Where it cannot be built (no compiler, no ninja) the steps fall back to the reference with one warning.
 ``FLASHDIST_CPU_KERNEL=0`` turns the fused step off.
 
@@ -189,8 +189,8 @@ def using(module):
 
 
 def vector_isa() -> str | None:
-    """The instruction set of the built step's explicitly vectorised paths ("avx512": FlashAdam(W) with 8-bit
-    moments on bf16 + rho or fp32 parameters), "" where the build machine lacks it (the block code, which the
+    """The instruction set of the built step's explicitly vectorised paths ("avx512" or "avx2": the 8-bit steps
+    on bf16 + rho or fp32 parameters), "" where the build machine has neither (the block code, which the
     compiler vectorises, runs alone), or None when the fused step is not built."""
     module = load() if enabled() else None
     return module.vector_isa() if module is not None else None

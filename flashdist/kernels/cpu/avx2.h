@@ -56,7 +56,8 @@ template <int byte>
 __attribute__((always_inline)) inline void st8x4(void* p, const I x[4]) {
   I y = _mm256_setzero_si256();
   for (int v = 0; v < 4; ++v)
-    y = _mm256_or_si256(y, _mm256_shuffle_epi8(x[v], _mm256_load_si256(reinterpret_cast<const I*>(BYTE_MASKS[byte][v].data()))));
+    const I mask = _mm256_load_si256(reinterpret_cast<const I*>(BYTE_MASKS[byte][v].data()));
+    y = _mm256_or_si256(y, _mm256_shuffle_epi8(x[v], mask));
   y = _mm256_permutevar8x32_epi32(y, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
   _mm256_storeu_si256(static_cast<I*>(p), y);
 }
@@ -183,9 +184,11 @@ inline I absmax_lanes(const V x[4]) {
 __attribute__((always_inline)) inline I reduce_max8(const I* x) {
   I p[4], q[2];
   for (int i = 0; i < 4; ++i)
-    p[i] = _mm256_max_epu32(_mm256_unpacklo_epi32(x[2 * i], x[2 * i + 1]), _mm256_unpackhi_epi32(x[2 * i], x[2 * i + 1]));
+    p[i] = _mm256_max_epu32(_mm256_unpacklo_epi32(x[2 * i], x[2 * i + 1]),
+                            _mm256_unpackhi_epi32(x[2 * i], x[2 * i + 1]));
   for (int i = 0; i < 2; ++i)
-    q[i] = _mm256_max_epu32(_mm256_unpacklo_epi64(p[2 * i], p[2 * i + 1]), _mm256_unpackhi_epi64(p[2 * i], p[2 * i + 1]));
+    q[i] = _mm256_max_epu32(_mm256_unpacklo_epi64(p[2 * i], p[2 * i + 1]),
+                            _mm256_unpackhi_epi64(p[2 * i], p[2 * i + 1]));
   return _mm256_max_epu32(_mm256_permute2x128_si256(q[0], q[1], 0x20), _mm256_permute2x128_si256(q[0], q[1], 0x31));
 }
 
@@ -242,10 +245,11 @@ inline void store_scales(uint16_t* scales, int groups, uint32_t bad, I absmax) {
     if (!(bad >> q & 1)) scales[q] = v[q];
 }
 
-// A group's int8 codes (before rounding) of 16 values m of group q of a first moment
+// int8 codes (before rounding) of 8 values m of group q of a first moment
 inline V signed_code(V m, const GroupValues& gv, int q, bool companded) {
   if (companded)
-    return _mm256_div_ps(_mm256_mul_ps(m, vf(gv.k254[q])), _mm256_add_ps(vf(gv.as[q]), _mm256_mul_ps(vabs(m), vf(gv.sn[q]))));
+    return _mm256_div_ps(_mm256_mul_ps(m, vf(gv.k254[q])),
+                         _mm256_add_ps(vf(gv.as[q]), _mm256_mul_ps(vabs(m), vf(gv.sn[q]))));
   return _mm256_mul_ps(_mm256_mul_ps(m, vf(gv.mlift[q])), vf(gv.mrcp[q]));
 }
 
@@ -362,6 +366,155 @@ int64_t adam_block(const Desc& d, const Block& s, float beta1, float beta2, floa
     if (decoupled) return companded ? FLASHDIST_ADAM(true, true) : FLASHDIST_ADAM(true, false);
     return companded ? FLASHDIST_ADAM(false, true) : FLASHDIST_ADAM(false, false);
 #undef FLASHDIST_ADAM
+  };
+  return s.n == s.L ? run(d, s) : on_padded_copy(d, s, run);
+}
+
+// The end of a block of FlashLion or FlashSGD(W) with an 8-bit moment (avx512.h's store_signed_block): the new
+// first moments m of its groups quantized, each group's codes, scale and parameter values (``store_param(q)``)
+// stored, or the group left as it was (skip_groups) where its moment overflows the bf16 scale or it is in
+// ``skip`` (bit q: group q). The number of groups skipped.
+template <bool companded, class StoreParam>
+__attribute__((always_inline)) inline int64_t store_signed_block(const Desc& d, const Block& s, int groups,
+                                                                 const V (*m)[4], const I* amax, uint32_t skip,
+                                                                 StoreParam store_param) {
+  I all[B / G];
+  for (int q = 0; q < B / G; ++q) all[q] = q < groups ? amax[q] : _mm256_setzero_si256();
+  const I am = reduce_max8(all);
+  GroupValues gv;
+  I e;
+  gv.bad = (signed_group_values(am, companded, gv, e) | skip) & ((1u << groups) - 1);
+  store_scales(d.scales[0] + s.sidx, groups, gv.bad, am);
+  for (int q = 0; q < groups; ++q) {
+    if (gv.bad >> q & 1) continue;
+    V code[4];
+    for (int v = 0; v < 4; ++v) code[v] = signed_code(m[q][v], gv, q, companded);
+    store_codes4<true>(static_cast<int8_t*>(d.mom[0]) + s.base + int64_t(q) * G, code);
+    store_param(q);
+  }
+  return __builtin_popcount(gv.bad);
+}
+
+// One block of FlashLion with an 8-bit moment whose values are whole groups (s.n == s.L); the number of skipped
+// groups.
+template <Param P, bool companded>
+int64_t lion_block(const Desc& d, const Block& s, float beta1, float beta2, float omb1, float omb2, float decay,
+                   float lr) {
+  const int8_t* mc = static_cast<const int8_t*>(d.mom[0]);
+  const int groups = s.L / G;
+  V m[B / G][4], th[B / G][4];
+  I am[B / G];
+  for (int q = 0; q < groups; ++q) {
+    const float sm = bf16_value(d.scales[0][s.sidx + q]);
+    const V mult = vf(companded ? sm * 1.0f : (sm * INV127) * 1.0f);  // dequantize_signed's, factor 1
+    const int64_t i0 = s.base + int64_t(q) * G;
+    V gs[4];
+    load_grad4(d, i0, gs);
+    load_theta4<P>(d, i0, th[q]);
+    for (int v = 0; v < 4; ++v) {
+      const V g = gs[v], mo = _mm256_mul_ps(first_moment_value(mc + i0 + 8 * v, companded), mult);
+      const V t = _mm256_mul_ps(th[q][v], vf(decay));
+      const V c = _mm256_add_ps(_mm256_mul_ps(mo, vf(beta1)), _mm256_mul_ps(g, vf(omb1)));
+      // float(c > 0) - float(c < 0): +1, -1, or +0 (zero and NaN)
+      const V dir = _mm256_sub_ps(_mm256_and_ps(_mm256_cmp_ps(c, _mm256_setzero_ps(), _CMP_GT_OQ), vf(1.0f)),
+                                  _mm256_and_ps(_mm256_cmp_ps(c, _mm256_setzero_ps(), _CMP_LT_OQ), vf(1.0f)));
+      th[q][v] = _mm256_sub_ps(t, _mm256_mul_ps(dir, vf(lr)));
+      m[q][v] = _mm256_add_ps(_mm256_mul_ps(mo, vf(beta2)), _mm256_mul_ps(g, vf(omb2)));
+    }
+    am[q] = absmax_lanes(m[q]);
+  }
+  return store_signed_block<companded>(d, s, groups, m, am, 0, [&](int q) {
+    store_theta4<P>(d, s.base + int64_t(q) * G, th[q]);
+  });
+}
+
+// lion_block with its flag known when compiling, on whole groups (a block that ends inside a group: on a padded
+// copy)
+template <Param P>
+int64_t lion_block(const Desc& d, const Block& s, float beta1, float beta2, float omb1, float omb2, float decay,
+                   float lr, bool companded) {
+  auto run = [&](const Desc& dd, const Block& ss) {
+    return companded ? lion_block<P, true>(dd, ss, beta1, beta2, omb1, omb2, decay, lr)
+                     : lion_block<P, false>(dd, ss, beta1, beta2, omb1, omb2, decay, lr);
+  };
+  return s.n == s.L ? run(d, s) : on_padded_copy(d, s, run);
+}
+
+// Whether a group's new parameter, as make_low gives it (the value stored), is infinite or NaN somewhere. bf16 +
+// rho: only a master weight of magnitude >= 0x7F7F0000 can give one (below it the rounding and the split's step
+// up stay at or below the largest finite bf16 value); such a group is split by split_bf16 to see, which also
+// catches a finite master weight that rounds or steps up to inf.
+template <Param P>
+inline bool stored_nonfinite4(const V theta[4]) {
+  if constexpr (P == FP32) {
+    I special = _mm256_setzero_si256();
+    for (int v = 0; v < 4; ++v)
+      special = _mm256_or_si256(special, _mm256_cmpeq_epi32(_mm256_and_si256(as_int(theta[v]), vi(0x7F800000)),
+                                                            vi(0x7F800000)));
+    return _mm256_movemask_epi8(special);
+  } else {
+    I twice = _mm256_setzero_si256();
+    for (int v = 0; v < 4; ++v) twice = _mm256_max_epu32(twice, _mm256_slli_epi32(as_int(theta[v]), 1));
+    if (!_mm256_movemask_epi8(ge_u32(twice, vi(int32_t(0xFEFE0000u))))) return false;
+    alignas(32) float t[G];
+    uint16_t p[G];
+    int32_t r[G];
+    for (int v = 0; v < 4; ++v) _mm256_store_ps(t + 8 * v, theta[v]);
+    split_bf16<int32_t, P == BF16_RHO8 ? 8 : 0>(t, p, r, G);
+    bool bad = false;
+    for (int k = 0; k < G; ++k) bad |= (p[k] & 0x7F80) == 0x7F80;
+    return bad;
+  }
+}
+
+// One block of FlashSGD(W) with an 8-bit momentum whose values are whole groups (s.n == s.L); the number of
+// skipped groups. A group is also skipped where its new parameter is not finite (SGD's step has no bound).
+template <Param P, bool decoupled, bool nesterov, bool companded>
+int64_t sgd_block(const Desc& d, const Block& s, float momentum_decay, float momentum_gain, float momentum,
+                  float wd, float decay, float lr) {
+  const int8_t* mc = static_cast<const int8_t*>(d.mom[0]);
+  const int groups = s.L / G;
+  V m[B / G][4], th[B / G][4];
+  I am[B / G];
+  uint32_t nonfinite = 0;  // bit q: group q has a new parameter that is inf or NaN
+  for (int q = 0; q < groups; ++q) {
+    const float sm = bf16_value(d.scales[0][s.sidx + q]);
+    const V mult = vf(companded ? sm * momentum_decay : (sm * INV127) * momentum_decay);
+    const int64_t i0 = s.base + int64_t(q) * G;
+    V gs[4];
+    load_grad4(d, i0, gs);
+    load_theta4<P>(d, i0, th[q]);
+    for (int v = 0; v < 4; ++v) {
+      V g = gs[v], t = th[q][v];
+      if (decoupled) t = _mm256_mul_ps(t, vf(decay));
+      else g = _mm256_add_ps(g, _mm256_mul_ps(t, vf(wd)));
+      const V mo = _mm256_mul_ps(first_moment_value(mc + i0 + 8 * v, companded), mult);
+      m[q][v] = _mm256_add_ps(mo, _mm256_mul_ps(g, vf(momentum_gain)));
+      const V dir = nesterov ? _mm256_add_ps(g, _mm256_mul_ps(m[q][v], vf(momentum))) : m[q][v];
+      th[q][v] = _mm256_sub_ps(t, _mm256_mul_ps(dir, vf(lr)));
+    }
+    nonfinite |= uint32_t(stored_nonfinite4<P>(th[q])) << q;
+    am[q] = absmax_lanes(m[q]);
+  }
+  return store_signed_block<companded>(d, s, groups, m, am, nonfinite, [&](int q) {
+    store_theta4<P>(d, s.base + int64_t(q) * G, th[q]);
+  });
+}
+
+// sgd_block with its flags known when compiling, on whole groups (a block that ends inside a group: on a padded
+// copy)
+template <Param P>
+int64_t sgd_block(const Desc& d, const Block& s, float momentum_decay, float momentum_gain, float momentum,
+                  float wd, float decay, float lr, bool decoupled, bool nesterov, bool companded) {
+  auto run = [&](const Desc& dd, const Block& ss) {
+#define FLASHDIST_SGD(D, N, C) sgd_block<P, D, N, C>(dd, ss, momentum_decay, momentum_gain, momentum, wd, decay, lr)
+    if (decoupled) {
+      if (nesterov) return companded ? FLASHDIST_SGD(true, true, true) : FLASHDIST_SGD(true, true, false);
+      return companded ? FLASHDIST_SGD(true, false, true) : FLASHDIST_SGD(true, false, false);
+    }
+    if (nesterov) return companded ? FLASHDIST_SGD(false, true, true) : FLASHDIST_SGD(false, true, false);
+    return companded ? FLASHDIST_SGD(false, false, true) : FLASHDIST_SGD(false, false, false);
+#undef FLASHDIST_SGD
   };
   return s.n == s.L ? run(d, s) : on_padded_copy(d, s, run);
 }

@@ -8,8 +8,9 @@
 // spreads chunks of blocks, from all tensors of one call, over torch's intra-op threads.
 //
 // Where the build machine has AVX-512 (F, BW, VL), the quantized steps on bf16 + rho or fp32 parameters run the
-// explicitly vectorised path below instead (namespace simd): same operations in the same order, fewer
-// instructions. Everything else (fp16 parameters, fp32 moments, other CPUs) runs the block code.
+// explicitly vectorised path of avx512.h instead (namespace simd): same operations in the same order, fewer
+// instructions; where it has AVX2 but not AVX-512, that of avx2.h (namespace avx2, 8-lane vectors). Everything
+// else (fp16 parameters, fp32 moments, other CPUs) runs the block code.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -632,6 +633,18 @@ struct SGD {
         return simd::sgd_block<simd::FP32>(d, s, momentum_decay, momentum_gain, momentum, wd, decay, lr, decoupled,
                                            nesterov, companded);
     }
+#elif defined(FLASHDIST_AVX2)
+    if (has_momentum && quantized && (d.gdt == BF16 || d.gdt == F32)) {
+      if (d.pdt == BF16 && d.rho && d.rdt == I8)
+        return avx2::sgd_block<avx2::BF16_RHO8>(d, s, momentum_decay, momentum_gain, momentum, wd, decay, lr,
+                                                decoupled, nesterov, companded);
+      if (d.pdt == BF16 && d.rho && d.rdt == I16)
+        return avx2::sgd_block<avx2::BF16_RHO16>(d, s, momentum_decay, momentum_gain, momentum, wd, decay, lr,
+                                                 decoupled, nesterov, companded);
+      if (d.pdt == F32)
+        return avx2::sgd_block<avx2::FP32>(d, s, momentum_decay, momentum_gain, momentum, wd, decay, lr, decoupled,
+                                           nesterov, companded);
+    }
 #endif
     float g[B], g_in[B], theta[B], m[B], dir[B];
     load(d.grad, d.gdt, s.base, s.n, L, g);
@@ -692,6 +705,14 @@ struct Lion {
       if (d.pdt == BF16 && d.rho && d.rdt == I16)
         return simd::lion_block<simd::BF16_RHO16>(d, s, beta1, beta2, omb1, omb2, decay, lr, companded);
       if (d.pdt == F32) return simd::lion_block<simd::FP32>(d, s, beta1, beta2, omb1, omb2, decay, lr, companded);
+    }
+#elif defined(FLASHDIST_AVX2)
+    if (quantized && (d.gdt == BF16 || d.gdt == F32)) {
+      if (d.pdt == BF16 && d.rho && d.rdt == I8)
+        return avx2::lion_block<avx2::BF16_RHO8>(d, s, beta1, beta2, omb1, omb2, decay, lr, companded);
+      if (d.pdt == BF16 && d.rho && d.rdt == I16)
+        return avx2::lion_block<avx2::BF16_RHO16>(d, s, beta1, beta2, omb1, omb2, decay, lr, companded);
+      if (d.pdt == F32) return avx2::lion_block<avx2::FP32>(d, s, beta1, beta2, omb1, omb2, decay, lr, companded);
     }
 #endif
     float g[B], theta[B], m[B];
