@@ -55,9 +55,10 @@ alignas(32) inline constexpr std::array<std::array<int8_t, 32>, 4> BYTE_MASKS[2]
 template <int byte>
 __attribute__((always_inline)) inline void st8x4(void* p, const I x[4]) {
   I y = _mm256_setzero_si256();
-  for (int v = 0; v < 4; ++v)
+  for (int v = 0; v < 4; ++v) {
     const I mask = _mm256_load_si256(reinterpret_cast<const I*>(BYTE_MASKS[byte][v].data()));
     y = _mm256_or_si256(y, _mm256_shuffle_epi8(x[v], mask));
+  }
   y = _mm256_permutevar8x32_epi32(y, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
   _mm256_storeu_si256(static_cast<I*>(p), y);
 }
