@@ -520,6 +520,15 @@ inline void load_signed(const Desc& d, const Block& s, int which, bool companded
 #include "avx512.h"  // namespace simd: the AVX-512 path, where the build machine has it
 #include "avx2.h"    // namespace avx2: the AVX2 path, where it has AVX2 but not AVX-512
 
+// The vectorised path of this build, if any: both namespaces have the same Param layouts and block functions.
+#if defined(FLASHDIST_AVX512)
+namespace vec = simd;
+#define FLASHDIST_VECTOR 1
+#elif defined(FLASHDIST_AVX2)
+namespace vec = avx2;
+#define FLASHDIST_VECTOR 1
+#endif
+
 // ---- the steps ----
 
 struct Adam {
@@ -529,29 +538,17 @@ struct Adam {
   int64_t block(const Desc& d, bool quantized, int64_t bi) const {
     Block s = block_of(d, quantized, bi);
     const int L = s.L;
-#ifdef FLASHDIST_AVX512
+#ifdef FLASHDIST_VECTOR
     if (quantized && (d.gdt == BF16 || d.gdt == F32)) {
       if (d.pdt == BF16 && d.rho && d.rdt == I8)
-        return simd::adam_block<simd::BF16_RHO8>(d, s, beta1, beta2, omb1, omb2, eps, wd, decay, step_size, ibc2,
-                                                 decoupled, companded);
+        return vec::adam_block<vec::BF16_RHO8>(d, s, beta1, beta2, omb1, omb2, eps, wd, decay, step_size, ibc2,
+                                               decoupled, companded);
       if (d.pdt == BF16 && d.rho && d.rdt == I16)
-        return simd::adam_block<simd::BF16_RHO16>(d, s, beta1, beta2, omb1, omb2, eps, wd, decay, step_size, ibc2,
-                                                  decoupled, companded);
+        return vec::adam_block<vec::BF16_RHO16>(d, s, beta1, beta2, omb1, omb2, eps, wd, decay, step_size, ibc2,
+                                                decoupled, companded);
       if (d.pdt == F32)
-        return simd::adam_block<simd::FP32>(d, s, beta1, beta2, omb1, omb2, eps, wd, decay, step_size, ibc2,
-                                            decoupled, companded);
-    }
-#elif defined(FLASHDIST_AVX2)
-    if (quantized && (d.gdt == BF16 || d.gdt == F32)) {
-      if (d.pdt == BF16 && d.rho && d.rdt == I8)
-        return avx2::adam_block<avx2::BF16_RHO8>(d, s, beta1, beta2, omb1, omb2, eps, wd, decay, step_size, ibc2,
-                                                 decoupled, companded);
-      if (d.pdt == BF16 && d.rho && d.rdt == I16)
-        return avx2::adam_block<avx2::BF16_RHO16>(d, s, beta1, beta2, omb1, omb2, eps, wd, decay, step_size, ibc2,
-                                                  decoupled, companded);
-      if (d.pdt == F32)
-        return avx2::adam_block<avx2::FP32>(d, s, beta1, beta2, omb1, omb2, eps, wd, decay, step_size, ibc2,
-                                            decoupled, companded);
+        return vec::adam_block<vec::FP32>(d, s, beta1, beta2, omb1, omb2, eps, wd, decay, step_size, ibc2,
+                                          decoupled, companded);
     }
 #endif
     float g[B], theta[B], m[B], v[B], u[B], denom[B];
@@ -621,29 +618,17 @@ struct SGD {
   int64_t block(const Desc& d, bool quantized, int64_t bi) const {
     Block s = block_of(d, quantized, bi);
     const int L = s.L;
-#ifdef FLASHDIST_AVX512
+#ifdef FLASHDIST_VECTOR
     if (has_momentum && quantized && (d.gdt == BF16 || d.gdt == F32)) {
       if (d.pdt == BF16 && d.rho && d.rdt == I8)
-        return simd::sgd_block<simd::BF16_RHO8>(d, s, momentum_decay, momentum_gain, momentum, wd, decay, lr,
-                                                decoupled, nesterov, companded);
+        return vec::sgd_block<vec::BF16_RHO8>(d, s, momentum_decay, momentum_gain, momentum, wd, decay, lr,
+                                              decoupled, nesterov, companded);
       if (d.pdt == BF16 && d.rho && d.rdt == I16)
-        return simd::sgd_block<simd::BF16_RHO16>(d, s, momentum_decay, momentum_gain, momentum, wd, decay, lr,
-                                                 decoupled, nesterov, companded);
+        return vec::sgd_block<vec::BF16_RHO16>(d, s, momentum_decay, momentum_gain, momentum, wd, decay, lr,
+                                               decoupled, nesterov, companded);
       if (d.pdt == F32)
-        return simd::sgd_block<simd::FP32>(d, s, momentum_decay, momentum_gain, momentum, wd, decay, lr, decoupled,
-                                           nesterov, companded);
-    }
-#elif defined(FLASHDIST_AVX2)
-    if (has_momentum && quantized && (d.gdt == BF16 || d.gdt == F32)) {
-      if (d.pdt == BF16 && d.rho && d.rdt == I8)
-        return avx2::sgd_block<avx2::BF16_RHO8>(d, s, momentum_decay, momentum_gain, momentum, wd, decay, lr,
-                                                decoupled, nesterov, companded);
-      if (d.pdt == BF16 && d.rho && d.rdt == I16)
-        return avx2::sgd_block<avx2::BF16_RHO16>(d, s, momentum_decay, momentum_gain, momentum, wd, decay, lr,
-                                                 decoupled, nesterov, companded);
-      if (d.pdt == F32)
-        return avx2::sgd_block<avx2::FP32>(d, s, momentum_decay, momentum_gain, momentum, wd, decay, lr, decoupled,
-                                           nesterov, companded);
+        return vec::sgd_block<vec::FP32>(d, s, momentum_decay, momentum_gain, momentum, wd, decay, lr, decoupled,
+                                         nesterov, companded);
     }
 #endif
     float g[B], g_in[B], theta[B], m[B], dir[B];
@@ -698,21 +683,13 @@ struct Lion {
   int64_t block(const Desc& d, bool quantized, int64_t bi) const {
     Block s = block_of(d, quantized, bi);
     const int L = s.L;
-#ifdef FLASHDIST_AVX512
+#ifdef FLASHDIST_VECTOR
     if (quantized && (d.gdt == BF16 || d.gdt == F32)) {
       if (d.pdt == BF16 && d.rho && d.rdt == I8)
-        return simd::lion_block<simd::BF16_RHO8>(d, s, beta1, beta2, omb1, omb2, decay, lr, companded);
+        return vec::lion_block<vec::BF16_RHO8>(d, s, beta1, beta2, omb1, omb2, decay, lr, companded);
       if (d.pdt == BF16 && d.rho && d.rdt == I16)
-        return simd::lion_block<simd::BF16_RHO16>(d, s, beta1, beta2, omb1, omb2, decay, lr, companded);
-      if (d.pdt == F32) return simd::lion_block<simd::FP32>(d, s, beta1, beta2, omb1, omb2, decay, lr, companded);
-    }
-#elif defined(FLASHDIST_AVX2)
-    if (quantized && (d.gdt == BF16 || d.gdt == F32)) {
-      if (d.pdt == BF16 && d.rho && d.rdt == I8)
-        return avx2::lion_block<avx2::BF16_RHO8>(d, s, beta1, beta2, omb1, omb2, decay, lr, companded);
-      if (d.pdt == BF16 && d.rho && d.rdt == I16)
-        return avx2::lion_block<avx2::BF16_RHO16>(d, s, beta1, beta2, omb1, omb2, decay, lr, companded);
-      if (d.pdt == F32) return avx2::lion_block<avx2::FP32>(d, s, beta1, beta2, omb1, omb2, decay, lr, companded);
+        return vec::lion_block<vec::BF16_RHO16>(d, s, beta1, beta2, omb1, omb2, decay, lr, companded);
+      if (d.pdt == F32) return vec::lion_block<vec::FP32>(d, s, beta1, beta2, omb1, omb2, decay, lr, companded);
     }
 #endif
     float g[B], theta[B], m[B];
