@@ -65,6 +65,7 @@ def test_avx2_path_is_built():
     # AVX2 path
     assert cpu.vector_isa() == "avx2"
 
+
 def test_build_key_covers_the_headers_beside_the_source(tmp_path):
     # a changed header must rebuild, not load a stale library
     source = _copy_source(tmp_path)

@@ -407,7 +407,7 @@ int64_t lion_block(const Desc& d, const Block& s, float beta1, float beta2, floa
   I am[B / G];
   for (int q = 0; q < groups; ++q) {
     const float sm = bf16_value(d.scales[0][s.sidx + q]);
-    const V mult = vf(companded ? sm * 1.0f : (sm * INV127) * 1.0f);  // dequantize_signed's, factor 1
+    const V mult = vf(companded ? sm : sm * INV127);  // dequantize_signed's with factor 1 (x * 1 is x)
     const int64_t i0 = s.base + int64_t(q) * G;
     V gs[4];
     load_grad4(d, i0, gs);
