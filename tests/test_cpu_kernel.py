@@ -102,10 +102,13 @@ class Case:
     moments: str
     flat: bool
     shapes: tuple = tuple(SHAPES)
+    grad_dtype: str | None = None  # the parameters' dtype unless given
 
     @property
     def id(self) -> str:
-        return f"{self.opt}-{self.dtype}-{self.bits or 'nosplit'}-{self.moments}-{'flat' if self.flat else 'rows'}"
+        grads = f"-{self.grad_dtype}-grads" if self.grad_dtype else ""
+        return (f"{self.opt}-{self.dtype}-{self.bits or 'nosplit'}-{self.moments}-{'flat' if self.flat else 'rows'}"
+                f"{grads}")
 
 
 def _cases():
@@ -175,7 +178,8 @@ def _state(case: Case, gen):
         else:
             moments.append(vals)
             scales.append(None)
-    grads = [[_grads(p.shape, dtype, gen, step) for p in params] for step in range(STEPS)]
+    grad_dtype = DTYPES[case.grad_dtype or case.dtype]
+    grads = [[_grads(p.shape, grad_dtype, gen, step) for p in params] for step in range(STEPS)]
     return dict(params=params, rhos=rhos, moments=moments, scales=scales, cols=cols, grads=grads,
                 companded=companded)
 
@@ -231,6 +235,18 @@ def _run(case: Case, seed: int = 0):
 def test_bitwise_against_reference(case):
     skipped = _run(case)
     assert skipped > 0  # the NaN / Inf groups were there and were skipped the same way
+
+
+# bf16 parameters with fp32 or fp16 gradients (FSDP2 with an fp32 reduce dtype, a model whose loss is scaled in
+# fp16): the vectorised paths load fp32 gradients in their own lane order; fp16 gradients take the block code
+GRAD_DTYPE_CASES = [Case(opt, "bf16", bits, moments, False, grad_dtype=g)
+                    for opt in ("adamw", "adam-l2", "sgd-nesterov", "lion") for bits in (24, 32)
+                    for moments in ("q-comp", "q-linear") for g in ("fp32", "fp16")]
+
+
+@pytest.mark.parametrize("case", GRAD_DTYPE_CASES, ids=lambda c: c.id)
+def test_gradients_of_another_dtype(case):
+    _run(case)
 
 
 @pytest.mark.parametrize("case", [Case("adamw", "bf16", 24, "q-comp", False, ((300, 130),)),
@@ -445,14 +461,14 @@ def test_sgd_skips_a_group_whose_new_parameter_is_not_finite(bits, decoupled):
 def test_avx2_path(tmp_path):
     """The vectorised path of CPUs with AVX2 but no AVX-512 (AMD Zen 1-3, Intel client cores), built here with the
     AVX-512 macros undefined, bitwise against the reference on the 8-bit cases of every optimizer (FlashAdam(W),
-    FlashSGD(W), FlashLion; whole blocks, a row's partial block, bf16 and fp32 parameters), on parameters of every
-    bf16 value (AdamW; SGD, which checks the split parameter for infinities before it stores it; Lion) and on SGD
-    groups skipped for a parameter that is not finite."""
+    FlashSGD(W), FlashLion; whole blocks, a row's partial block, bf16 and fp32 parameters, bf16 parameters with fp32
+    gradients), on parameters of every bf16 value (AdamW; SGD, which checks the split parameter for infinities
+    before it stores it; Lion) and on SGD groups skipped for a parameter that is not finite."""
     src = _copy_source(tmp_path)
     src.write_text("#include <immintrin.h>\n#undef __AVX512F__\n" + cpu.SOURCE.read_text())
     with cpu.using(cpu.build_from(src)):
         assert cpu.vector_isa() == "avx2"
-        for case in CASES:
+        for case in CASES + GRAD_DTYPE_CASES:
             if case.moments.startswith("q"):
                 _run(case)
         for bits in (24, 32):

@@ -3,14 +3,14 @@
 // block code's helpers (Desc, Block, the bf16 and code helpers, the scale bounds), whose semantics it
 // reproduces bit for bit, as avx512.h does with 16 lanes.
 //
-// One block (up to 8 quantization groups of one row) is computed as avx512.h computes it: every group's new
-// moments and absmaxes, the per-group values of all groups at once (one lane each, here 8 lanes for 8 groups),
-// then each group's update and codes. A group is four 8-lane vectors. The operations and their order are those
-// of the block code: IEEE + - * / sqrt, round to nearest even, no FMA (-ffp-contract=off). Parameters that are
-// zero, infinite or NaN, and master weights within a bf16 step of the largest finite value, are merged and
-// split by the block code's scalar functions (the group's 32 values); a block that ends inside a group (a
-// row's last) runs on a zero-padded copy of its values, which reads as the reference's padding, and only the
-// row's values are copied back.
+// One block (up to 8 quantization groups of one row) is computed as avx512.h computes it: every group's new moments and
+// absmaxes, the per-group values of all groups at once (one lane each, here 8 lanes for 8 groups), then each group's
+// update and codes. A group is four 8-lane vectors (with bf16 parameters and int8 rho, in the order of 16-bit unpacks:
+// UNPACKED below). The operations and their order are those of the block code: IEEE + - * / sqrt, round to nearest
+// even, no FMA (-ffp-contract=off). Parameters that are zero, infinite or NaN, and master weights within a bf16 step of
+// the largest finite value, are merged and split by the block code's scalar functions (the group's 32 values); a block
+// that ends inside a group (a row's last) runs on a zero-padded copy of its values, which reads as the reference's
+// padding, and only the row's values are copied back.
 #pragma once
 
 #if !defined(FLASHDIST_AVX512) && defined(__AVX2__)
@@ -29,14 +29,74 @@ inline V vabs(V x) { return _mm256_and_ps(x, as_float(vi(0x7FFFFFFF))); }
 inline __m128i ld128(const void* p) { return _mm_loadu_si128(static_cast<const __m128i*>(p)); }
 inline __m128i ld64(const void* p) { return _mm_loadl_epi64(static_cast<const __m128i*>(p)); }
 
-// Unsigned x >= c in every lane's bits, as a lane mask: max(x, c) == x
-inline I ge_u32(I x, I c) { return _mm256_cmpeq_epi32(_mm256_max_epu32(x, c), x); }
-
 // 8 values of each source type as fp32 (bf16: its bits in the upper half) or int32
 inline V load_bf16(const uint16_t* p) { return as_float(_mm256_slli_epi32(_mm256_cvtepu16_epi32(ld128(p)), 16)); }
 inline I load_i8(const int8_t* p) { return _mm256_cvtepi8_epi32(ld64(p)); }
 inline I load_u8(const uint8_t* p) { return _mm256_cvtepu8_epi32(ld64(p)); }
 inline I load_i16(const int16_t* p) { return _mm256_cvtepi16_epi32(ld128(p)); }
+
+enum Param { BF16_RHO8, BF16_RHO16, FP32 };
+
+// The order of a group's 32 values in its four vectors. Natural: vector v holds values 8v..8v+7. Unpacked (bf16
+// parameters with int8 rho, whose master weights are built from 16-bit unpacks): vector 2h holds values 16h +
+// {0-3, 8-11} and vector 2h+1 values 16h + {4-7, 12-15}, the order _mm256_unpack{lo,hi}_epi16 give. Every value
+// of a group is loaded in its order, computed lane by lane, reduced by a maximum (any order) and stored in place.
+template <Param P>
+constexpr bool UNPACKED = P == BF16_RHO8;
+
+// Vector v of a group's 32 fp32 values at p (or stored to p), in the group's order
+template <Param P>
+inline V load_ordered(const float* p, int v) {
+  const float* lo = p + 16 * (v / 2) + 4 * (v % 2);
+  return UNPACKED<P> ? _mm256_loadu2_m128(lo + 8, lo) : _mm256_loadu_ps(p + 8 * v);
+}
+template <Param P>
+inline void store_ordered(float* p, int v, V x) {
+  float* lo = p + 16 * (v / 2) + 4 * (v % 2);
+  if constexpr (UNPACKED<P>) _mm256_storeu2_m128(lo + 8, lo, x);
+  else _mm256_storeu_ps(p + 8 * v, x);
+}
+
+// Masks of the unpacked order's byte loads: from a group's 16 bytes 16h..16h+15 in both 128-bit halves, vector
+// 2h+k takes bytes 4k..4k+3 (low half) and 8+4k..8+4k+3 (high half) into byte `at` of its lanes (-128: zero)
+constexpr std::array<std::array<int8_t, 32>, 2> unpacked_byte_masks(int at) {
+  std::array<std::array<int8_t, 32>, 2> m{};
+  for (int k = 0; k < 2; ++k)
+    for (int b = 0; b < 32; ++b) m[k][b] = int8_t(b % 4 == at ? 8 * (b / 16) + 4 * k + b % 16 / 4 : -128);
+  return m;
+}
+alignas(32) inline constexpr std::array<std::array<int8_t, 32>, 2> UNPACKED_BYTES[2] = {unpacked_byte_masks(0),
+                                                                                      unpacked_byte_masks(3)};
+template <int at>
+inline I unpacked_bytes(const void* p, int v) {
+  const I b = _mm256_broadcastsi128_si256(ld128(static_cast<const uint8_t*>(p) + 16 * (v / 2)));
+  const I mask = _mm256_load_si256(reinterpret_cast<const I*>(UNPACKED_BYTES[at == 3][v % 2].data()));
+  return _mm256_shuffle_epi8(b, mask);
+}
+
+// Vector v of a group's unsigned codes at p, as int32
+template <Param P>
+inline I load_unsigned_codes(const uint8_t* p, int v) {
+  if constexpr (UNPACKED<P>) return unpacked_bytes<0>(p, v);
+  else return load_u8(p + 8 * v);
+}
+// Vector v of a group's signed codes at p, each code c as the int32 c << SIGNED_CODE_SHIFT<P> (the unpacked
+// order's byte loads place it in the lane's top byte)
+template <Param P>
+constexpr int SIGNED_CODE_SHIFT = UNPACKED<P> ? 24 : 0;
+template <Param P>
+inline I load_signed_codes(const int8_t* p, int v) {
+  if constexpr (UNPACKED<P>) return unpacked_bytes<3>(p, v);
+  else return load_i8(p + 8 * v);
+}
+
+// 32 bytes whose 4-byte quarters hold values {0, 8, 16, 24, 4, 12, 20, 28} + 0..3 (a group's natural order
+// narrowed in place) or {0, 4, 16, 20, 8, 12, 24, 28} + 0..3 (its unpacked order), put in order
+template <bool unpacked>
+inline I quarters_in_order(I y) {
+  if constexpr (unpacked) return _mm256_permute4x64_epi64(y, 0xD8);
+  else return _mm256_permutevar8x32_epi32(y, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
 
 // Narrowing stores of a group's four vectors: byte `byte` of each lane (32 bytes), or the low or high word of
 // each lane of two vectors (16 words), in order. Each vector's bytes are gathered into its own quarter of every
@@ -52,17 +112,16 @@ constexpr std::array<std::array<int8_t, 32>, 4> byte_masks(int byte) {
 }
 alignas(32) inline constexpr std::array<std::array<int8_t, 32>, 4> BYTE_MASKS[2] = {byte_masks(0), byte_masks(1)};
 
-template <int byte>
+template <int byte, bool unpacked>
 __attribute__((always_inline)) inline void st8x4(void* p, const I x[4]) {
   I y = _mm256_setzero_si256();
   for (int v = 0; v < 4; ++v) {
     const I mask = _mm256_load_si256(reinterpret_cast<const I*>(BYTE_MASKS[byte][v].data()));
     y = _mm256_or_si256(y, _mm256_shuffle_epi8(x[v], mask));
   }
-  y = _mm256_permutevar8x32_epi32(y, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-  _mm256_storeu_si256(static_cast<I*>(p), y);
+  _mm256_storeu_si256(static_cast<I*>(p), quarters_in_order<unpacked>(y));
 }
-template <bool high>
+template <bool high, bool unpacked>
 __attribute__((always_inline)) inline void st16x2(void* p, I a, I b) {
   constexpr int8_t o = high ? 2 : 0, z = -128;  // the word's first byte; a zero byte
   const I ma = _mm256_setr_epi8(o, o + 1, o + 4, o + 5, o + 8, o + 9, o + 12, o + 13, z, z, z, z, z, z, z, z,
@@ -70,53 +129,71 @@ __attribute__((always_inline)) inline void st16x2(void* p, I a, I b) {
   const I mb = _mm256_setr_epi8(z, z, z, z, z, z, z, z, o, o + 1, o + 4, o + 5, o + 8, o + 9, o + 12, o + 13,
                                 z, z, z, z, z, z, z, z, o, o + 1, o + 4, o + 5, o + 8, o + 9, o + 12, o + 13);
   const I y = _mm256_or_si256(_mm256_shuffle_epi8(a, ma), _mm256_shuffle_epi8(b, mb));
-  _mm256_storeu_si256(static_cast<I*>(p), _mm256_permute4x64_epi64(y, 0xD8));  // quarters a0 b0 a1 b1 -> a0 a1 b0 b1
+  // natural: quarters a0 b0 a1 b1 -> a0 a1 b0 b1; unpacked: a0 b0 a1 b1 are values 0-3, 4-7, 8-11, 12-15
+  _mm256_storeu_si256(static_cast<I*>(p), unpacked ? y : _mm256_permute4x64_epi64(y, 0xD8));
 }
 // The codes of a group, rounded (round to nearest even, the default rounding mode): signed codes in
 // [-127, 127] or unsigned ones in [0, 255], so the saturating packs keep them as the truncation would
-template <bool is_signed>
+template <bool is_signed, bool unpacked>
 __attribute__((always_inline)) inline void store_codes4(void* p, const V x[4]) {
   const I ab = _mm256_packs_epi32(_mm256_cvtps_epi32(x[0]), _mm256_cvtps_epi32(x[1]));
   const I cd = _mm256_packs_epi32(_mm256_cvtps_epi32(x[2]), _mm256_cvtps_epi32(x[3]));
-  I y = is_signed ? _mm256_packs_epi16(ab, cd) : _mm256_packus_epi16(ab, cd);
-  y = _mm256_permutevar8x32_epi32(y, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-  _mm256_storeu_si256(static_cast<I*>(p), y);
+  const I y = is_signed ? _mm256_packs_epi16(ab, cd) : _mm256_packus_epi16(ab, cd);
+  _mm256_storeu_si256(static_cast<I*>(p), quarters_in_order<unpacked>(y));
 }
 
-enum Param { BF16_RHO8, BF16_RHO16, FP32 };
-
-// theta (the fp32 master weight) of a group's 32 values at i. bf16 + rho: the common case of merge_bf16, a
-// finite non-zero parameter's bits moved by rho << shift toward its sign, ((t ^ s) + d) ^ s with s the sign
-// spread over the lane; a group with a zero, infinite or NaN parameter (on the 16 bits x, (x << 1) - 1 >=
-// 0xFEFF unsigned) is merged by merge_bf16 itself.
+// theta (the fp32 master weight) of a group's 32 values at i, in the group's order. bf16 + rho: the common case
+// of merge_bf16, a finite non-zero parameter's bits t = x << 16 moved by d = rho << shift toward its sign,
+// ((t ^ s) + d) ^ s with s the sign spread over the lane: t + d where x is positive, t - d where negative. With
+// int8 rho (shift 8) that is computed on 16-bit lanes: the magnitude's bits move by e = rho or -rho
+// (_mm256_sign_epi16 by x, which is never zero here), so the low word is e << 8 and the high word x, less one
+// where e is negative (x's magnitude is at least 1: the borrow never reaches the sign); the two words are then
+// unpacked into the group's (unpacked) order. A group with a zero, infinite or NaN parameter (on the 16 bits
+// x, (x << 1) - 1 >= 0xFEFF unsigned) is merged by merge_bf16 itself.
 template <Param P>
 __attribute__((always_inline)) inline void load_theta4(const Desc& d, int64_t i, V out[4]) {
   if constexpr (P == FP32) {
     for (int v = 0; v < 4; ++v) out[v] = _mm256_loadu_ps(static_cast<const float*>(d.param) + i + 8 * v);
   } else {
     const uint16_t* p = static_cast<const uint16_t*>(d.param) + i;
-    int rare = 0;
-    for (int h = 0; h < 2; ++h) {
-      const I x = _mm256_loadu_si256(reinterpret_cast<const I*>(p + 16 * h));
-      const I y = _mm256_add_epi16(_mm256_slli_epi16(x, 1), _mm256_set1_epi16(-1));
-      const I c = _mm256_set1_epi16(int16_t(0xFEFF));
-      rare |= _mm256_movemask_epi8(_mm256_cmpeq_epi16(_mm256_max_epu16(y, c), y));
+    I x[2], rare = _mm256_setzero_si256();
+    for (int h = 0; h < 2; ++h) {  // y >= 0xFEFF where y - 0xFEFE does not saturate to 0
+      x[h] = _mm256_loadu_si256(reinterpret_cast<const I*>(p + 16 * h));
+      const I y = _mm256_add_epi16(_mm256_slli_epi16(x[h], 1), _mm256_set1_epi16(-1));
+      rare = _mm256_or_si256(rare, _mm256_subs_epu16(y, _mm256_set1_epi16(int16_t(0xFEFE))));
     }
-    if (rare) {
+    if (!_mm256_testz_si256(rare, rare)) {
       alignas(32) float t[G];
       if constexpr (P == BF16_RHO8) merge_bf16(p, static_cast<const int8_t*>(d.rho) + i, t, 8, G);
       else merge_bf16(p, static_cast<const int16_t*>(d.rho) + i, t, 0, G);
-      for (int v = 0; v < 4; ++v) out[v] = _mm256_load_ps(t + 8 * v);
+      for (int v = 0; v < 4; ++v) out[v] = load_ordered<P>(t, v);
+      return;
+    }
+    if constexpr (P == BF16_RHO8) {
+      for (int h = 0; h < 2; ++h) {
+        const I rho = _mm256_cvtepi8_epi16(ld128(static_cast<const int8_t*>(d.rho) + i + 16 * h));
+        const I e = _mm256_sign_epi16(rho, x[h]);
+        const I lo = _mm256_slli_epi16(e, 8), hi = _mm256_add_epi16(x[h], _mm256_srai_epi16(e, 15));
+        out[2 * h] = as_float(_mm256_unpacklo_epi16(lo, hi));
+        out[2 * h + 1] = as_float(_mm256_unpackhi_epi16(lo, hi));
+      }
       return;
     }
     for (int v = 0; v < 4; ++v) {
       const I t = as_int(load_bf16(p + 8 * v));
-      const I dd = P == BF16_RHO8 ? _mm256_slli_epi32(load_i8(static_cast<const int8_t*>(d.rho) + i + 8 * v), 8)
-                                  : load_i16(static_cast<const int16_t*>(d.rho) + i + 8 * v);
+      const I dd = load_i16(static_cast<const int16_t*>(d.rho) + i + 8 * v);
       const I s = _mm256_srai_epi32(t, 31);
       out[v] = as_float(_mm256_xor_si256(_mm256_add_epi32(_mm256_xor_si256(t, s), dd), s));
     }
   }
+}
+
+// Whether a group's master weights hold one of magnitude >= 0x7F7F0000 (the magnitudes' bits as int32)
+inline bool splits_rarely(const V theta[4]) {
+  const I a = _mm256_max_epi32(as_int(vabs(theta[0])), as_int(vabs(theta[1])));
+  const I b = _mm256_max_epi32(as_int(vabs(theta[2])), as_int(vabs(theta[3])));
+  const I big = _mm256_cmpgt_epi32(_mm256_max_epi32(a, b), vi(0x7F7EFFFF));
+  return !_mm256_testz_si256(big, big);
 }
 
 // The new parameter (and rho) of a group's 32 values at i from theta. bf16 + rho: avx512.h's split_common (its
@@ -129,11 +206,9 @@ __attribute__((always_inline)) inline void store_theta4(const Desc& d, int64_t i
     for (int v = 0; v < 4; ++v) _mm256_storeu_ps(static_cast<float*>(d.param) + i + 8 * v, theta[v]);
   } else {
     uint16_t* p = static_cast<uint16_t*>(d.param) + i;
-    I twice = _mm256_setzero_si256();
-    for (int v = 0; v < 4; ++v) twice = _mm256_max_epu32(twice, _mm256_slli_epi32(as_int(theta[v]), 1));
-    if (_mm256_movemask_epi8(ge_u32(twice, vi(int32_t(0xFEFE0000u))))) {
+    if (splits_rarely(theta)) {
       alignas(32) float t[G];
-      for (int v = 0; v < 4; ++v) _mm256_store_ps(t + 8 * v, theta[v]);
+      for (int v = 0; v < 4; ++v) store_ordered<P>(t, v, theta[v]);
       if constexpr (P == BF16_RHO8) split_bf16<int8_t, 8>(t, p, static_cast<int8_t*>(d.rho) + i, G);
       else split_bf16<int16_t, 0>(t, p, static_cast<int16_t*>(d.rho) + i, G);
       return;
@@ -150,28 +225,40 @@ __attribute__((always_inline)) inline void store_theta4(const Desc& d, int64_t i
       }
     }
     if constexpr (P == BF16_RHO8) {
-      st8x4<1>(static_cast<int8_t*>(d.rho) + i, lo);
+      st8x4<1, UNPACKED<P>>(static_cast<int8_t*>(d.rho) + i, lo);
     } else {
-      st16x2<false>(static_cast<int16_t*>(d.rho) + i, lo[0], lo[1]);
-      st16x2<false>(static_cast<int16_t*>(d.rho) + i + 16, lo[2], lo[3]);
+      st16x2<false, false>(static_cast<int16_t*>(d.rho) + i, lo[0], lo[1]);
+      st16x2<false, false>(static_cast<int16_t*>(d.rho) + i + 16, lo[2], lo[3]);
     }
-    st16x2<true>(p, hi[0], hi[1]);
-    st16x2<true>(p + 16, hi[2], hi[3]);
+    st16x2<true, UNPACKED<P>>(p, hi[0], hi[1]);
+    st16x2<true, UNPACKED<P>>(p + 16, hi[2], hi[3]);
   }
 }
 
+// The gradient of a group's 32 values at i, in the group's order
+template <Param P>
 __attribute__((always_inline)) inline void load_grad4(const Desc& d, int64_t i, V out[4]) {
-  for (int v = 0; v < 4; ++v)
-    out[v] = d.gdt == BF16 ? load_bf16(static_cast<const uint16_t*>(d.grad) + i + 8 * v)
-                           : _mm256_loadu_ps(static_cast<const float*>(d.grad) + i + 8 * v);
+  if (d.gdt == F32) {
+    for (int v = 0; v < 4; ++v) out[v] = load_ordered<P>(static_cast<const float*>(d.grad) + i, v);
+  } else if constexpr (UNPACKED<P>) {
+    for (int h = 0; h < 2; ++h) {
+      const I x = _mm256_loadu_si256(reinterpret_cast<const I*>(static_cast<const uint16_t*>(d.grad) + i + 16 * h));
+      out[2 * h] = as_float(_mm256_unpacklo_epi16(_mm256_setzero_si256(), x));
+      out[2 * h + 1] = as_float(_mm256_unpackhi_epi16(_mm256_setzero_si256(), x));
+    }
+  } else {
+    for (int v = 0; v < 4; ++v) out[v] = load_bf16(static_cast<const uint16_t*>(d.grad) + i + 8 * v);
+  }
 }
 
-// The first moment before its group's scale (dequantize_signed with scale and factor 1): y / (2 - |y|) of
-// y = code / 127 where companded, the code where linear
-inline V first_moment_value(const int8_t* p, bool companded) {
-  const V c = _mm256_cvtepi32_ps(load_i8(p));
-  if (!companded) return c;
-  const V y = _mm256_mul_ps(c, vf(INV127));
+// Vector v of the first moment of a group with codes at p, before its group's scale (dequantize_signed with
+// scale and factor 1): y / (2 - |y|) of y = code / 127 where companded, the code where linear. The unpacked
+// order's codes c * 2^24 are multiplied by INV127 * 2^-24 (exact powers of two: the same product c * INV127).
+template <Param P>
+inline V first_moment_value(const int8_t* p, int v, bool companded) {
+  const I c = load_signed_codes<P>(p, v);
+  if (!companded) return _mm256_cvtepi32_ps(_mm256_srai_epi32(c, SIGNED_CODE_SHIFT<P>));
+  const V y = _mm256_mul_ps(_mm256_cvtepi32_ps(c), vf(INV127 / float(1 << SIGNED_CODE_SHIFT<P>)));
   return _mm256_div_ps(y, _mm256_sub_ps(vf(2.0f), vabs(y)));
 }
 
@@ -298,14 +385,14 @@ int64_t adam_block(const Desc& d, const Block& s, float beta1, float beta2, floa
     const float su = sv * INV255;
     const V vmult = vf(companded ? (su * su) * beta2 : su * beta2);
     const int64_t i0 = s.base + int64_t(q) * G;
-    V gs[4];
-    load_grad4(d, i0, gs);
-    load_theta4<P>(d, i0, th[q]);
+    V gs[4], t4[4];
+    load_grad4<P>(d, i0, gs);
+    load_theta4<P>(d, i0, t4);
     for (int v = 0; v < 4; ++v) {
-      const int64_t i = i0 + 8 * v;
       V g = gs[v];
-      V mj = _mm256_mul_ps(first_moment_value(mc + i, companded), mmult);
-      const V cv = _mm256_cvtepi32_ps(load_u8(vc + i));
+      th[q][v] = t4[v];
+      V mj = _mm256_mul_ps(first_moment_value<P>(mc + i0, v, companded), mmult);
+      const V cv = _mm256_cvtepi32_ps(load_unsigned_codes<P>(vc + i0, v));
       V vj = _mm256_mul_ps(companded ? _mm256_mul_ps(cv, cv) : cv, vmult);
       if (decoupled) th[q][v] = _mm256_mul_ps(th[q][v], vf(decay));
       else g = _mm256_add_ps(g, _mm256_mul_ps(th[q][v], vf(wd)));
@@ -350,8 +437,8 @@ int64_t adam_block(const Desc& d, const Block& s, float beta1, float beta2, floa
       code_u[v] = _mm256_mul_ps(lifted, vrcp);
     }
     const int64_t i = s.base + int64_t(q) * G;
-    store_codes4<true>(static_cast<int8_t*>(d.mom[0]) + i, code_m);
-    store_codes4<false>(static_cast<uint8_t*>(d.mom[1]) + i, code_u);
+    store_codes4<true, UNPACKED<P>>(static_cast<int8_t*>(d.mom[0]) + i, code_m);
+    store_codes4<false, UNPACKED<P>>(static_cast<uint8_t*>(d.mom[1]) + i, code_u);
     store_theta4<P>(d, i, theta);
   }
   return __builtin_popcount(gv.bad);
@@ -375,7 +462,7 @@ int64_t adam_block(const Desc& d, const Block& s, float beta1, float beta2, floa
 // first moments m of its groups quantized, each group's codes, scale and parameter values (``store_param(q)``)
 // stored, or the group left as it was (skip_groups) where its moment overflows the bf16 scale or it is in
 // ``skip`` (bit q: group q). The number of groups skipped.
-template <bool companded, class StoreParam>
+template <Param P, bool companded, class StoreParam>
 __attribute__((always_inline)) inline int64_t store_signed_block(const Desc& d, const Block& s, int groups,
                                                                  const V (*m)[4], const I* amax, uint32_t skip,
                                                                  StoreParam store_param) {
@@ -390,7 +477,7 @@ __attribute__((always_inline)) inline int64_t store_signed_block(const Desc& d, 
     if (gv.bad >> q & 1) continue;
     V code[4];
     for (int v = 0; v < 4; ++v) code[v] = signed_code(m[q][v], gv, q, companded);
-    store_codes4<true>(static_cast<int8_t*>(d.mom[0]) + s.base + int64_t(q) * G, code);
+    store_codes4<true, UNPACKED<P>>(static_cast<int8_t*>(d.mom[0]) + s.base + int64_t(q) * G, code);
     store_param(q);
   }
   return __builtin_popcount(gv.bad);
@@ -410,10 +497,10 @@ int64_t lion_block(const Desc& d, const Block& s, float beta1, float beta2, floa
     const V mult = vf(companded ? sm : sm * INV127);  // dequantize_signed's with factor 1 (x * 1 is x)
     const int64_t i0 = s.base + int64_t(q) * G;
     V gs[4];
-    load_grad4(d, i0, gs);
+    load_grad4<P>(d, i0, gs);
     load_theta4<P>(d, i0, th[q]);
     for (int v = 0; v < 4; ++v) {
-      const V g = gs[v], mo = _mm256_mul_ps(first_moment_value(mc + i0 + 8 * v, companded), mult);
+      const V g = gs[v], mo = _mm256_mul_ps(first_moment_value<P>(mc + i0, v, companded), mult);
       const V t = _mm256_mul_ps(th[q][v], vf(decay));
       const V c = _mm256_add_ps(_mm256_mul_ps(mo, vf(beta1)), _mm256_mul_ps(g, vf(omb1)));
       // float(c > 0) - float(c < 0): +1, -1, or +0 (zero and NaN)
@@ -424,7 +511,7 @@ int64_t lion_block(const Desc& d, const Block& s, float beta1, float beta2, floa
     }
     am[q] = absmax_lanes(m[q]);
   }
-  return store_signed_block<companded>(d, s, groups, m, am, 0, [&](int q) {
+  return store_signed_block<P, companded>(d, s, groups, m, am, 0, [&](int q) {
     store_theta4<P>(d, s.base + int64_t(q) * G, th[q]);
   });
 }
@@ -454,9 +541,7 @@ inline bool stored_nonfinite4(const V theta[4]) {
                                                             vi(0x7F800000)));
     return _mm256_movemask_epi8(special);
   } else {
-    I twice = _mm256_setzero_si256();
-    for (int v = 0; v < 4; ++v) twice = _mm256_max_epu32(twice, _mm256_slli_epi32(as_int(theta[v]), 1));
-    if (!_mm256_movemask_epi8(ge_u32(twice, vi(int32_t(0xFEFE0000u))))) return false;
+    if (!splits_rarely(theta)) return false;
     alignas(32) float t[G];
     uint16_t p[G];
     int32_t r[G];
@@ -483,13 +568,13 @@ int64_t sgd_block(const Desc& d, const Block& s, float momentum_decay, float mom
     const V mult = vf(companded ? sm * momentum_decay : (sm * INV127) * momentum_decay);
     const int64_t i0 = s.base + int64_t(q) * G;
     V gs[4];
-    load_grad4(d, i0, gs);
+    load_grad4<P>(d, i0, gs);
     load_theta4<P>(d, i0, th[q]);
     for (int v = 0; v < 4; ++v) {
       V g = gs[v], t = th[q][v];
       if (decoupled) t = _mm256_mul_ps(t, vf(decay));
       else g = _mm256_add_ps(g, _mm256_mul_ps(t, vf(wd)));
-      const V mo = _mm256_mul_ps(first_moment_value(mc + i0 + 8 * v, companded), mult);
+      const V mo = _mm256_mul_ps(first_moment_value<P>(mc + i0, v, companded), mult);
       m[q][v] = _mm256_add_ps(mo, _mm256_mul_ps(g, vf(momentum_gain)));
       const V dir = nesterov ? _mm256_add_ps(g, _mm256_mul_ps(m[q][v], vf(momentum))) : m[q][v];
       th[q][v] = _mm256_sub_ps(t, _mm256_mul_ps(dir, vf(lr)));
@@ -497,7 +582,7 @@ int64_t sgd_block(const Desc& d, const Block& s, float momentum_decay, float mom
     nonfinite |= uint32_t(stored_nonfinite4<P>(th[q])) << q;
     am[q] = absmax_lanes(m[q]);
   }
-  return store_signed_block<companded>(d, s, groups, m, am, nonfinite, [&](int q) {
+  return store_signed_block<P, companded>(d, s, groups, m, am, nonfinite, [&](int q) {
     store_theta4<P>(d, s.base + int64_t(q) * G, th[q]);
   });
 }
