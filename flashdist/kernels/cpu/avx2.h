@@ -98,30 +98,10 @@ inline I quarters_in_order(I y) {
   else return _mm256_permutevar8x32_epi32(y, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
-// Narrowing stores of a group's four vectors: byte `byte` of each lane (32 bytes), or the low or high word of
-// each lane of two vectors (16 words), in order. Each vector's bytes are gathered into its own quarter of every
-// 128-bit half (pshufb), the four are or-ed, and one permute puts the halves' quarters in order: the bytes the
-// truncating conversions keep.
-// Mask v of BYTE_MASKS[byte] takes byte `byte` of each lane of a 128-bit half into quarter v of that half
-// (-128: a zero byte)
-constexpr std::array<std::array<int8_t, 32>, 4> byte_masks(int byte) {
-  std::array<std::array<int8_t, 32>, 4> m{};
-  for (int v = 0; v < 4; ++v)
-    for (int b = 0; b < 32; ++b) m[v][b] = int8_t(b % 16 / 4 == v ? 4 * (b % 4) + byte : -128);
-  return m;
-}
-alignas(32) inline constexpr std::array<std::array<int8_t, 32>, 4> BYTE_MASKS[2] = {byte_masks(0), byte_masks(1)};
-
-template <int byte, bool unpacked>
-__attribute__((always_inline)) inline void st8x4(void* p, const I x[4]) {
-  I y = _mm256_setzero_si256();
-  for (int v = 0; v < 4; ++v) {
-    const I mask = _mm256_load_si256(reinterpret_cast<const I*>(BYTE_MASKS[byte][v].data()));
-    y = _mm256_or_si256(y, _mm256_shuffle_epi8(x[v], mask));
-  }
-  _mm256_storeu_si256(static_cast<I*>(p), quarters_in_order<unpacked>(y));
-}
-template <bool high, bool unpacked>
+// A narrowing store of two natural-order vectors: the low or high word of each lane (16 words), in order. Each
+// vector's words are gathered into its own quadword of every 128-bit half (pshufb), the two are or-ed, and one
+// permute puts the quadwords in order.
+template <bool high>
 __attribute__((always_inline)) inline void st16x2(void* p, I a, I b) {
   constexpr int8_t o = high ? 2 : 0, z = -128;  // the word's first byte; a zero byte
   const I ma = _mm256_setr_epi8(o, o + 1, o + 4, o + 5, o + 8, o + 9, o + 12, o + 13, z, z, z, z, z, z, z, z,
@@ -129,8 +109,7 @@ __attribute__((always_inline)) inline void st16x2(void* p, I a, I b) {
   const I mb = _mm256_setr_epi8(z, z, z, z, z, z, z, z, o, o + 1, o + 4, o + 5, o + 8, o + 9, o + 12, o + 13,
                                 z, z, z, z, z, z, z, z, o, o + 1, o + 4, o + 5, o + 8, o + 9, o + 12, o + 13);
   const I y = _mm256_or_si256(_mm256_shuffle_epi8(a, ma), _mm256_shuffle_epi8(b, mb));
-  // natural: quarters a0 b0 a1 b1 -> a0 a1 b0 b1; unpacked: a0 b0 a1 b1 are values 0-3, 4-7, 8-11, 12-15
-  _mm256_storeu_si256(static_cast<I*>(p), unpacked ? y : _mm256_permute4x64_epi64(y, 0xD8));
+  _mm256_storeu_si256(static_cast<I*>(p), _mm256_permute4x64_epi64(y, 0xD8));  // quarters a0 b0 a1 b1 -> a0 a1 b0 b1
 }
 // The codes of a group, rounded (round to nearest even, the default rounding mode): signed codes in
 // [-127, 127] or unsigned ones in [0, 255], so the saturating packs keep them as the truncation would
@@ -140,6 +119,16 @@ __attribute__((always_inline)) inline void store_codes4(void* p, const V x[4]) {
   const I cd = _mm256_packs_epi32(_mm256_cvtps_epi32(x[2]), _mm256_cvtps_epi32(x[3]));
   const I y = is_signed ? _mm256_packs_epi16(ab, cd) : _mm256_packus_epi16(ab, cd);
   _mm256_storeu_si256(static_cast<I*>(p), quarters_in_order<unpacked>(y));
+}
+
+// load_theta4 of a group with a zero, infinite or NaN parameter: merge_bf16 itself
+template <Param P>
+__attribute__((noinline)) void merge_rarely(const Desc& d, int64_t i, V out[4]) {
+  const uint16_t* p = static_cast<const uint16_t*>(d.param) + i;
+  alignas(32) float t[G];
+  if constexpr (P == BF16_RHO8) merge_bf16(p, static_cast<const int8_t*>(d.rho) + i, t, 8, G);
+  else merge_bf16(p, static_cast<const int16_t*>(d.rho) + i, t, 0, G);
+  for (int v = 0; v < 4; ++v) out[v] = load_ordered<P>(t, v);
 }
 
 // theta (the fp32 master weight) of a group's 32 values at i, in the group's order. bf16 + rho: the common case
@@ -162,13 +151,7 @@ __attribute__((always_inline)) inline void load_theta4(const Desc& d, int64_t i,
       const I y = _mm256_add_epi16(_mm256_slli_epi16(x[h], 1), _mm256_set1_epi16(-1));
       rare = _mm256_or_si256(rare, _mm256_subs_epu16(y, _mm256_set1_epi16(int16_t(0xFEFE))));
     }
-    if (!_mm256_testz_si256(rare, rare)) {
-      alignas(32) float t[G];
-      if constexpr (P == BF16_RHO8) merge_bf16(p, static_cast<const int8_t*>(d.rho) + i, t, 8, G);
-      else merge_bf16(p, static_cast<const int16_t*>(d.rho) + i, t, 0, G);
-      for (int v = 0; v < 4; ++v) out[v] = load_ordered<P>(t, v);
-      return;
-    }
+    if (!_mm256_testz_si256(rare, rare)) return merge_rarely<P>(d, i, out);
     if constexpr (P == BF16_RHO8) {
       for (int h = 0; h < 2; ++h) {
         const I rho = _mm256_cvtepi8_epi16(ld128(static_cast<const int8_t*>(d.rho) + i + 16 * h));
@@ -188,6 +171,19 @@ __attribute__((always_inline)) inline void load_theta4(const Desc& d, int64_t i,
   }
 }
 
+// The high and low 16-bit words of a group's master weights (in the unpacked order), values 16h..16h+15 of each
+// in order: each vector's low words to bytes 0-7 of each 128-bit half and its high words to bytes 8-15
+// (pshufb), then the two vectors' low (high) quadwords of each half together
+inline void words16(const V theta[4], I hw[2], I lw[2]) {
+  const I m = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                               0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+  for (int h = 0; h < 2; ++h) {
+    const I a = _mm256_shuffle_epi8(as_int(theta[2 * h]), m), b = _mm256_shuffle_epi8(as_int(theta[2 * h + 1]), m);
+    lw[h] = _mm256_unpacklo_epi64(a, b);
+    hw[h] = _mm256_unpackhi_epi64(a, b);
+  }
+}
+
 // Whether a group's master weights hold one of magnitude >= 0x7F7F0000 (the magnitudes' bits as int32)
 inline bool splits_rarely(const V theta[4]) {
   const I a = _mm256_max_epi32(as_int(vabs(theta[0])), as_int(vabs(theta[1])));
@@ -196,42 +192,60 @@ inline bool splits_rarely(const V theta[4]) {
   return !_mm256_testz_si256(big, big);
 }
 
-// The new parameter (and rho) of a group's 32 values at i from theta. bf16 + rho: avx512.h's split_common (its
-// comment derives it): hi's high word is the bf16 value, lo's byte 1 (int8 rho) or low word (int16) is rho. A
-// group with a master weight of magnitude >= 0x7F7F0000 (within a bf16 step of the largest finite value,
-// infinite or NaN) is split by split_bf16 itself.
+// store_theta4 of a group that holds a master weight of magnitude >= 0x7F7F0000: split_bf16 itself
+template <Param P>
+__attribute__((noinline)) void split_rarely(const Desc& d, int64_t i, const V theta[4]) {
+  uint16_t* p = static_cast<uint16_t*>(d.param) + i;
+  alignas(32) float t[G];
+  for (int v = 0; v < 4; ++v) store_ordered<P>(t, v, theta[v]);
+  if constexpr (P == BF16_RHO8) split_bf16<int8_t, 8>(t, p, static_cast<int8_t*>(d.rho) + i, G);
+  else split_bf16<int16_t, 0>(t, p, static_cast<int16_t*>(d.rho) + i, G);
+}
+
+// The new parameter (and rho) of a group's 32 values at i from theta (in the group's order), as avx512.h's
+// split_common computes them on 32-bit lanes (its comment derives it): with s the sign spread over the lane, the
+// bf16 value is the high word of theta + 0x8080 + (s << 8) (int8 rho) or theta + 0x8000 + s (int16), and rho is
+// byte 1 of (theta ^ s) + 128 or the low word of (theta ^ s) - s. With int8 rho that is computed on 16-bit
+// lanes, on the high and low words H and L of the master weights (words16): the parameter is H plus the carry
+// out of L + (0x8080 or 0x7F80), which comes where L >= 0x7F80 (theta positive) or 0x8080 (negative), and rho
+// is ((L ^ s) + 128) >> 8 (no higher bit reaches byte 1). A group with a master weight of magnitude >=
+// 0x7F7F0000 (within a bf16 step of the largest finite value, infinite or NaN) is split by split_bf16 itself.
 template <Param P>
 __attribute__((always_inline)) inline void store_theta4(const Desc& d, int64_t i, const V theta[4]) {
   if constexpr (P == FP32) {
     for (int v = 0; v < 4; ++v) _mm256_storeu_ps(static_cast<float*>(d.param) + i + 8 * v, theta[v]);
-  } else {
-    uint16_t* p = static_cast<uint16_t*>(d.param) + i;
-    if (splits_rarely(theta)) {
-      alignas(32) float t[G];
-      for (int v = 0; v < 4; ++v) store_ordered<P>(t, v, theta[v]);
-      if constexpr (P == BF16_RHO8) split_bf16<int8_t, 8>(t, p, static_cast<int8_t*>(d.rho) + i, G);
-      else split_bf16<int16_t, 0>(t, p, static_cast<int16_t*>(d.rho) + i, G);
-      return;
+    return;
+  }
+  uint16_t* p = static_cast<uint16_t*>(d.param) + i;
+  if constexpr (P == BF16_RHO8) {
+    I hw[2], lw[2], r[2];
+    words16(theta, hw, lw);
+    I big = _mm256_setzero_si256();  // |H| >= 0x7F7F: (H << 1) - 0xFEFD does not saturate to 0
+    for (int h = 0; h < 2; ++h)
+      big = _mm256_or_si256(big, _mm256_subs_epu16(_mm256_slli_epi16(hw[h], 1), _mm256_set1_epi16(int16_t(0xFEFD))));
+    if (!_mm256_testz_si256(big, big)) return split_rarely<P>(d, i, theta);
+    for (int h = 0; h < 2; ++h) {
+      const I s = _mm256_srai_epi16(hw[h], 15);
+      r[h] = _mm256_srli_epi16(_mm256_add_epi16(_mm256_xor_si256(lw[h], s), _mm256_set1_epi16(128)), 8);
+      const I edge = _mm256_add_epi16(_mm256_set1_epi16(0x7F80), _mm256_and_si256(s, _mm256_set1_epi16(0x100)));
+      const I carry = _mm256_cmpeq_epi16(_mm256_max_epu16(lw[h], edge), lw[h]);  // L >= edge: -1
+      _mm256_storeu_si256(reinterpret_cast<I*>(p + 16 * h), _mm256_sub_epi16(hw[h], carry));
     }
+    // the two halves' bytes, 0-7 16-23 | 8-15 24-31, in order
+    const I rho = _mm256_permute4x64_epi64(_mm256_packus_epi16(r[0], r[1]), 0xD8);
+    _mm256_storeu_si256(reinterpret_cast<I*>(static_cast<int8_t*>(d.rho) + i), rho);
+  } else {
+    if (splits_rarely(theta)) return split_rarely<P>(d, i, theta);
     I hi[4], lo[4];
     for (int v = 0; v < 4; ++v) {
       const I x = as_int(theta[v]), s = _mm256_srai_epi32(x, 31);  // s = -1 for a negative theta
-      if constexpr (P == BF16_RHO8) {  // t - 256 and 127 - x = ~x + 128 where negative
-        hi[v] = _mm256_add_epi32(_mm256_add_epi32(x, vi(128 + (128 << 8))), _mm256_slli_epi32(s, 8));
-        lo[v] = _mm256_add_epi32(_mm256_xor_si256(x, s), vi(128));
-      } else {  // t - 1 and -x where negative
-        hi[v] = _mm256_add_epi32(_mm256_add_epi32(x, vi(32768)), s);
-        lo[v] = _mm256_sub_epi32(_mm256_xor_si256(x, s), s);
-      }
+      hi[v] = _mm256_add_epi32(_mm256_add_epi32(x, vi(32768)), s);  // t - 1 and -x where negative
+      lo[v] = _mm256_sub_epi32(_mm256_xor_si256(x, s), s);
     }
-    if constexpr (P == BF16_RHO8) {
-      st8x4<1, UNPACKED<P>>(static_cast<int8_t*>(d.rho) + i, lo);
-    } else {
-      st16x2<false, false>(static_cast<int16_t*>(d.rho) + i, lo[0], lo[1]);
-      st16x2<false, false>(static_cast<int16_t*>(d.rho) + i + 16, lo[2], lo[3]);
-    }
-    st16x2<true, UNPACKED<P>>(p, hi[0], hi[1]);
-    st16x2<true, UNPACKED<P>>(p + 16, hi[2], hi[3]);
+    st16x2<false>(static_cast<int16_t*>(d.rho) + i, lo[0], lo[1]);
+    st16x2<false>(static_cast<int16_t*>(d.rho) + i + 16, lo[2], lo[3]);
+    st16x2<true>(p, hi[0], hi[1]);
+    st16x2<true>(p + 16, hi[2], hi[3]);
   }
 }
 
@@ -266,6 +280,14 @@ inline V first_moment_value(const int8_t* p, int v, bool companded) {
 inline I absmax_lanes(const V x[4]) {
   I a = _mm256_max_epu32(as_int(vabs(x[0])), as_int(vabs(x[1])));
   return _mm256_max_epu32(a, _mm256_max_epu32(as_int(vabs(x[2])), as_int(vabs(x[3]))));
+}
+
+// Lane-wise max of the bits of a group's vectors, for values that are at least +0 or NaN (square roots of sums of
+// products with non-negative factors): their sign is set on NaNs alone, so the maximum with the sign cleared is the
+// maximum magnitude
+inline I max_lanes(const V x[4]) {
+  const I a = _mm256_max_epu32(as_int(x[0]), as_int(x[1]));
+  return _mm256_max_epu32(a, _mm256_max_epu32(as_int(x[2]), as_int(x[3])));
 }
 
 // x[0..7] -> one vector whose lane q is the largest (unsigned) lane of x[q]: a transposing tree
@@ -401,9 +423,10 @@ int64_t adam_block(const Desc& d, const Block& s, float beta1, float beta2, floa
       sec[q][v] = companded ? _mm256_sqrt_ps(vj) : vj;
     }
     am[q] = absmax_lanes(m[q]);
-    au[q] = absmax_lanes(sec[q]);
+    au[q] = companded ? max_lanes(sec[q]) : absmax_lanes(sec[q]);
   }
-  const I amax = reduce_max8(am), umax = reduce_max8(au);
+  const I amax = reduce_max8(am);
+  const I umax = companded ? as_int(vabs(as_float(reduce_max8(au)))) : reduce_max8(au);
   GroupValues gv;
   I e;
   gv.bad = (signed_group_values(amax, companded, gv, e) | above(umax, companded ? SQRT_SCALE_MAX : SCALE_MAX)) &
@@ -421,9 +444,9 @@ int64_t adam_block(const Desc& d, const Block& s, float beta1, float beta2, floa
     for (int v = 0; v < 4; ++v) {
       const V mj = m[q][v];
       V x, den;
-      if (companded) {  // |m| sn, which is |m sn| bit for bit, serves the flush and the companding
-        const V ax = _mm256_mul_ps(vabs(mj), sn);
-        x = _mm256_and_ps(_mm256_mul_ps(mj, sn), _mm256_cmp_ps(ax, vf(UPDATE_FLUSH), _CMP_NLT_UQ));
+      if (companded) {  // |m sn|, which is |m| sn bit for bit, serves the flush and the companding
+        const V mx = _mm256_mul_ps(mj, sn), ax = vabs(mx);
+        x = _mm256_and_ps(mx, _mm256_cmp_ps(ax, vf(UPDATE_FLUSH), _CMP_NLT_UQ));
         code_m[v] = _mm256_div_ps(_mm256_mul_ps(mj, vf(gv.k254[q])), _mm256_add_ps(vf(gv.as[q]), ax));
         den = _mm256_add_ps(_mm256_mul_ps(sec[q][v], vf(ibc2)), vf(eps));
       } else {
