@@ -47,14 +47,16 @@ constexpr bool UNPACKED = P == BF16_RHO8;
 // Vector v of a group's 32 fp32 values at p (or stored to p), in the group's order
 template <Param P>
 inline V load_ordered(const float* p, int v) {
+  if constexpr (!UNPACKED<P>) return _mm256_loadu_ps(p + 8 * v);
   const float* lo = p + 16 * (v / 2) + 4 * (v % 2);
-  return UNPACKED<P> ? _mm256_loadu2_m128(lo + 8, lo) : _mm256_loadu_ps(p + 8 * v);
+  return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(lo)), _mm_loadu_ps(lo + 8), 1);
 }
 template <Param P>
 inline void store_ordered(float* p, int v, V x) {
+  if constexpr (!UNPACKED<P>) return _mm256_storeu_ps(p + 8 * v, x);
   float* lo = p + 16 * (v / 2) + 4 * (v % 2);
-  if constexpr (UNPACKED<P>) _mm256_storeu2_m128(lo + 8, lo, x);
-  else _mm256_storeu_ps(p + 8 * v, x);
+  _mm_storeu_ps(lo, _mm256_castps256_ps128(x));
+  _mm_storeu_ps(lo + 8, _mm256_extractf128_ps(x, 1));
 }
 
 // Masks of the unpacked order's byte loads: from a group's 16 bytes 16h..16h+15 in both 128-bit halves, vector
