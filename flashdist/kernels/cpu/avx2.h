@@ -278,18 +278,17 @@ inline V first_moment_value(const int8_t* p, int v, bool companded) {
   return _mm256_div_ps(y, _mm256_sub_ps(vf(2.0f), vabs(y)));
 }
 
-// Lane-wise max of the magnitudes' bits of a group's vectors
-inline I absmax_lanes(const V x[4]) {
-  I a = _mm256_max_epu32(as_int(vabs(x[0])), as_int(vabs(x[1])));
-  return _mm256_max_epu32(a, _mm256_max_epu32(as_int(vabs(x[2])), as_int(vabs(x[3]))));
-}
-
-// Lane-wise max of the bits of a group's vectors, for values that are at least +0 or NaN (square roots of sums of
-// products with non-negative factors): their sign is set on NaNs alone, so the maximum with the sign cleared is the
-// maximum magnitude
+// Lane-wise max of the bits of a group's vectors (unsigned). For values that are at least +0 or NaN (square roots
+// of sums of products with non-negative factors) the sign is set on NaNs alone, so the maximum with the sign
+// cleared is the maximum magnitude.
 inline I max_lanes(const V x[4]) {
   const I a = _mm256_max_epu32(as_int(x[0]), as_int(x[1]));
   return _mm256_max_epu32(a, _mm256_max_epu32(as_int(x[2]), as_int(x[3])));
+}
+// Lane-wise max of the magnitudes' bits of a group's vectors
+inline I absmax_lanes(const V x[4]) {
+  const V a[4] = {vabs(x[0]), vabs(x[1]), vabs(x[2]), vabs(x[3])};
+  return max_lanes(a);
 }
 
 // x[0..7] -> one vector whose lane q is the largest (unsigned) lane of x[q]: a transposing tree
