@@ -218,13 +218,15 @@ def _finish(args, rows):
         print(f"\nflashdist 24-bit / torch fused AdamW fp32: params/s {fused['mparams_per_s'] / target['mparams_per_s']:.2f}"
               f", params/cpu-s {fused['mparams_per_cpu_s'] / target['mparams_per_cpu_s']:.2f}")
     if args.out:
-        try:
-            cpu_name = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-            cpu_name = next((ln.split(":", 1)[1].strip() for ln in cpu_name.splitlines()
-                             if ln.startswith("Model name")), platform.processor())
+        try:  # shared VMs often name only the vendor ("AMD EPYC"): the family and model tell them apart
+            lines = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
+            fields = dict(ln.split(":", 1) for ln in lines if ":" in ln)
+            fields = {k.strip(): v.strip() for k, v in fields.items()}
         except OSError:
-            cpu_name = platform.processor()
-        machine = {"cpu": cpu_name, "threads": torch.get_num_threads(), "cores": os.cpu_count(),
+            fields = {}
+        cpu_name = fields.get("Model name", platform.processor())
+        machine = {"cpu": cpu_name, "cpu_family": fields.get("CPU family"), "cpu_model": fields.get("Model"),
+                   "threads": torch.get_num_threads(), "cores": os.cpu_count(),
                    "capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
                    "fused_step_isa": cpu_kernel.vector_isa(),
                    "flashdist": getattr(flashdist, "__version__", "?"), "python": platform.python_version(),
