@@ -220,8 +220,7 @@ def _finish(args, rows):
     if args.out:
         try:  # shared VMs often name only the vendor ("AMD EPYC"): the family and model tell them apart
             lines = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
-            fields = dict(ln.split(":", 1) for ln in lines if ":" in ln)
-            fields = {k.strip(): v.strip() for k, v in fields.items()}
+            fields = {k.strip(): v.strip() for k, sep, v in (ln.partition(":") for ln in lines) if sep}
         except OSError:
             fields = {}
         cpu_name = fields.get("Model name", platform.processor())
