@@ -166,8 +166,8 @@ def test_capture_without_warm_up_is_refused_and_changes_nothing():
 @gpu
 def test_graphed_step_replays_and_falls_back_with_the_same_bits():
     """GraphedStep against eager steps of a copy: a float learning rate that changes every step (no
-    recapture), gradients copied in place (replays), then gradients replaced by new tensors (an eager step,
-    and a new capture once they stay), then a changed weight decay (an eager step)."""
+    recapture), gradients copied in place (replays), then gradients replaced by new tensors (a replay, its
+    tables pointed at them first), then a changed weight decay (an eager step, and a new capture after)."""
     plain, capt = _params("cuda"), _params("cuda")
     a = OPTIMIZERS["adamw"](plain, capturable=True)
     b = OPTIMIZERS["adamw"](capt, capturable=True)
@@ -189,9 +189,9 @@ def test_graphed_step_replays_and_falls_back_with_the_same_bits():
         graphed()
         torch.cuda.synchronize()
         _same_bits(_snapshot(a, plain), _snapshot(b, capt), f"graphed step {k}")
-    # 1: eager (warm-up); 2: capture + replay; 3-4: replays; 5: eager (new grads); 6: capture; 7: replay;
-    # 8: eager (weight decay); 9: capture
-    assert (graphed.eager_steps, graphed.captures, graphed.replays) == (3, 3, 6)
+    # 1: eager (warm-up); 2: capture + replay; 3-7: replays (5: new gradient tensors); 8: eager (weight
+    # decay); 9: capture + replay
+    assert (graphed.eager_steps, graphed.captures, graphed.replays) == (2, 2, 7)
     assert isinstance(b.param_groups[0]["lr"], float)
 
 
@@ -200,8 +200,8 @@ def test_graphed_step_replays_and_falls_back_with_the_same_bits():
 def test_graphed_step_under_fsdp2_is_the_eager_step(tmp_path):
     """FSDP2 (one NCCL rank, DTensor parameters and gradients): GraphedStep's steps against eager steps of an
     identical model, bit for bit, with ``zero_grad(set_to_none=True)`` between steps (FSDP2 then makes new
-    gradient tensors, which replay where they come back at the same addresses); at steps 4 and 5 every
-    gradient is moved to a new tensor (a clone), which GraphedStep must see through the DTensors."""
+    gradient tensors); at steps 4 and 5 every gradient is moved to a new tensor (a clone), which the replay
+    must follow through the DTensors' local shards."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
@@ -232,7 +232,7 @@ def test_graphed_step_under_fsdp2_is_the_eager_step(tmp_path):
             torch.cuda.synchronize()
             for p, q in zip(ref.parameters(), mod.parameters()):
                 assert torch.equal(p.to_local().view(torch.int16), q.to_local().view(torch.int16)), f"step {k}"
-        assert graphed.eager_steps + graphed.replays == 6 and graphed.eager_steps >= 3
+        assert (graphed.eager_steps, graphed.captures, graphed.replays) == (1, 1, 5)
         print(f"FSDP2: {graphed.eager_steps} eager steps, {graphed.captures} captures, {graphed.replays} replays")
     finally:
         dist.destroy_process_group()
@@ -449,8 +449,10 @@ def test_graphed_optimizer_on_the_cpu_steps_eagerly_and_keeps_the_option():
     bits of an ordinary optimizer; copies keep the option; a capturable that is not a bool is refused."""
     import pickle
 
-    _, b, _ = _cpu_pair(2, 11, graphed=True)
+    with pytest.warns(UserWarning, match="graphed=True has no effect.*one CUDA device") as caught:
+        _, b, _ = _cpu_pair(3, 11, graphed=True)
     assert b.graphed and b.capturable is True
+    assert sum("graphed=True" in str(w.message) for w in caught) == 1  # said once, not at every step
     copy = pickle.loads(pickle.dumps(b))
     assert b._graph is None and copy.graphed and copy.capturable
     with pytest.raises(ValueError, match="capturable must be True or False"):
@@ -475,3 +477,118 @@ def test_graphed_optimizer_replays_inside_step_and_runs_its_hooks():
         torch.cuda.synchronize()
         _same_bits(_snapshot(a, plain), _snapshot(b, capt), f"step {k}")
     assert len(calls) == 6 and b._graph is not None and b._graph.replays == 5 and b._graph.captures == 1
+
+
+def test_graphed_optimizer_says_once_why_a_step_is_not_graphed():
+    """Where ``graphed=True`` cannot take effect it says so once per optimizer: the reference backend, and a
+    step with a closure (Lightning's), which runs eagerly."""
+    params = _params("cpu")
+    opt = OPTIMIZERS["adamw"](params, graphed=True, backend="reference")
+    for p, g in zip(params, _grads(1, params, 13)[0]):
+        p.grad = g
+    with pytest.warns(UserWarning, match="graphed=True has no effect.*Triton kernel") as caught:
+        opt.step()
+        opt.step()
+    assert sum("graphed=True" in str(w.message) for w in caught) == 1
+    other = OPTIMIZERS["adamw"](_params("cpu"), graphed=True)
+    with pytest.warns(UserWarning, match="graphed=True has no effect.*closure") as caught:
+        for _ in range(2):
+            other.step(lambda: torch.tensor(0.0))
+    assert sum("graphed=True" in str(w.message) for w in caught) == 1
+
+
+class _TinyLlama(torch.nn.Module):
+    """A Llama-shaped model in plain torch (embedding, RMSNorm, attention and SwiGLU blocks, untied head), big
+    enough to have a tensor of the large-tensor launch under a lowered ``large_numel``."""
+
+    def __init__(self, vocab=512, dim=64, layers=2):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.blocks = torch.nn.ModuleList()
+        for _ in range(layers):
+            self.blocks.append(torch.nn.ModuleDict(dict(
+                norm1=torch.nn.RMSNorm(dim), qkv=torch.nn.Linear(dim, 3 * dim, bias=False),
+                out=torch.nn.Linear(dim, dim, bias=False), norm2=torch.nn.RMSNorm(dim),
+                up=torch.nn.Linear(dim, 4 * dim, bias=False), gate=torch.nn.Linear(dim, 4 * dim, bias=False),
+                down=torch.nn.Linear(4 * dim, dim, bias=False))))
+        self.norm = torch.nn.RMSNorm(dim)
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        b, t, d = x.shape
+        for blk in self.blocks:
+            q, k, v = blk["qkv"](blk["norm1"](x)).view(b, t, 3, 4, d // 4).unbind(2)
+            a = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                                 v.transpose(1, 2), is_causal=True)
+            x = x + blk["out"](a.transpose(1, 2).reshape(b, t, d))
+            h = blk["norm2"](x)
+            x = x + blk["down"](torch.nn.functional.silu(blk["gate"](h)) * blk["up"](h))
+        return self.head(self.norm(x))
+
+
+@gpu
+@pytest.mark.parametrize("clip", [False, True], ids=["no-clip", "clip"])
+def test_graphed_optimizer_replays_with_gradients_set_to_none(clip):
+    """The loop every client runs (``loss.backward(); [clip_grad_norm_]; opt.step(); opt.zero_grad()``, with
+    torch's default ``set_to_none=True``, so that the gradients are new tensors at every step, wherever the
+    allocator puts them): a ``graphed=True`` optimizer captures once and replays every later step, bit for bit
+    against an eager optimizer on an identical model, with a float learning rate a scheduler changes at every
+    step, and the large-tensor launch (``large_numel`` lowered so that the embedding and head take it)."""
+    from flashdist.kernels.triton import DEFAULT, using
+
+    steps = 40
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(_TinyLlama().to("cuda", torch.bfloat16))
+    ref, mod = models
+    a = flashdist.FlashAdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, capturable=True)
+    b = flashdist.FlashAdamW(mod.parameters(), lr=1e-3, weight_decay=0.1, graphed=True)
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda k: 1.0 / (1 + k)) for o in (a, b)]
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    moved, seen = 0, None
+    with using(DEFAULT.replace(large_numel=16384)):
+        for k in range(steps):
+            tokens = torch.randint(0, 512, (4, 32), device="cuda", generator=gen)
+            for model, opt, sched in ((ref, a, scheds[0]), (mod, b, scheds[1])):
+                logits = model(tokens[:, :-1])
+                torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
+                if clip:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+                if model is mod:  # (the allocator may or may not reuse addresses: the replays must not care)
+                    now = [p.grad.data_ptr() for p in mod.parameters()]
+                    moved += seen is not None and now != seen
+                    seen = now
+                opt.step()
+                opt.zero_grad()  # set_to_none=True
+                sched.step()
+            torch.cuda.synchronize()
+            for p, q in zip(ref.parameters(), mod.parameters()):
+                assert torch.equal(p.view(torch.int16), q.view(torch.int16)), f"step {k + 1}"
+                assert torch.equal(a.state[p]["rho"], b.state[q]["rho"]), f"step {k + 1}"
+    graph = b._graph
+    print(f"graphed, clip={clip}: {graph.captures} captures, {graph.replays} replays, {graph.eager_steps} eager "
+          f"steps, gradients at new addresses at {moved} of {steps - 1} steps")
+    assert graph.captures >= 1 and graph.replays >= steps - 3
+
+
+@gpu
+def test_graphed_step_says_once_when_parameters_move_at_every_step():
+    """Parameters at new addresses at every step (a parameter swap): every step eager, bit for bit, and one
+    warning that says why, after ``MISS_LIMIT`` misses."""
+    from flashdist.optim import graph as G
+
+    plain, capt, a, b, steps = _pair(G.MISS_LIMIT + 4, 14)
+    graphed = flashdist.GraphedStep(b)
+    with pytest.warns(UserWarning, match="not replaying.*parameter is at a new address") as caught:
+        for k, grads in enumerate(steps, start=1):
+            _set_grads(plain, capt, grads)
+            for p in capt:
+                p.data = p.data.clone()
+            a.step()
+            graphed()
+            torch.cuda.synchronize()
+            _same_bits(_snapshot(a, plain), _snapshot(b, capt), f"step {k}")
+    assert sum("not replaying" in str(w.message) for w in caught) == 1
+    assert graphed.replays == 0 and graphed.eager_steps == len(steps)

@@ -961,3 +961,45 @@ def test_inline_ptx_widens_merges_and_splits_as_the_interpreted_path():
     got = _ptx(rho_bits.RHO_INT8_ASM.value, [q[:, 0], q[:, 1], q[:, 2], q[:, 3]], 1)[0]
     got = np.stack([(got >> (8 * k)) & 0xFF for k in range(4)], axis=1).reshape(-1)
     assert (got == want).all()
+
+
+@interpreted
+def test_capturable_launch_reads_gradient_addresses_from_its_tables(kernels):
+    """A capturable launch (scalars on the device) reads every gradient address from the plan's device tables,
+    the large tensors' from their cells: ``Plan.retarget`` rewrites those tables in place (what GraphedStep
+    does before a replay) and the next launch follows, bit for bit, while a launch's address argument would
+    still name the old gradient (overwritten with NaN here, so that reading it would fail the comparison)."""
+    from flashdist.kernels.scalars import DeviceScalars
+    from flashdist.kernels.triton import plans as P
+
+    large = Launch(kernels.config.replace(large_numel=200, large_groups=16))
+    gen = torch.Generator().manual_seed(31)
+    cases = [Case(s, torch.bfloat16, torch.bfloat16, torch.int16, True, gen) for s in [(64, 64), (7, 33), (33,)]]
+    for step in (1, 2, 3):
+        host = AdamScalars.make(lr=3e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=step,
+                                decoupled=True)
+        scalars = DeviceScalars(torch.tensor(host.kernel_args(), dtype=torch.float32), decoupled=True, eps=1e-8,
+                                inv_bias_correction2_sqrt=host.inv_bias_correction2_sqrt)
+        grads = [c.new_grad(gen) for c in cases]
+        plan = large.plans()[0] if step > 1 else None
+        if plan is not None:  # the tables in place, then the plan's own record of the old gradients poisoned
+            old = list(plan_grads)
+            assert plan.retarget(grads, [g.data_ptr() for g in grads])
+            for g in old:
+                g.fill_(float("nan"))
+        launch = Launch(large.config)  # the kernel with the device scalars, the reference with the host's
+        launch.adam_step_multi = lambda *a, scalars, **kw: large.adam_step_multi(*a, scalars=device, **kw)
+        device = scalars
+        _step_both(launch, cases, grads, host, True, False)
+        _assert_equal(cases, f"step {step}")
+        assert large.plans()[0] is plan or plan is None, "the retargeted plan must be reused, not rebuilt"
+        plan_grads = grads
+    plan = large.plans()[0]
+    assert (plan.own_launches, plan.table_tensors) == (2, 1)
+    unaligned = torch.empty(cases[0].shape[0] * cases[0].shape[1] + 1, dtype=torch.bfloat16)[1:]
+    assert not plan.retarget([unaligned.view(cases[0].shape), *plan_grads[1:]],
+                             [unaligned.data_ptr(), *(g.data_ptr() for g in plan_grads[1:])])
+    with pytest.raises(ValueError, match="grad of tensor 1 is not contiguous"):
+        bad = torch.empty(cases[1].shape[::-1], dtype=torch.bfloat16).t()
+        plan.retarget([plan_grads[0], bad, plan_grads[2]], [g.data_ptr() for g in (plan_grads[0], bad, plan_grads[2])])
+    assert P.Plan.fits(plan, plan_grads, [g.data_ptr() for g in plan_grads])

@@ -6,6 +6,7 @@ import contextlib
 import contextvars
 import itertools
 import operator
+import warnings
 from collections import defaultdict
 from typing import Any
 
@@ -18,7 +19,8 @@ from ..quant.moment import MomentLayout, QuantizedMoment
 from .layout import LAYOUT_OPTIONS, LayoutOptions
 from .params import check_overlaps, check_param, param_name
 from .plan import Bucket, StepPlan
-from .precision import fp32_group_warning, fsdp_low_precision_fp32, fsdp_warning, warn_precision
+from .precision import (caller_stacklevel, fp32_group_warning, fsdp_low_precision_fp32, fsdp_warning,
+                        warn_precision)
 from .state_dict import FORMATS, export_state_dict, load_state_dict
 
 # Public names that lived in this module before they moved; their old import path keeps working.
@@ -96,6 +98,7 @@ class FlashOptimizer(torch.optim.Optimizer):
         self.graphed = graphed
         self.skipped = None  # int32 counter of skipped (non-finite) groups, on the parameters' device
         self._precision_warned = False
+        self._graph_warned = False  # graphed=True had no effect on a step, and a warning said so
         self._reset_caches()
         super().__init__(params, defaults)
 
@@ -433,12 +436,23 @@ class FlashOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        if self.graphed and closure is None:
-            graph = self._graphed_step()
-            if graph is not None:
-                graph()  # a replay of the captured step where nothing it reads moved, else _eager_step
-                return None
+        if self.graphed:
+            if closure is not None:
+                self._warn_not_graphed("a step with a closure runs eagerly (the closure's forward and backward "
+                                       "passes cannot be replayed)")
+            else:
+                graph = self._graphed_step()
+                if graph is not None:
+                    graph()  # a replay of the captured step, pointed at this call's gradients, else _eager_step
+                    return None
         return self._eager_step(closure)
+
+    def _warn_not_graphed(self, why: str) -> None:
+        """Say once per optimizer that ``graphed=True`` has no effect here, and why (steps run eagerly)."""
+        if not getattr(self, "_graph_warned", False):  # (an optimizer pickled by an earlier version)
+            self._graph_warned = True
+            warnings.warn(f"flashdist: graphed=True has no effect on this step: {why}; it runs eagerly (said once)",
+                          UserWarning, stacklevel=caller_stacklevel())
 
     def _graphed_step(self):
         """The GraphedStep of a ``graphed=True`` optimizer, or None where none can be made (parameters not on
@@ -451,8 +465,10 @@ class FlashOptimizer(torch.optim.Optimizer):
 
             try:
                 self._graph = GraphedStep(self, eager=self._eager_step, strict=False)
-            except ValueError:
+            except ValueError as e:
                 self._no_graph_at = self.plan_generation
+                self._warn_not_graphed(str(e).removeprefix("flashdist: ") + " (tried again when the parameters "
+                                       "or their state change)")
         return self._graph
 
     def _eager_step(self, closure=None):
@@ -657,7 +673,8 @@ class FlashOptimizer(torch.optim.Optimizer):
         # the caches (plans and sets keyed by id(), which a copy would get stale) are rebuilt on arrival
         state = super().__getstate__()
         state.update(backend=self.backend, state_dict_format=self.state_dict_format, skipped=self.skipped,
-                     _precision_warned=self._precision_warned, capturable=self.capturable,
+                     _precision_warned=self._precision_warned, _graph_warned=self._graph_warned,
+                     capturable=self.capturable,
                      graphed=self.graphed)
         return state
 

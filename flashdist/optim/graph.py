@@ -4,19 +4,23 @@ replay safe and an eager step wherever one is not.
 A step over thousands of tensors spends more time on the host (Python, launches) than the GPU spends on it.
 A capturable flashdist optimizer (``capturable=True``: the step count and the update's scalars live on the
 device) can be captured in a CUDA graph, as torch.optim's capturable optimizers can; a replay runs the whole
-step with no host work. But a graph holds the addresses it was captured with: replayed after the gradients
-moved (``zero_grad(set_to_none=True)`` frees them, and the next backward pass may allocate them elsewhere),
-it would read freed memory. ``GraphedStep`` compares, at every call, what the graph was captured for (the
-gradient and parameter addresses, the optimizer's step plans, the hyper-parameters) and replays only where
-all are the same; otherwise it steps eagerly, and captures again once a step sees the same tensors as the one
-before. Results are the same bits either way. The addresses are compared in C++ (``flashdist.kernels.host``,
-built at first use: a few nanoseconds per tensor), or in Python where it cannot be built (a few hundred).
+step with no host work. A graph holds the addresses it was captured with, but no gradient address is fixed
+into it: the kernel reads every gradient's address from device tables (``kernels.triton.plans``), which
+``GraphedStep`` points at the gradients of the call before each replay, outside the graph (one small
+host-to-device copy per table). So a replay follows the gradients wherever ``zero_grad(set_to_none=True)``
+and the next backward pass put them (torch's default, and the Trainer's, Accelerate's and Lightning's).
+What must stay where it was captured is checked at every call: the parameter addresses, the optimizer's step
+plans (its state), which parameters have a gradient, the hyper-parameters; where any differs the call steps
+eagerly, and captures again once a step sees the same. Results are the same bits either way. The parameter
+addresses are compared in C++ (``flashdist.kernels.host``, built at first use: a few nanoseconds per tensor),
+or in Python where it cannot be built (a few hundred).
 """
 
 from __future__ import annotations
 
 import itertools
 import operator
+import warnings
 
 import torch
 
@@ -28,6 +32,14 @@ from .params import check_number
 
 _GRAD = operator.attrgetter("grad")
 _data_ptr = torch.Tensor.data_ptr
+_NONE = itertools.repeat(None)
+
+# A call that steps eagerly after the warm-up (something a replay reads moved or changed) is a miss. After
+# MISS_LIMIT misses in a row, or CAPTURE_LIMIT captures in a row whose graph replayed only once (the capture's
+# own call), GraphedStep says once why, and stops capturing (every step eager) until the optimizer's settings
+# or state change: a capture costs several eager steps.
+MISS_LIMIT = 8
+CAPTURE_LIMIT = 3
 
 
 def _addresses(tensors: list) -> list[int]:
@@ -52,12 +64,18 @@ class GraphedStep:
 
     A float learning rate (what LR schedulers set), or one in a CPU tensor, is copied at each call into a
     device tensor the graph reads (checked as ``step()`` checks it), so schedules need no recapture; a learning
-    rate in a tensor on the parameters' device is read where it is. Any other hyper-parameter changed, a
-    parameter given or denied a gradient, a gradient or parameter at a new address (FSDP2's DTensors by their
-    local shards), a param group added, or state replaced (``load_state_dict``) makes that call an eager step.
-    A step the graph cannot capture (parameters at different step counts: ``flashdist.errors.CaptureRefused``)
-    runs eagerly until something changes. Not seen: data swapped into a state tensor in place (``set_``,
-    ``.data =``); the optimizer itself does not.
+    rate in a tensor on the parameters' device is read where it is. Gradients at new addresses (new tensors
+    after ``zero_grad(set_to_none=True)``; FSDP2's DTensors by their local shards) are followed: the captured
+    tables are pointed at them before the replay (checked as an eager step checks them; one of another dtype,
+    or one that breaks the 16-byte alignment the capture relied on, makes the call eager). Any other
+    hyper-parameter changed, a parameter given or denied a gradient, a parameter at a new address, a param
+    group added, or state replaced (``load_state_dict``) makes that call an eager step. A step the graph
+    cannot capture (parameters at different step counts: ``flashdist.errors.CaptureRefused``) runs eagerly
+    until something changes. Where steps keep missing the graph (``MISS_LIMIT`` eager calls in a row, or
+    ``CAPTURE_LIMIT`` captures in a row replayed once: parameters that move at every step), one warning says
+    why and it stops capturing until the optimizer's settings or state change. Not seen: data swapped into a
+    state tensor in place (``set_``, ``.data =``); the optimizer itself does not. Replays and the table
+    updates before them run on the current stream: step on the same stream at each call.
 
     Step hooks run when ``optimizer.step()`` runs: at eager steps and at the capture, not at replays (a
     ``graphed=True`` optimizer runs its own GraphedStep inside ``step()``, so its hooks run at every step).
@@ -79,8 +97,17 @@ class GraphedStep:
         self.captures = self.replays = self.eager_steps = 0
         self._host = host.load()  # the compiled address check (None: the same in Python)
         self._settings = None  # what _settings_key gave at the last call
-        self._seen: list[list] = []  # per group: [its params list, param addresses, grad addresses] at the last call
+        self._seen: list[list] = []  # per group: [its params list, param addresses, which grads are None] at the last call
         self._plans: list = []  # the launch plans the graph holds (kernels.triton.plans.collect_captured)
+        self._unique_plans: list = []  # the same, each once
+        self._plan_params: list[list] = []  # per plan: the optimizer's parameters of its lists, in their order
+        self._grads: list[list] = []  # per group: the .grad of each parameter at this call (_unchanged)
+        self._why: str | None = None  # why the last call stepped eagerly
+        self._misses = 0  # eager calls in a row since the last replay (after the warm-up)
+        self._short = 0  # captures in a row whose graph was replayed only by the capture's own call
+        self._replays_at_capture = 0  # self.replays when the graph in hand was captured
+        self._gave_up = False  # MISS_LIMIT or CAPTURE_LIMIT was reached: eager until the settings change
+        self._warned = False
         self._refused = False  # the last capture was refused: none is tried until something changes
         # one fp64 device tensor per group, read by the graph in place of a float learning rate
         self._lr: list[torch.Tensor] = []
@@ -115,16 +142,21 @@ class GraphedStep:
             for group in self.optimizer.param_groups))
 
     def _unchanged(self) -> bool:
-        """Whether everything a replay reads is where the last call found it; records what this call finds."""
+        """Whether everything a replay reads, other than the gradients' addresses, is where the last call found
+        it (the same settings, parameter addresses, parameters with a gradient); records what this call finds,
+        and why not in ``_why``."""
         settings = self._settings_key()
         same = settings == self._settings
         if not same:
+            self._why = "the optimizer's hyper-parameters, param groups or state changed"
+            self._gave_up = False
             try:
                 device = self._check()  # (a group added, a setting changed: the same checks as the constructor's)
-            except ValueError:
+            except ValueError as e:
                 if self._strict:
                     raise
                 self._unusable = True
+                self._why = str(e).removeprefix("flashdist: ")
             else:
                 self._unusable = False
                 if device != self.device:  # (parameters moved to another GPU)
@@ -138,30 +170,85 @@ class GraphedStep:
             self._lr = [torch.zeros((), dtype=torch.float64, device=self.device) for _ in groups]
             self._lr_written = [None] * len(groups)
         dtensors = bool(self.optimizer._dtensor_groups)
+        self._grads = []
         for group, seen in zip(groups, self._seen):
             params = group["params"]
             if seen[0] is not params or len(seen[1]) != len(params):
-                seen[:] = [params, *torch.zeros((2, len(params)), dtype=torch.int64)]
+                seen[:] = [params, torch.zeros(len(params), dtype=torch.int64), None]
                 same = False
-            if self._addresses_changed(params, seen[1], seen[2], dtensors):
+            if self._params_moved(params, seen[1], dtensors):
+                same = False
+                self._why = "a parameter is at a new address"
+            grads = list(map(_GRAD, params))
+            self._grads.append(grads)
+            missing = list(map(operator.is_, grads, _NONE))
+            if missing != seen[2]:
+                if seen[2] is not None:
+                    self._why = "a parameter was given or denied a gradient"
+                seen[2] = missing
                 same = False
         return same
 
-    def _addresses_changed(self, params: list, param_seen: torch.Tensor, grad_seen: torch.Tensor,
-                           dtensors: bool = False) -> bool:
+    def _params_moved(self, params: list, seen: torch.Tensor, dtensors: bool = False) -> bool:
+        """Whether a parameter's address (a DTensor's: its local shard's) differs from ``seen``, which records
+        the new ones."""
         if self._host is not None and not dtensors:
-            try:  # (both lists are recorded, whatever the first finds)
-                return self._host.addresses_changed(params, False, param_seen) | \
-                    self._host.addresses_changed(params, True, grad_seen)
+            try:
+                return self._host.addresses_changed(params, False, seen)
             except RuntimeError:  # a tensor without data of its own (a DTensor): in Python, its local tensor
                 pass
-        changed = False
-        for seen, addresses in ((param_seen, _addresses(params)), (grad_seen, _addresses(list(map(_GRAD, params))))):
-            new = torch.tensor(addresses, dtype=torch.int64)
-            if not torch.equal(new, seen):
-                seen.copy_(new)
-                changed = True
+        new = torch.tensor(_addresses(params), dtype=torch.int64)
+        if torch.equal(new, seen):
+            return False
+        seen.copy_(new)
+        return True
+
+    def _addresses_changed(self, params: list, param_seen: torch.Tensor, grad_seen: torch.Tensor,
+                           dtensors: bool = False) -> bool:
+        """Whether the address of a parameter or of its gradient differs from those seen (recorded): what a
+        graph whose gradient addresses were fixed would need unchanged."""
+        changed = self._params_moved(params, param_seen, dtensors)
+        if self._host is not None and not dtensors:
+            try:
+                return self._host.addresses_changed(params, True, grad_seen) | changed
+            except RuntimeError:
+                pass
+        new = torch.tensor(_addresses(list(map(_GRAD, params))), dtype=torch.int64)
+        if not torch.equal(new, grad_seen):
+            grad_seen.copy_(new)
+            changed = True
         return changed
+
+    def _map_plans(self) -> None:
+        """The optimizer's parameters of each captured plan's lists, in their order (found by the local
+        tensors' addresses, which the plan records), so that each replay finds the plan's gradients."""
+        by_address = {}
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                by_address.setdefault(D.local(p).data_ptr(), p)
+        unique = list(dict.fromkeys(self._plans))
+        self._plan_params = [[by_address.get(a) for a in plan.param_ptrs] for plan in unique]
+        self._unique_plans = unique
+
+    def _retarget(self) -> bool:
+        """Point each captured plan's tables at this call's gradients (outside the graph, before the replay);
+        False where one does not fit (``Plan.fits``: another dtype or alignment) or cannot be found."""
+        dtensors = bool(self.optimizer._dtensor_groups)
+        for plan, params in zip(self._unique_plans, self._plan_params):
+            if any(map(operator.is_, params, _NONE)):
+                self._why = "a parameter of the captured step is no longer in the optimizer's param groups"
+                return False
+            grads = list(map(_GRAD, params))
+            if any(map(operator.is_, grads, _NONE)):
+                self._why = "a parameter was given or denied a gradient"
+                return False
+            if dtensors:
+                grads = list(map(D.local, grads))
+            ptrs = list(map(_data_ptr, grads))
+            if ptrs != plan.grad_ptrs and not plan.retarget(grads, ptrs):
+                self._why = "a gradient has another dtype, or breaks the 16-byte alignment the capture used"
+                return False
+        return True
 
     def _write_lrs(self) -> None:
         """Copy each group's learning rate that the graph does not read in place (a float, a CPU tensor) to the
@@ -190,37 +277,65 @@ class GraphedStep:
                         self._eager()
                 finally:
                     self._plans = kept
+                    self._map_plans()
         finally:
             for group, lr in held:
                 group["lr"] = lr
         self.graph = graph
         self.captures += 1
+        self._replays_at_capture = self.replays
 
     def _drop(self) -> None:
         """Drop the graph (its memory pool is freed) and release the launch plans it held."""
+        if self.graph is not None:
+            # a graph replayed only by the call that captured it cost a capture for one step
+            self._short = self._short + 1 if self.replays - self._replays_at_capture <= 1 else 0
         self.graph = None
         plans.release_captured(self._plans)
-        self._plans = []
+        self._plans, self._plan_params, self._unique_plans = [], [], []
 
     @torch.no_grad()
     def __call__(self) -> None:
         unchanged = self._unchanged()
-        if unchanged and self.graph is None and not self._refused:
-            # the last call stepped eagerly with these very tensors (a warm-up): capture, then replay below
+        if unchanged and self.graph is None and not self._refused and not self._gave_up:
+            # the last call stepped eagerly with these very parameters and settings (a warm-up): capture (it
+            # runs nothing), then point the graph at this call's gradients and replay below
             self._write_lrs()
             try:
                 self._capture()
-            except CaptureRefused:  # nothing changed: step eagerly, and try again once something has
+            except CaptureRefused as e:  # nothing changed: step eagerly, and try again once something has
                 self._drop()
                 self._refused = True
+                self._why = f"the step cannot be captured ({str(e).removeprefix('flashdist: ')})"
         if unchanged and self.graph is not None:
-            self._write_lrs()
-            self.graph.replay()
-            self.replays += 1
-            return
+            if self._retarget():
+                self._write_lrs()
+                self.graph.replay()
+                self.replays += 1
+                self._misses = 0
+                return
+            unchanged = False
         if not unchanged:
             self._drop()
             self._refused = False
         self._eager()
+        if self.eager_steps:  # (the first call is the warm-up)
+            self._misses += 1
         self.eager_steps += 1
         self._settings = self._settings_key()  # (the step may have made new plans)
+        if not self._gave_up and (self._misses >= MISS_LIMIT or self._short >= CAPTURE_LIMIT):
+            self._give_up()
+
+    def _give_up(self) -> None:
+        """Stop capturing until the optimizer's settings or state change, and say why once."""
+        if not self._warned:
+            self._warned = True
+            counts = (f"{self._misses} calls in a row stepped eagerly" if self._misses >= MISS_LIMIT else
+                      f"{self._short} captures in a row were replayed only once")
+            warnings.warn(f"flashdist: the graphed step is not replaying ({counts}; the last because "
+                          f"{self._why or 'something the graph reads changed'}): steps run eagerly from now on, "
+                          "until the optimizer's settings or state change. A replay needs the parameters at the "
+                          "addresses of the capture; GraphedStep.eager_steps and .replays count what happened.",
+                          UserWarning, stacklevel=3)
+        self._gave_up = True
+        self._misses = self._short = 0

@@ -43,6 +43,7 @@ from ...errors import CaptureRefused
 from ..scalars import KERNEL_SLOTS, AdamScalars, DeviceScalars, LionScalars, SGDScalars
 from .bits import ADAM, INTERPRETED, LION, SGD
 from .config import LaunchConfig, current, default_layout
+from . import plans
 from .plans import build_plan, cache_for, keep_captured
 from .prefetch import prefetch_slots
 from .programs import table_kernel, tensor_kernel
@@ -82,14 +83,19 @@ def _step_multi(algo: int, params, grads, moments: list, scales: list | None, rh
     cache = cache_for(config)
     plan = cache.find(layout, param_ptrs, first_state)
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    on_device = isinstance(scalars, DeviceScalars)
     if capturing and (plan is None or grad_ptrs != plan.grad_ptrs):
-        # a new plan or new gradient addresses copy tables from host memory: a captured copy would read that
-        # memory again at every replay, after it was freed
-        raise CaptureRefused("flashdist: the step is being captured in a CUDA graph, but its launch plan is "
-                           f"{'new' if plan is None else 'for gradients at other addresses'}; run one step with "
-                           "the same parameters, state and gradient tensors before capturing (a warm-up step, "
-                           "as torch.cuda.graphs requires)")
-    if plan is not None and grad_ptrs != plan.grad_ptrs and not plan.set_grads(grads, grad_ptrs):
+        # A new plan or new gradient addresses copy tables from host memory: a captured copy would read that
+        # memory again at every replay, after it was freed. Inside GraphedStep's capture (plans.collecting) a
+        # capturable launch may take a plan for gradients elsewhere: GraphedStep points it at each replay's
+        # gradients before the replay (Plan.retarget), and the capture itself runs nothing.
+        if plan is None or not (on_device and plans.collecting() and plan.fits(grads, grad_ptrs)):
+            raise CaptureRefused(
+                "flashdist: the step is being captured in a CUDA graph, but its launch plan is "
+                f"{'new' if plan is None else 'for gradients at other addresses'}; run one step with the same "
+                "parameters, state and gradient tensors before capturing (a warm-up step, as torch.cuda.graphs "
+                "requires)")
+    elif plan is not None and grad_ptrs != plan.grad_ptrs and not plan.set_grads(grads, grad_ptrs):
         cache.discard(plan)
         plan = None
     if plan is None:
@@ -116,7 +122,6 @@ def _step_multi(algo: int, params, grads, moments: list, scales: list | None, rh
     # [2^-125, 2^124], bits.div_normalized's range
     fast_update = (algo == ADAM and _UPDATE_EPS_MIN <= scalars.eps <= _UPDATE_SCALAR_MAX
                    and scalars.inv_bias_correction2_sqrt <= _UPDATE_SCALAR_MAX)
-    on_device = isinstance(scalars, DeviceScalars)
     if on_device and scalars.values.device != device:
         raise ValueError(f"flashdist: the device scalars are on {scalars.values.device}, the parameters on {device}")
     args = (0.0,) * KERNEL_SLOTS if on_device else scalars.kernel_args()
@@ -131,10 +136,13 @@ def _step_multi(algo: int, params, grads, moments: list, scales: list | None, rh
             table_kernel[(bucket.items,)](bucket.work, bucket.tensors, plan.exp_avg_table, counter, values, *args,
                                           GROUPS=config.table_groups,
                                           PREFETCH=prefetch_slots(flags, config.table_groups, config), **flags)
-        for _, grid, addrs, wide in bucket.large:
-            tensor_kernel[grid](*addrs[:7], plan.exp_avg_table, counter, values, *addrs[7:], *args,
-                                GROUPS=config.large_groups, PREFETCH=prefetch_slots(flags, config.large_groups, config),
-                                BLOCKS=config.large_blocks, WIDE=wide, **flags)
+        for _, grid, addrs, wide, cell in bucket.large:
+            # a capturable launch reads the gradient's address from its device cell (plans.Bucket.cells), so
+            # that a captured launch follows Plan.retarget
+            tensor_kernel[grid](addrs[0], cell if on_device else addrs[1], *addrs[2:7], plan.exp_avg_table, counter,
+                                values, *addrs[7:], *args, GROUPS=config.large_groups,
+                                PREFETCH=prefetch_slots(flags, config.large_groups, config),
+                                BLOCKS=config.large_blocks, WIDE=wide, GRAD_CELL=on_device, **flags)
 
 
 def compile_options(exact: bool = True, quantized: bool = True) -> dict:

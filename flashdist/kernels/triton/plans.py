@@ -20,10 +20,14 @@ as soon as one is freed, so it never writes to freed memory and an ``id`` it com
 tensor. Not detected: replacing one scales or rho tensor alone while the old one stays alive elsewhere,
 and swapping the storage of a state tensor in place (``.data =``, ``set_``); the optimizer does neither.
 ``clear_plans()`` drops every cached plan (their device tables are freed once no launch reads them). A plan
-launched inside a CUDA graph capture is also kept apart (``keep_captured``), and never changed again (new
-gradient addresses get a new plan), for as long as a graph may replay its tables: until the graph's owner
-releases it (``GraphedStep``: ``release_captured``) or, for a graph the caller captured, until one of its
-state tensors is freed.
+launched inside a CUDA graph capture is also kept apart (``keep_captured``) for as long as a graph may replay
+its tables: until the graph's owner releases it (``GraphedStep``: ``release_captured``) or, for a graph the
+caller captured, until one of its state tensors is freed. Eager steps never change a captured plan (new
+gradient addresses get a new plan); its owner may point it at the gradients of the next replay, in place and
+outside the graph (``Plan.retarget``: one small host-to-device copy per table), which is what lets a graph
+replay after ``zero_grad(set_to_none=True)`` put the gradients elsewhere. For that, capturable launches read
+the gradient address of a large tensor from a device cell (``Bucket.cells``), as the table launch reads the
+small tensors' from its table, never from a kernel argument fixed into the graph.
 
 This module imports no triton: it is host-side bookkeeping.
 """
@@ -31,6 +35,7 @@ This module imports no triton: it is host-side bookkeeping.
 from __future__ import annotations
 
 import contextlib
+import operator
 import weakref
 from collections.abc import Iterator, Sequence
 
@@ -51,12 +56,16 @@ TABLE_STRIDE = 16
 GRAD_COLUMN = TABLE_COLUMNS.index("g")
 
 _data_ptr = torch.Tensor.data_ptr
+_numel = torch.Tensor.numel
+_is_contiguous = torch.Tensor.is_contiguous
+_DTYPE = operator.attrgetter("dtype")
+_DEVICE = operator.attrgetter("device")
 
 
 class Bucket:
     """Tensors of one specialisation: one table launch for the small ones, one launch each for the large."""
 
-    __slots__ = ("flags", "work", "tensors", "rows", "small", "items", "large")
+    __slots__ = ("flags", "work", "tensors", "rows", "small", "small_index", "items", "large", "cells", "cell_rows")
 
     def __init__(self, flags: dict):
         self.flags = flags  # the constexpr arguments fixed by the tensors (dtypes, alignment, rho constants)
@@ -64,15 +73,21 @@ class Bucket:
         self.tensors = None  # device int64 (small tensors, TABLE_STRIDE) table
         self.rows = None  # the same table on the host, kept to rewrite gradient addresses
         self.small = []  # index in the call's lists of each table row
+        self.small_index = None  # the same as an int64 CPU tensor
         self.items = 0  # programs of the table launch
-        self.large = []  # [index, grid, address and size arguments, WIDE] of each large tensor
+        self.large = []  # [index, grid, address and size arguments, WIDE, grad cell] of each large tensor
+        # device int64 (large tensors, 2): each large tensor's gradient address in column 0 (16-byte rows, so
+        # that every cell is 16-byte aligned), read by capturable launches (fused: GRAD_CELL) in place of the
+        # address argument, so that a captured launch reads the address written before each replay
+        self.cells = None
+        self.cell_rows = None  # the same on the host
 
 
 class Plan:
     """The launches of one call's lists (its buckets) and what identifies the lists they were built for."""
 
     __slots__ = ("buckets", "dummy", "exp_avg_table", "device", "layout", "param_ptrs", "numels", "grad_dtypes",
-                 "grad_ptrs", "state_ids", "refs", "streams", "__weakref__")
+                 "grad_ptrs", "state_ids", "refs", "streams", "aligned16", "__weakref__")
 
     @property
     def captured(self) -> bool:
@@ -93,6 +108,10 @@ class Plan:
         self.state_ids: list[int] = []
         self.refs: list[weakref.ref] = []  # weak references to the state tensors that drop this plan when freed
         self.streams: list = []  # streams the device tables are marked as used on
+        # int64 CPU tensor of the indices whose gradient must stay 16-byte aligned (their bucket's ALIGN16)
+        self.aligned16 = torch.tensor(sorted(
+            i for bucket in buckets if bucket.flags["ALIGN16"] for i in [*bucket.small, *(l[0] for l in bucket.large)]),
+            dtype=torch.int64)
 
     def used_on(self, stream) -> None:
         """Mark the plan's device tables as read by work queued on ``stream`` (caching allocator). Once per
@@ -137,32 +156,66 @@ class Plan:
         self.state_ids = list(map(id, first))
         self.refs = [weakref.ref(t, freed) for kind in states for t in kind]
 
-    def set_grads(self, grads: Sequence[torch.Tensor], ptrs: list[int]) -> bool:
-        """Point the tables at new gradient tensors; False when the plan does not fit them (other dtype or
-        alignment, or another number of tensors), or when a CUDA graph captured it (a graph replays the tables
-        it captured: they must stay as they are), so that a new plan is built."""
-        if len(grads) != len(self.numels) or self.captured:
+    def fits(self, grads: Sequence[torch.Tensor], ptrs: list[int]) -> bool:
+        """Whether the tables can point at ``grads`` (at ``ptrs``): False for another number of tensors, another
+        dtype, or an address that breaks a bucket's 16-byte alignment (a new plan is needed); a gradient that no
+        plan can take (another device or size, not contiguous) is refused as ``check`` refuses it. One pass of
+        C-level maps over the lists, per-tensor Python only where something is off."""
+        if len(grads) != len(self.numels):
             return False
-        floats = tuple(FLOAT_KIND)
-        aligned16 = {}
-        for bucket in self.buckets:
-            for i in bucket.small:
-                aligned16[i] = bucket.flags["ALIGN16"]
-            for large in bucket.large:
-                aligned16[large[0]] = bucket.flags["ALIGN16"]
-        for i, (new, old) in enumerate(zip(ptrs, self.grad_ptrs)):
-            if new != old:
-                check(i, "grad", grads[i], self.numels[i], floats, self.device)
-                if grads[i].dtype != self.grad_dtypes[i] or (aligned16.get(i, False) and new % 16):
-                    return False
+        if (list(map(_DTYPE, grads)) != self.grad_dtypes or list(map(_numel, grads)) != self.numels
+                or not all(map(_is_contiguous, grads)) or set(map(_DEVICE, grads)) != {self.device}):
+            floats = tuple(FLOAT_KIND)
+            for i, g in enumerate(grads):  # the one that is off, by name (raises), or another dtype (False)
+                check(i, "grad", g, self.numels[i], floats, self.device)
+            if list(map(_DTYPE, grads)) != self.grad_dtypes:
+                return False
+        if len(self.aligned16):
+            if bool((torch.tensor(ptrs, dtype=torch.int64)[self.aligned16] & 15).any()):
+                return False
+        return True
+
+    def set_grads(self, grads: Sequence[torch.Tensor], ptrs: list[int]) -> bool:
+        """Point the tables at new gradient tensors; False when the plan does not fit them (``fits``), or when a
+        CUDA graph captured it (a graph replays the tables it captured: only ``retarget`` changes them, in
+        place, outside the graph), so that a new plan is built."""
+        if self.captured or not self.fits(grads, ptrs):
+            return False
+        addresses = torch.tensor(ptrs, dtype=torch.int64)
         for bucket in self.buckets:
             if bucket.small and any(ptrs[i] != self.grad_ptrs[i] for i in bucket.small):
                 rows = bucket.rows.clone()
-                rows[:, GRAD_COLUMN] = torch.tensor([ptrs[i] for i in bucket.small], dtype=torch.int64)
+                rows[:, GRAD_COLUMN] = addresses[bucket.small_index]
                 bucket.rows, bucket.tensors = rows, to_device(rows, self.device)
                 self.streams = []  # a new device table: mark it on the streams that will read it
-            for large in bucket.large:
-                large[2][GRAD_COLUMN] = ptrs[large[0]]
+            if bucket.large:
+                cells = bucket.cell_rows.clone()
+                for k, large in enumerate(bucket.large):
+                    large[2][GRAD_COLUMN] = cells[k, 0] = ptrs[large[0]]
+                bucket.cell_rows, bucket.cells = cells, to_device(cells, self.device)
+                for k, large in enumerate(bucket.large):
+                    large[4] = bucket.cells[k]
+                self.streams = []
+        self.grad_ptrs = ptrs
+        return True
+
+    def retarget(self, grads: Sequence[torch.Tensor], ptrs: list[int]) -> bool:
+        """Point this plan's device tables at ``grads`` IN PLACE (one host-to-device copy per table, queued on
+        the current stream), so that a CUDA graph that captured the plan reads them at its next replay: called
+        outside the graph, before a replay (``GraphedStep``), with the step's stream current. False (nothing
+        changed) where the plan does not fit them (``fits``)."""
+        if not self.fits(grads, ptrs):
+            return False
+        addresses = torch.tensor(ptrs, dtype=torch.int64)
+        for bucket in self.buckets:
+            if bucket.small:
+                bucket.rows[:, GRAD_COLUMN] = addresses[bucket.small_index]
+                bucket.tensors.copy_(pinned(bucket.rows), non_blocking=True)
+            if bucket.large:
+                for k, large in enumerate(bucket.large):
+                    large[2][GRAD_COLUMN] = ptrs[large[0]]
+                bucket.cell_rows[:, 0] = addresses[[large[0] for large in bucket.large]]
+                bucket.cells.copy_(pinned(bucket.cell_rows), non_blocking=True)
         self.grad_ptrs = ptrs
         return True
 
@@ -259,8 +312,16 @@ def build_plan(config: LaunchConfig, layout, param_ptrs, params, grads, moments,
         work = torch.stack([index, first, last], dim=1).to(torch.int32)
         bucket = buckets[key]
         bucket.small = [i for i, _, _ in rows]
+        bucket.small_index = torch.tensor(bucket.small, dtype=torch.int64)
         bucket.rows = table
         bucket.work, bucket.tensors, bucket.items = to_device(work, device), to_device(table, device), len(work)
+    for bucket in buckets.values():
+        if bucket.large:
+            bucket.cell_rows = torch.zeros((len(bucket.large), 2), dtype=torch.int64)
+            bucket.cell_rows[:, 0] = torch.tensor([large[2][GRAD_COLUMN] for large in bucket.large])
+            bucket.cells = to_device(bucket.cell_rows, device)
+            for k, large in enumerate(bucket.large):
+                large.append(bucket.cells[k])
     return Plan(list(buckets.values()), device, layout, param_ptrs, [p.numel() for p in params],
                  [g.dtype for g in grads], list(map(_data_ptr, grads)))
 
@@ -269,6 +330,12 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cpu":
         return t
     return t.pin_memory().to(device, non_blocking=True)  # no wait for the work queued before the step
+
+
+def pinned(t: torch.Tensor) -> torch.Tensor:
+    """A pinned copy of CPU tensor ``t`` for an asynchronous copy to the device (the caching host allocator
+    keeps it until that copy ran); ``t`` itself where no GPU is (a copy into a CPU table)."""
+    return t.pin_memory() if torch.cuda.is_available() else t
 
 
 
@@ -329,11 +396,19 @@ def keep_captured(plan: Plan) -> None:
         _COLLECTORS[-1].append(plan)
 
 
+def collecting() -> bool:
+    """Whether a capture inside ``collect_captured`` is under way: its owner points the plans it collects at
+    the gradients of each replay (``Plan.retarget``) before the replay, so that a launch captured there may
+    use a plan whose tables hold other gradient addresses."""
+    return bool(_COLLECTORS)
+
+
 @contextlib.contextmanager
 def collect_captured() -> Iterator[list[Plan]]:
-    """The plans the launches inside this block keep for a graph (``flashdist.GraphedStep``'s, which releases
-    them with ``release_captured`` when it drops the graph). Plans kept for graphs a caller captured
-    otherwise stay kept until their state is freed."""
+    """The plans the launches inside this block keep for a graph (``flashdist.GraphedStep``'s, which points
+    them at each replay's gradients with ``Plan.retarget`` and releases them with ``release_captured`` when
+    it drops the graph). Plans kept for graphs a caller captured otherwise stay kept until their state is
+    freed."""
     plans: list[Plan] = []
     _COLLECTORS.append(plans)
     try:

@@ -5,7 +5,9 @@
   program reads its item, then the tensor's addresses and sizes from an int64 table (a chain of two dependent
   loads, paid once per item; the row layout is ``plans.TABLE_COLUMNS``).
 - ``tensor_kernel``: a tensor of ``large_numel`` elements or more gets a launch of its own, with addresses
-  and sizes as kernel arguments, each program walking ``large_blocks`` consecutive blocks.
+  and sizes as kernel arguments, each program walking ``large_blocks`` consecutive blocks; with ``GRAD_CELL``
+  (capturable steps) the gradient's address is loaded from a device cell instead, so that a CUDA graph that
+  captured the launch reads the address written before each replay.
 ``ALIGN16`` tells the compiler the addresses are 16-byte aligned (``tl.multiple_of``), without which the loads
 are not vectorised; a storage that is not (a view into a flat buffer) is launched without the hint. Programs
 are one warp by default (``LaunchConfig.num_warps``), so that no barrier makes warps wait for each other.
@@ -135,9 +137,12 @@ def tensor_kernel(
     BLOCKS: tl.constexpr,  # consecutive blocks per program
     WIDE: tl.constexpr,  # numel >= 2^31: int64 index arithmetic
     SCALARS: tl.constexpr,  # the scalars are read from scalars_ptr (a capturable step), not the sc arguments
+    GRAD_CELL: tl.constexpr = False,  # g_addr points at an int64 cell holding the gradient's address
 ):
     if SCALARS:
         sc0, sc1, sc2, sc3, sc4, sc5, sc6, sc7, sc8 = load_scalars(scalars_ptr)
+    if GRAD_CELL:  # (a capturable launch: the address is written before each replay, plans.Plan.retarget)
+        g_addr = tl.load(g_addr)
     first = tl.program_id(0)
     if WIDE:
         first = first.to(tl.int64)
