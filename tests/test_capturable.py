@@ -592,3 +592,26 @@ def test_graphed_step_says_once_when_parameters_move_at_every_step():
             _same_bits(_snapshot(a, plain), _snapshot(b, capt), f"step {k}")
     assert sum("not replaying" in str(w.message) for w in caught) == 1
     assert graphed.replays == 0 and graphed.eager_steps == len(steps)
+
+
+def test_compiled_gradient_check_reads_what_a_replay_needs():
+    """``grad_info``, what GraphedStep checks before pointing a captured step at the gradients: each gradient's
+    address, dtype and numel; False where one is missing or not contiguous (the Python check then says which)."""
+    from flashdist.kernels import host
+
+    m = host.load()
+    if m is None:
+        pytest.skip("no C++ compiler here: GraphedStep checks in Python")
+    params = [torch.nn.Parameter(torch.randn(4, 8)), torch.nn.Parameter(torch.randn(3).to(torch.bfloat16))]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    info = torch.zeros((3, 2), dtype=torch.int64)
+    assert m.grad_info(params, *info)
+    assert info[0].tolist() == [p.grad.data_ptr() for p in params] and info[2].tolist() == [32, 3]
+    assert info[1, 0] != info[1, 1]  # fp32 and bf16
+    params[0].grad = torch.randn(8, 4).t()
+    assert not m.grad_info(params, *info)
+    params[0].grad = None
+    assert not m.grad_info(params, *info)
+    with pytest.raises(RuntimeError, match="int64 CPU"):
+        m.grad_info(params, *torch.zeros((3, 3), dtype=torch.int64))

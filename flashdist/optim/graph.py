@@ -101,6 +101,7 @@ class GraphedStep:
         self._plans: list = []  # the launch plans the graph holds (kernels.triton.plans.collect_captured)
         self._unique_plans: list = []  # the same, each once
         self._plan_params: list[list] = []  # per plan: the optimizer's parameters of its lists, in their order
+        self._info: list[tuple] = []  # per plan: what _map_plans prepared for the compiled check
         self._grads: list[list] = []  # per group: the .grad of each parameter at this call (_unchanged)
         self._why: str | None = None  # why the last call stepped eagerly
         self._misses = 0  # eager calls in a row since the last replay (after the warm-up)
@@ -221,20 +222,37 @@ class GraphedStep:
 
     def _map_plans(self) -> None:
         """The optimizer's parameters of each captured plan's lists, in their order (found by the local
-        tensors' addresses, which the plan records), so that each replay finds the plan's gradients."""
+        tensors' addresses, which the plan records), so that each replay finds the plan's gradients; and,
+        for the compiled check, the dtypes and numels of the gradients the capture took."""
         by_address = {}
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 by_address.setdefault(D.local(p).data_ptr(), p)
-        unique = list(dict.fromkeys(self._plans))
-        self._plan_params = [[by_address.get(a) for a in plan.param_ptrs] for plan in unique]
-        self._unique_plans = unique
+        self._unique_plans = list(dict.fromkeys(self._plans))
+        for plan in self._unique_plans:  # (what the tables hold: the capture ran nothing, retarget writes it)
+            plan.grad_addresses = torch.tensor(plan.grad_ptrs, dtype=torch.int64)
+        self._plan_params = [[by_address.get(a) for a in plan.param_ptrs] for plan in self._unique_plans]
+        self._info = []  # per plan: int64 (3, tensors) addresses, dtypes, numels (kernels.host.grad_info), and
+        #                  the dtypes and numels the capture took (None: check in Python)
+        for params in self._plan_params:
+            info = torch.zeros((3, len(params)), dtype=torch.int64)
+            fitted = None
+            if (self._host is not None and not self.optimizer._dtensor_groups
+                    and not any(map(operator.is_, params, _NONE)) and self._host.grad_info(params, *info)):
+                fitted = info[1:].clone()
+            self._info.append((info, fitted))
 
     def _retarget(self) -> bool:
         """Point each captured plan's tables at this call's gradients (outside the graph, before the replay);
-        False where one does not fit (``Plan.fits``: another dtype or alignment) or cannot be found."""
-        dtensors = bool(self.optimizer._dtensor_groups)
-        for plan, params in zip(self._unique_plans, self._plan_params):
+        False where one does not fit (``Plan.fits``: another dtype or alignment) or cannot be found. Checked in
+        C++ (``kernels.host.grad_info``: a few nanoseconds per gradient), in Python where that is not built,
+        for DTensors, or to say which gradient is off."""
+        for plan, params, (info, fitted) in zip(self._unique_plans, self._plan_params, self._info):
+            if fitted is not None and self._host.grad_info(params, *info) and torch.equal(info[1:], fitted):
+                if not torch.equal(info[0], plan.grad_addresses) and not plan.retarget_addresses(info[0]):
+                    self._why = "a gradient breaks the 16-byte alignment the capture used"
+                    return False
+                continue
             if any(map(operator.is_, params, _NONE)):
                 self._why = "a parameter of the captured step is no longer in the optimizer's param groups"
                 return False
@@ -242,7 +260,7 @@ class GraphedStep:
             if any(map(operator.is_, grads, _NONE)):
                 self._why = "a parameter was given or denied a gradient"
                 return False
-            if dtensors:
+            if self.optimizer._dtensor_groups:
                 grads = list(map(D.local, grads))
             ptrs = list(map(_data_ptr, grads))
             if ptrs != plan.grad_ptrs and not plan.retarget(grads, ptrs):
@@ -292,7 +310,7 @@ class GraphedStep:
             self._short = self._short + 1 if self.replays - self._replays_at_capture <= 1 else 0
         self.graph = None
         plans.release_captured(self._plans)
-        self._plans, self._plan_params, self._unique_plans = [], [], []
+        self._plans, self._plan_params, self._unique_plans, self._info = [], [], [], []
 
     @torch.no_grad()
     def __call__(self) -> None:

@@ -3,7 +3,10 @@ cache folder scheme, lock and compiler flags), from ``addresses.cpp`` beside thi
 
 ``addresses_changed(tensors, grads, seen)``: whether the storage address of any tensor of a list (or of its
 ``.grad``) differs from the int64 CPU tensor ``seen``, which it updates; a few nanoseconds per tensor where
-Python spends a few hundred. ``flashdist.GraphedStep`` checks every call with it. ``load()`` returns None
+Python spends a few hundred. ``flashdist.GraphedStep`` checks every call with it.
+``grad_info(params, addresses, dtypes, numels)``: the address, dtype number and numel of each parameter's
+gradient, written into int64 CPU tensors, if every gradient exists, is contiguous and is on its parameter's
+device (else False): what ``GraphedStep`` points a captured step's tables at before each replay. ``load()`` returns None
 (after one warning) where it cannot be built; the callers then do the same in Python.
 """
 

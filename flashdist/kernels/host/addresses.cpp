@@ -42,8 +42,38 @@ bool addresses_changed(py::list tensors, bool grads, at::Tensor seen) {
   return changed;
 }
 
+// The gradients of `params` (a list of tensors) as a captured step's tables need them: each gradient's address,
+// dtype (the ScalarType's number) and numel written into the int64 CPU tensors `addresses`, `dtypes`, `numels`
+// (one value per parameter). False, at the first that does not qualify, where a parameter has no gradient,
+// or its gradient is not contiguous or not on the parameter's device (the caller then checks in Python, to
+// say which one and why).
+bool grad_info(py::list params, at::Tensor addresses, at::Tensor dtypes, at::Tensor numels) {
+  PyObject* list = params.ptr();
+  const Py_ssize_t n = PyList_GET_SIZE(list);
+  for (const at::Tensor* out : {&addresses, &dtypes, &numels}) {
+    TORCH_CHECK(out->device().is_cpu() && out->scalar_type() == at::kLong && out->is_contiguous() && out->numel() == n,
+                "flashdist: addresses, dtypes and numels must be contiguous int64 CPU tensors of one value per tensor");
+  }
+  int64_t* a = addresses.data_ptr<int64_t>();
+  int64_t* d = dtypes.data_ptr<int64_t>();
+  int64_t* m = numels.data_ptr<int64_t>();
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* obj = PyList_GET_ITEM(list, i);
+    TORCH_CHECK(THPVariable_Check(obj), "flashdist: item ", i, " is not a tensor");
+    const at::Tensor& t = THPVariable_Unpack(obj);
+    const at::Tensor& g = t.grad();
+    if (!g.defined()) return false;
+    a[i] = address(g);
+    if (!g.is_contiguous() || g.device() != t.device()) return false;
+    d[i] = static_cast<int64_t>(g.scalar_type());
+    m[i] = g.numel();
+  }
+  return true;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("addresses_changed", &addresses_changed, "compare and record the storage addresses of tensors or their grads");
+  m.def("grad_info", &grad_info, "the address, dtype and numel of each parameter's gradient, if all qualify");
 }

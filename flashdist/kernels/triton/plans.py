@@ -87,7 +87,7 @@ class Plan:
     """The launches of one call's lists (its buckets) and what identifies the lists they were built for."""
 
     __slots__ = ("buckets", "dummy", "exp_avg_table", "device", "layout", "param_ptrs", "numels", "grad_dtypes",
-                 "grad_ptrs", "state_ids", "refs", "streams", "aligned16", "__weakref__")
+                 "grad_ptrs", "grad_addresses", "state_ids", "refs", "streams", "aligned16", "__weakref__")
 
     @property
     def captured(self) -> bool:
@@ -105,6 +105,7 @@ class Plan:
         self.numels = numels  # of each tensor in the call's lists
         self.grad_dtypes = grad_dtypes
         self.grad_ptrs = grad_ptrs  # gradient addresses the tables hold
+        self.grad_addresses = None  # the same as an int64 CPU tensor, kept by GraphedStep for its compiled check
         self.state_ids: list[int] = []
         self.refs: list[weakref.ref] = []  # weak references to the state tensors that drop this plan when freed
         self.streams: list = []  # streams the device tables are marked as used on
@@ -206,17 +207,24 @@ class Plan:
         changed) where the plan does not fit them (``fits``)."""
         if not self.fits(grads, ptrs):
             return False
-        addresses = torch.tensor(ptrs, dtype=torch.int64)
+        return self.retarget_addresses(torch.tensor(ptrs, dtype=torch.int64))
+
+    def retarget_addresses(self, addresses: torch.Tensor) -> bool:
+        """``retarget`` to gradients the caller has checked already (dtype, numel, contiguity, device: the
+        compiled ``kernels.host.grad_info``), given as an int64 CPU tensor of their addresses; False (nothing
+        changed) where one breaks a bucket's 16-byte alignment."""
+        if len(self.aligned16) and bool((addresses[self.aligned16] & 15).any()):
+            return False
         for bucket in self.buckets:
             if bucket.small:
                 bucket.rows[:, GRAD_COLUMN] = addresses[bucket.small_index]
                 bucket.tensors.copy_(pinned(bucket.rows), non_blocking=True)
             if bucket.large:
                 for k, large in enumerate(bucket.large):
-                    large[2][GRAD_COLUMN] = ptrs[large[0]]
-                bucket.cell_rows[:, 0] = addresses[[large[0] for large in bucket.large]]
+                    large[2][GRAD_COLUMN] = bucket.cell_rows[k, 0] = int(addresses[large[0]])
                 bucket.cells.copy_(pinned(bucket.cell_rows), non_blocking=True)
-        self.grad_ptrs = ptrs
+        self.grad_ptrs = addresses.tolist()
+        self.grad_addresses = addresses.clone()
         return True
 
 
