@@ -97,12 +97,12 @@ class GraphedStep:
         self.captures = self.replays = self.eager_steps = 0
         self._host = host.load()  # the compiled address check (None: the same in Python)
         self._settings = None  # what _settings_key gave at the last call
-        self._seen: list[list] = []  # per group: [its params list, param addresses, which grads are None] at the last call
+        # per group: [its params list, param addresses, which grads are None, scratch] at the last call
+        self._seen: list[list] = []
         self._plans: list = []  # the launch plans the graph holds (kernels.triton.plans.collect_captured)
         self._unique_plans: list = []  # the same, each once
         self._plan_params: list[list] = []  # per plan: the optimizer's parameters of its lists, in their order
         self._info: list[tuple] = []  # per plan: what _map_plans prepared for the compiled check
-        self._grads: list[list] = []  # per group: the .grad of each parameter at this call (_unchanged)
         self._why: str | None = None  # why the last call stepped eagerly
         self._misses = 0  # eager calls in a row since the last replay (after the warm-up)
         self._short = 0  # captures in a row whose graph was replayed only by the capture's own call
@@ -167,28 +167,38 @@ class GraphedStep:
             return False
         groups = self.optimizer.param_groups
         if len(self._seen) != len(groups):
-            self._seen = [[None, None, None] for _ in groups]
+            self._seen = [[None, None, None, None] for _ in groups]
             self._lr = [torch.zeros((), dtype=torch.float64, device=self.device) for _ in groups]
             self._lr_written = [None] * len(groups)
         dtensors = bool(self.optimizer._dtensor_groups)
-        self._grads = []
         for group, seen in zip(groups, self._seen):
             params = group["params"]
             if seen[0] is not params or len(seen[1]) != len(params):
-                seen[:] = [params, torch.zeros(len(params), dtype=torch.int64), None]
+                seen[:] = [params, torch.zeros(len(params), dtype=torch.int64), None,
+                           torch.zeros(len(params), dtype=torch.int64)]
                 same = False
             if self._params_moved(params, seen[1], dtensors):
                 same = False
                 self._why = "a parameter is at a new address"
-            grads = list(map(_GRAD, params))
-            self._grads.append(grads)
-            missing = list(map(operator.is_, grads, _NONE))
-            if missing != seen[2]:
+            missing = self._missing_grads(params, seen[3], dtensors)
+            if seen[2] is None or not torch.equal(missing, seen[2]):
                 if seen[2] is not None:
                     self._why = "a parameter was given or denied a gradient"
                 seen[2] = missing
                 same = False
         return same
+
+    def _missing_grads(self, params: list, scratch: torch.Tensor, dtensors: bool) -> torch.Tensor:
+        """A bool tensor, True for each parameter without a gradient: read in C++ where it is built (the
+        gradients' addresses, 0 for none, into ``scratch``), which makes no Python object per gradient (a
+        backward pass's new gradients have none until Python reads them: a microsecond or two each)."""
+        if self._host is not None and not dtensors:
+            try:
+                self._host.addresses_changed(params, True, scratch)
+                return scratch == 0
+            except RuntimeError:  # a DTensor: in Python
+                pass
+        return torch.tensor(list(map(operator.is_, list(map(_GRAD, params)), _NONE)), dtype=torch.bool)
 
     def _params_moved(self, params: list, seen: torch.Tensor, dtensors: bool = False) -> bool:
         """Whether a parameter's address (a DTensor's: its local shard's) differs from ``seen``, which records
