@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                    TensorStorageMetadata)
 
 from .errors import CheckpointError
-from .files import check_routes, inside, open_regular, read_bounded, regular_size, shown
+from .files import check_routes, inside, open_regular, read_bounded, reason, regular_size, shown
 
 MAX_METADATA_BYTES = 1 << 30
 """The largest ``.metadata`` file read (1 GiB; a 70B-parameter model saved on 1,024 ranks writes about 0.3 GiB)."""
@@ -97,9 +97,8 @@ class SafeFileSystemReader(FileSystemReader):
         try:
             metadata = _MetadataUnpickler(io.BytesIO(data)).load()
         except Exception as e:  # noqa: BLE001 - any damage (bit flips, truncation, crafted opcodes) is one line
-            raise CheckpointError(f"flashdist: {path} is not a valid DCP metadata file ({type(e).__name__}: "
-                                  f"{str(e)[:200]}); the checkpoint is damaged or was not written by "
-                                  "torch.distributed.checkpoint") from None
+            raise CheckpointError(f"flashdist: {path} is not a valid DCP metadata file ({reason(e)}); the checkpoint "
+                                  "is damaged or was not written by torch.distributed.checkpoint") from None
         del data
         check_metadata(metadata, self.path)
         if metadata.storage_meta is not None:
@@ -154,8 +153,8 @@ def check_metadata(metadata: Any, folder: str | os.PathLike) -> None:
     except CheckpointError:
         raise
     except Exception as e:  # noqa: BLE001 - a missing field, an unhashable key, ...: damage, said in one line
-        raise CheckpointError(f"flashdist: {Path(folder) / '.metadata'} is not valid DCP metadata ({type(e).__name__}: "
-                              f"{str(e)[:100]}); the checkpoint is damaged or was not written by "
+        raise CheckpointError(f"flashdist: {Path(folder) / '.metadata'} is not valid DCP metadata ({reason(e, 100)}); "
+                              "the checkpoint is damaged or was not written by "
                               "torch.distributed.checkpoint") from None
 
 

@@ -215,7 +215,7 @@ def missing(folder: Path, what: str, name: str, rank: int, world: int) -> Checkp
 def model_states_file(folder: Path) -> Path:
     """The model-states file that holds the world size and the parameter shapes: ``mp_rank_00_model_states.pt``
     (ZeRO 1/2) or rank 0's ``zero_pp_rank_0_mp_rank_00_model_states.pt`` (ZeRO 3)."""
-    if (folder / ZERO12_MODEL_FILE).is_file():
+    if os.path.lexists(folder / ZERO12_MODEL_FILE):  # a FIFO or a link out is refused when it is read
         return folder / ZERO12_MODEL_FILE
     stage3 = stage3_model_files(folder)
     if 0 in stage3:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import io
 import os
+import reprlib
 import stat
 from pathlib import Path, PurePath
 
@@ -41,10 +42,21 @@ def follow_links() -> bool:
     return os.environ.get(FOLLOW_LINKS, "").strip().lower() in ("1", "true", "yes")
 
 
-def shown(name, limit: int = 80) -> str:
-    """A name taken from a file, safe to print in an error: its repr, cut to ``limit`` characters."""
-    text = repr(str(name)) if isinstance(name, (str, PurePath)) else f"a {type(name).__name__}"
-    return text if len(text) <= limit else text[:limit - 4] + "...'"
+def shown(value, limit: int = 80) -> str:
+    """A value taken from a file, safe to print in an error: a short repr (non-printable characters escaped,
+    long containers elided), cut to ``limit`` characters."""
+    text = _SHORT.repr(str(value) if isinstance(value, PurePath) else value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxtuple, _SHORT.maxlist, _SHORT.maxdict, _SHORT.maxstring, _SHORT.maxother = 2, 8, 8, 4, 78, 40
+
+
+def reason(e: BaseException, limit: int = 200) -> str:
+    """An exception met while parsing a file, as one short line for an error message."""
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:limit]}" if text else type(e).__name__
 
 
 def inside(folder: str | os.PathLike, name, *, source: str | os.PathLike | None = None) -> Path:
@@ -62,8 +74,8 @@ def inside(folder: str | os.PathLike, name, *, source: str | os.PathLike | None 
     root = Path(os.path.realpath(folder))
     target = Path(os.path.realpath(root / name))
     if not target.is_relative_to(root) and not follow_links():
-        raise CheckpointError(f"flashdist: {Path(folder) / name}{where} is a symbolic link that leads outside {folder}; "
-                              f"refused (set {FOLLOW_LINKS}=1 to follow links out of a checkpoint folder)")
+        raise CheckpointError(f"flashdist: {Path(folder) / name}{where} is a symbolic link that leads outside "
+                              f"{folder}; refused (set {FOLLOW_LINKS}=1 to follow links out of a checkpoint folder)")
     return target
 
 
@@ -140,7 +152,8 @@ def check_routes(routes, *, slack: int, source: str | os.PathLike) -> None:
                                   "is damaged or crafted")
         for depth, part in enumerate(route):
             prefix = tuple(route[:depth])
-            kind = int if isinstance(part, int) and not isinstance(part, bool) else str if isinstance(part, str) else None
+            kind = (int if isinstance(part, int) and not isinstance(part, bool)
+                    else str if isinstance(part, str) else None)
             if kind is None or (kind is int and part < 0) or kinds.setdefault(prefix, kind) is not kind \
                     or prefix in leaves:
                 raise CheckpointError(f"flashdist: {source} holds an entry route {shown(list(route))} that conflicts "
