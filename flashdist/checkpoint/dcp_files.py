@@ -19,6 +19,7 @@ import io
 import math
 import os
 import pickle
+import pickletools
 import struct
 import uuid
 import zlib
@@ -52,6 +53,29 @@ _ALLOWED = {
      ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
      ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib._local", "PosixPath"),
      ("pathlib._local", "PurePosixPath")}
+
+
+# Opcodes dcp.save never writes and whose objects DCP metadata never holds (sets: the object built per byte of
+# file is largest for them; buffers, persistent ids and extension codes: not plain data).
+_REFUSED_OPCODES = frozenset({"EMPTY_SET", "ADDITEMS", "FROZENSET", "BYTEARRAY8", "NEXT_BUFFER", "READONLY_BUFFER",
+                              "PERSID", "BINPERSID", "EXT1", "EXT2", "EXT4"})
+_PUT_OPCODES = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
+
+
+def _check_opcodes(data: bytes, path: Path) -> None:
+    """Walk the pickle's opcodes before it is unpickled: refuse those metadata never holds, and memo indexes
+    beyond the objects built so far (the C unpickler grows its memo table to twice the index it is given, so
+    a 10-byte file could make it set gigabytes aside)."""
+    try:
+        for count, (op, arg, _) in enumerate(pickletools.genops(data)):
+            if op.name in _REFUSED_OPCODES or (op.name in _PUT_OPCODES and not 0 <= int(arg) <= count):
+                raise CheckpointError(f"flashdist: {path} holds the pickle opcode {op.name} {shown(arg)}, which DCP "
+                                      "metadata does not; the checkpoint is damaged or crafted")
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - truncated or unknown opcodes
+        raise CheckpointError(f"flashdist: {path} is not a valid DCP metadata file ({reason(e)}); the checkpoint "
+                              "is damaged or was not written by torch.distributed.checkpoint") from None
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -94,6 +118,7 @@ class SafeFileSystemReader(FileSystemReader):
         if not os.path.lexists(path):
             raise CheckpointError(f"flashdist: {self.path} is not a DCP checkpoint (no .metadata file)")
         data = read_bounded(inside(self.path, ".metadata"), MAX_METADATA_BYTES, expected="a DCP metadata file")
+        _check_opcodes(data, path)
         try:
             metadata = _MetadataUnpickler(io.BytesIO(data)).load()
         except Exception as e:  # noqa: BLE001 - any damage (bit flips, truncation, crafted opcodes) is one line

@@ -128,11 +128,11 @@ def read_bounded(path: str | os.PathLike, limit: int, *, expected: str = "a regu
             raise CheckpointError(f"flashdist: {path} holds {size:,} bytes, more than the {limit:,} such a file may "
                                   "hold; refused")
         try:
-            data = f.read(limit + 1)
+            data = f.read(size + 1)  # read(n) sets n bytes aside at once: ask for what the file holds
         except OSError as e:
             raise CheckpointError(f"flashdist: cannot read {path}: {e.strerror or e}") from None
-    if len(data) > limit:  # grew while being read
-        raise CheckpointError(f"flashdist: {path} holds more than {limit:,} bytes; refused")
+    if len(data) != size:
+        raise CheckpointError(f"flashdist: {path} changed while it was read; try again")
     return data
 
 
