@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from ..quant.moment import MomentLayout, QuantizedMoment
 
 from .dcp_files import SafeFileSystemReader
 from .errors import CheckpointError
+from .files import reason
 from .output import Fetch, Spec, atomic_output, check_destination, write_dcp, write_safetensors, write_torch
 from .publish import resolve
 from .sources import (KINDS, Fetcher, MemorySource, Progress, Source, dcp_entries, detect, json_header, open_source,
@@ -199,8 +201,9 @@ def _reformat_plan(source: Source, fmt: str):
 
 
 def _size_on_disk(path: Path) -> int:
+    """Bytes of the regular files in ``path`` (links not followed: a link out of the folder is not its size)."""
     if path.is_dir():
-        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        return sum(st.st_size for f in path.rglob("*") if stat.S_ISREG((st := f.lstat()).st_mode))
     return path.stat().st_size
 
 
@@ -215,8 +218,18 @@ def saved_world_size(path: str | os.PathLike) -> int:
 
 def inspect(path: str | os.PathLike) -> dict[str, Any]:
     """What a checkpoint is, without loading its tensors where the format allows (DCP: metadata plus the
-    few small plain-data entries; safetensors: the header)."""
-    path = Path(path)
+    few small plain-data entries; safetensors: the header). A checkpoint whose parts do not have the types
+    flashdist writes (a damaged or crafted one) raises :class:`CheckpointError` naming it."""
+    try:
+        return _inspect(Path(path))
+    except CheckpointError:
+        raise
+    except (AttributeError, TypeError, KeyError, IndexError, ValueError, OverflowError) as e:
+        raise CheckpointError(f"flashdist: {path} does not hold what a checkpoint holds ({reason(e)}); it is "
+                              "damaged or was not written by flashdist") from None
+
+
+def _inspect(path: Path) -> dict[str, Any]:
     kind = detect(path)
     info: dict[str, Any] = {"path": str(path), "kind": kind}
     if kind == "dcp":

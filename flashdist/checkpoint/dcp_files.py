@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed._shard.sharded_tensor.metadata import TensorProperties as _ShardedTensorProperties
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
@@ -38,18 +39,21 @@ from .errors import CheckpointError
 from .files import check_routes, inside, open_regular, read_bounded, reason, regular_size, shown
 
 MAX_METADATA_BYTES = 1 << 30
-"""The largest ``.metadata`` file read (1 GiB; a 70B-parameter model saved on 1,024 ranks writes about 0.3 GiB)."""
+"""The largest ``.metadata`` file read (1 GiB); its size grows with the number of tensors times ranks."""
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
-# What dcp.save pickles into .metadata (torch 2.0 to 2.13): DCP's metadata dataclasses (built field by field,
-# their __init__ sets attributes only), the enum TensorProperties encodes the memory format with, the storage
-# record of FileSystemWriter, sizes, dtypes, layouts (torch.serialization._get_layout looks a name up in a
-# table) and the checkpoint_id path. Nothing here touches the file system or allocates from the file's numbers.
+_SHARDED_METADATA = "torch.distributed._shard.sharded_tensor.metadata"
+# What dcp.save pickles into .metadata (torch 2.13; older versions wrote the TensorProperties of the
+# sharded-tensor module): DCP's metadata dataclasses (built field by field, their __init__ sets attributes
+# only), the enum TensorProperties encodes the memory format with, the storage record of FileSystemWriter,
+# sizes, dtypes, layouts (torch.serialization._get_layout looks a name up in a table) and the checkpoint_id
+# path. Nothing here touches the file system or allocates from the file's numbers.
 _ALLOWED = {
     (_DCP_METADATA, name) for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
                                        "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
                                        "StorageMeta", "_MEM_FORMAT_ENCODING")
-} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+} | {(_SHARDED_METADATA, "TensorProperties"), (_SHARDED_METADATA, "MEM_FORMAT_ENCODING"),
+     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
      ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
      ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib._local", "PosixPath"),
      ("pathlib._local", "PurePosixPath")}
@@ -165,6 +169,9 @@ class SafeFileSystemReader(FileSystemReader):
         return super().read_data(plan, planner)
 
 
+_TENSOR_PROPERTIES = (TensorProperties, _ShardedTensorProperties)
+
+
 def check_metadata(metadata: Any, folder: str | os.PathLike) -> None:
     """Refuse (one line naming the ``.metadata`` file) metadata that does not describe a checkpoint this
     folder holds, before anything is allocated from its numbers: the types DCP writes; tensor sizes, chunks
@@ -234,7 +241,7 @@ def _check_metadata(metadata: Any, folder: str | os.PathLike, source: Path) -> N
             refuse(f"holds an entry named by a {type(key).__name__}")
         if isinstance(meta, BytesStorageMetadata):
             continue
-        if not isinstance(meta, TensorStorageMetadata) or not isinstance(meta.properties, TensorProperties) \
+        if not isinstance(meta, TensorStorageMetadata) or not isinstance(meta.properties, _TENSOR_PROPERTIES) \
                 or not isinstance(meta.properties.dtype, torch.dtype) or not isinstance(meta.chunks, list):
             refuse(f"holds an invalid entry {key[:80]!r}")
         size = dims(meta.size, f"size of {key[:80]!r}")

@@ -200,3 +200,36 @@ def test_unknown_pickle_opcodes_and_truncations_are_checkpoint_errors(tmp_path):
         (good / ".metadata").write_bytes(bad)
         with pytest.raises(checkpoint.CheckpointError, match=r"\.metadata"):
             sources.read(good)
+
+
+@pytest.mark.parametrize("kind", ["dcp", "safetensors", "torch"])
+def test_damaged_files_are_one_line_through_every_command(tmp_path, kind):
+    """Seeded random byte changes in a flashdist checkpoint's .metadata, a safetensors file's header and a
+    torch file: inspect, convert and export succeed or exit 1 with one line that is a refusal, not an error
+    nobody foresaw, and leave no output behind."""
+    from _hostile import copy_checkpoint, saved
+
+    from flashdist.checkpoint import convert as C
+    from tests._cli import run_cli
+
+    ck = saved(tmp_path / "ck")
+    source = {"dcp": ck, "safetensors": tmp_path / "a.safetensors", "torch": tmp_path / "a.pt"}[kind]
+    if kind != "dcp":
+        C.convert(ck, source, to=kind)
+    target = source / ".metadata" if kind == "dcp" else source
+    data = target.read_bytes()
+    end = 8 + int.from_bytes(data[:8], "little") if kind == "safetensors" else len(data)
+    rng = random.Random(kind)
+    for trial in range(40):
+        work = tmp_path / f"w{trial}"
+        work.mkdir()
+        damaged = copy_checkpoint(source, work / "ck") if kind == "dcp" else work / source.name
+        changed = bytearray(data)
+        changed[rng.randrange(end)] ^= rng.randrange(1, 256)
+        (damaged / ".metadata" if kind == "dcp" else damaged).write_bytes(bytes(changed))
+        for command in (("inspect", damaged), ("convert", damaged, work / "o.pt", "--to", "torch"),
+                        ("export", damaged, work / "o.safetensors")):
+            rc, _, err = run_cli(*command)
+            assert rc in (0, 1) and (rc == 0 or err.count("\n") == 1), (trial, command[0], err)
+            assert "FLASHDIST_TRACEBACK" not in err, (trial, command[0], err)
+            assert rc == 0 or not (work / "o.pt").exists() or command[0] != "convert"

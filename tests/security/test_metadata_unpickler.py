@@ -77,4 +77,4 @@ def test_the_allowed_classes_are_those_dcp_save_writes(tmp_path):
             continue  # where Python 3.13 pickles pathlib's classes from
         obj = getattr(__import__(module, fromlist=[name]), name)
         assert not isinstance(obj, type) or not issubclass(obj, (dcp.StorageReader, dcp.StorageWriter)), name
-    assert len(dcp_files._ALLOWED) <= 16
+    assert len(dcp_files._ALLOWED) <= 20  # not whole module namespaces
