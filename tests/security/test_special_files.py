@@ -11,6 +11,8 @@ import pytest
 import torch
 from _hostile import READERS, attempt, copy_checkpoint, saved, within
 
+from tests._cli import run_cli
+
 DEADLINE = 20.0
 
 
@@ -74,3 +76,11 @@ def test_fifo_in_a_deepspeed_folder_is_refused_at_once(tmp_path, which):
     for reader in ("inspect", "convert"):
         error = within(DEADLINE, attempt, reader, folder, tmp_path / "out", release=target)
         assert "a FIFO" in str(error) and target.name in str(error), error
+
+
+def test_fifo_as_the_exported_config_is_refused_at_once(good, tmp_path):
+    config = tmp_path / "config.json"
+    os.mkfifo(config)
+    rc, _, err = within(DEADLINE, lambda: run_cli("export", good, tmp_path / "hf", "--hf", "--config", config),
+                        release=config)
+    assert rc == 1 and "a FIFO" in err and not (tmp_path / "hf").exists(), err
