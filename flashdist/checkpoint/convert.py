@@ -207,10 +207,10 @@ def _size_on_disk(path: Path) -> int:
     return path.stat().st_size
 
 
-def saved_world_size(path: str | os.PathLike) -> int:
+def saved_world_size(path: str | os.PathLike, *, metadata=None) -> int:
     """How many ranks wrote DCP checkpoint ``path``, from the files its .metadata names (``__<rank>_<n>.distcp``);
-    other files in the folder do not count."""
-    md = SafeFileSystemReader(str(resolve(path))).read_metadata()
+    other files in the folder do not count. ``metadata``: the checkpoint's, when the caller has read it."""
+    md = metadata if metadata is not None else SafeFileSystemReader(str(resolve(path))).read_metadata()
     files = {str(info.relative_path) for info in (md.storage_data or {}).values()}
     ranks = {m.group(1) for f in files if (m := re.match(r"^__(\d+)_\d+\.distcp$", f))}
     return len(ranks) or len(files)
@@ -234,14 +234,17 @@ def _inspect(path: Path) -> dict[str, Any]:
     info: dict[str, Any] = {"path": str(path), "kind": kind}
     if kind == "dcp":
         where = resolve(path)
-        entries = dcp_entries(where)
+        metadata = SafeFileSystemReader(str(where)).read_metadata()  # once: checking it costs a pass over it
+        checked: set = set()
+        entries = dcp_entries(where, metadata)
         small = [k for k, (route, size, _) in entries.items()
                  if size is None and route[:2] == ("optim", "param_groups")]
-        groups = read_dcp(where, small).get("optim", {}).get("param_groups", []) if small else []
+        groups = (read_dcp(where, small, metadata=metadata, checked=checked).get("optim", {}).get("param_groups", [])
+                  if small else [])
         tensors = {k: v for k, v in entries.items() if v[1] is not None}
         model = {k: v for k, v in tensors.items() if v[0][0] == "model"}
         optim = {k: v for k, v in tensors.items() if v[0][0] == "optim"}
-        info["saved_world_size"] = saved_world_size(where)
+        info["saved_world_size"] = saved_world_size(where, metadata=metadata)
         info["path"] = str(where)
     else:
         source = open_source(path)  # a torch or safetensors file: the structure, no tensor read
@@ -280,7 +283,7 @@ def _inspect(path: Path) -> dict[str, Any]:
     if steps:
         first = steps[0]
         if kind == "dcp":
-            node = value_at(read_dcp(path, [first]), optim[first][0])
+            node = value_at(read_dcp(where, [first], metadata=metadata, checked=checked), optim[first][0])
         else:
             node = source.get([optim[first][0]])[optim[first][0]]
         info["step"] = int(float(node))
