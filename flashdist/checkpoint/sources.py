@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from .dcp_files import SafeFileSystemReader, SafeLoadPlanner
 from .errors import CheckpointError, error_summary
-from .files import check_routes, open_regular
+from .files import check_routes, open_regular, reason
 from .output import Spec
 from .publish import resolve
 
@@ -191,7 +191,7 @@ def read(path: str | os.PathLike, *, tag: str | None = None, master_weight_bits:
     if kind == "flashoptim":
         from .flashoptim_import import read_flashoptim
 
-        return read_flashoptim(path, master_weight_bits=master_weight_bits)
+        return _whole(path, read_flashoptim, path, master_weight_bits=master_weight_bits)
     if kind == "dcp":
         return read_dcp(path)
     if kind == "torch":
@@ -208,7 +208,20 @@ def read(path: str | os.PathLike, *, tag: str | None = None, master_weight_bits:
             raise CheckpointError(f"flashdist: could not read {path}: {_first_line(e)}") from None
     from .deepspeed_import import read_deepspeed
 
-    return read_deepspeed(path, tag, master_weight_bits=master_weight_bits, progress=progress)
+    return _whole(path, read_deepspeed, path, tag, master_weight_bits=master_weight_bits, progress=progress)
+
+
+def _whole(path, reader: Callable, *args, **kwargs) -> dict:
+    """``reader(*args, **kwargs)`` (a DeepSpeed folder's or a flashoptim file's), whose failure on a file of
+    unexpected structure (a type, a key or an index it does not have) is a :class:`CheckpointError` naming
+    ``path``."""
+    try:
+        return reader(*args, **kwargs)
+    except CheckpointError:
+        raise
+    except (AttributeError, TypeError, KeyError, IndexError, ValueError, OverflowError, RuntimeError) as e:
+        raise CheckpointError(f"flashdist: could not read {path}: it does not hold what a checkpoint of its kind "
+                              f"holds ({reason(e)}); it is damaged or was written by another program") from None
 
 
 # ----- streaming sources ------------------------------------------------------------------------------------

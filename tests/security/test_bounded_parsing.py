@@ -233,3 +233,21 @@ def test_damaged_files_are_one_line_through_every_command(tmp_path, kind):
             assert rc in (0, 1) and (rc == 0 or err.count("\n") == 1), (trial, command[0], err)
             assert "FLASHDIST_TRACEBACK" not in err, (trial, command[0], err)
             assert rc == 0 or not (work / "o.pt").exists() or command[0] != "convert"
+
+
+@pytest.mark.parametrize("param_groups", [[{"params": 5}], [7], "groups", [{"params": [0, 1]}] * 3])
+def test_deepspeed_files_of_unexpected_structure_are_checkpoint_errors(tmp_path, param_groups):
+    from _hostile import attempt
+
+    folder = tmp_path / "ds" / "step1"
+    folder.mkdir(parents=True)
+    (folder.parent / "latest").write_text("step1")
+    torch.save({"module": {}, "param_shapes": [{"w": torch.Size([2])}], "dp_world_size": 1, "ds_version": "0.19"},
+               folder / "mp_rank_00_model_states.pt")
+    torch.save({"optimizer_state_dict": {"zero_stage": 2, "partition_count": 1,
+                                         "base_optimizer_state": {"state": {}, "param_groups": param_groups},
+                                         "single_partition_of_fp32_groups": [torch.zeros(2)]}},
+               folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    for reader in ("inspect", "convert", "export"):
+        error = attempt(reader, folder.parent, tmp_path / "out")
+        assert error is not None and "ds" in str(error), (reader, error)
