@@ -10,6 +10,7 @@ existing path unless asked to.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -220,13 +221,8 @@ def inspect(path: str | os.PathLike) -> dict[str, Any]:
     """What a checkpoint is, without loading its tensors where the format allows (DCP: metadata plus the
     few small plain-data entries; safetensors: the header). A checkpoint whose parts do not have the types
     flashdist writes (a damaged or crafted one) raises :class:`CheckpointError` naming it."""
-    try:
+    with _as_checkpoint_error(path):
         return _inspect(Path(path))
-    except CheckpointError:
-        raise
-    except (AttributeError, TypeError, KeyError, IndexError, ValueError, OverflowError) as e:
-        raise CheckpointError(f"flashdist: {path} does not hold what a checkpoint holds ({reason(e)}); it is "
-                              "damaged or was not written by flashdist") from None
 
 
 def _inspect(path: Path) -> dict[str, Any]:
@@ -307,12 +303,26 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, fmt: str
     check_destination([Path(src)], dst, to, force)
     if fmt is not None:
         _check_format(fmt)
-    source = open_source(src, tag=tag, master_weight_bits=master_weight_bits, progress=progress)
-    rest, specs, derived, compute = (source.rest, source.specs, {}, None) if fmt is None else \
-        _reformat_plan(source, fmt)
-    order = [r for r in specs if r not in derived]  # what the writers ask for, in their usual order
-    _write(to, dst, rest, specs, Fetcher(source, derived, compute, order=order), progress)
+    with _as_checkpoint_error(src):
+        source = open_source(src, tag=tag, master_weight_bits=master_weight_bits, progress=progress)
+        rest, specs, derived, compute = (source.rest, source.specs, {}, None) if fmt is None else \
+            _reformat_plan(source, fmt)
+        order = [r for r in specs if r not in derived]  # what the writers ask for, in their usual order
+        _write(to, dst, rest, specs, Fetcher(source, derived, compute, order=order), progress)
     return dst
+
+
+@contextlib.contextmanager
+def _as_checkpoint_error(src):
+    """A checkpoint whose parts do not have the types flashdist writes (param groups that are not dicts, say:
+    a damaged or crafted one) raises :class:`CheckpointError` naming ``src``, not the TypeError it meets."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except (AttributeError, TypeError, KeyError, IndexError, ValueError, OverflowError) as e:
+        raise CheckpointError(f"flashdist: {src} does not hold what a checkpoint holds ({reason(e)}); it is "
+                              "damaged or was not written by flashdist") from None
 
 
 def _master_plan(source: Source, dtype: torch.dtype = torch.float32) -> tuple[dict[str, Spec], Callable[[str], torch.Tensor]]:
@@ -399,14 +409,15 @@ def export(src: str | os.PathLike, dst: str | os.PathLike, *, force: bool = Fals
     check_destination([Path(src)], dst, "hf" if hf else "safetensors", force)
     # a DeepSpeed folder's fp32 master partitions (a flashoptim file's ECC masters) survive all 32 bits in an
     # int16 rho (24 bits would round them)
-    source = open_source(src, master_weight_bits=32 if detect(src) in ("deepspeed", "flashoptim") else None,
-                         progress=progress)
-    specs, fetch = _master_plan(source, EXPORT_DTYPES[dtype])
-    if hf:
-        from .hf import write_hf_folder
+    with _as_checkpoint_error(src):
+        source = open_source(src, master_weight_bits=32 if detect(src) in ("deepspeed", "flashoptim") else None,
+                             progress=progress)
+        specs, fetch = _master_plan(source, EXPORT_DTYPES[dtype])
+        if hf:
+            from .hf import write_hf_folder
 
-        write_hf_folder(dst, specs, fetch, config=config, max_shard_size=max_shard_size, progress=progress)
-    else:
-        with atomic_output(dst, directory=False) as tmp:
-            write_safetensors(tmp, specs, fetch, {"format": "pt"}, progress)
+            write_hf_folder(dst, specs, fetch, config=config, max_shard_size=max_shard_size, progress=progress)
+        else:
+            with atomic_output(dst, directory=False) as tmp:
+                write_safetensors(tmp, specs, fetch, {"format": "pt"}, progress)
     return dst

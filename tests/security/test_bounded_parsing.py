@@ -251,3 +251,20 @@ def test_deepspeed_files_of_unexpected_structure_are_checkpoint_errors(tmp_path,
     for reader in ("inspect", "convert", "export"):
         error = attempt(reader, folder.parent, tmp_path / "out")
         assert error is not None and "ds" in str(error), (reader, error)
+
+
+@pytest.mark.parametrize("plain_data", [{"optim": {"param_groups": [5]}}, {"optim": {"param_groups": [{"params": 5}]}},
+                                        {"optim": {"param_groups": "x", "state": 4}}, [1, 2]],
+                         ids=["group-int", "params-int", "groups-str", "list"])
+def test_safetensors_plain_data_of_unexpected_types_is_one_line(tmp_path, plain_data):
+    from safetensors.torch import save_file
+
+    from tests._cli import run_cli
+
+    path = tmp_path / "c.safetensors"
+    save_file({"model.w": torch.zeros(3, dtype=torch.bfloat16), "optim.state.w.rho": torch.zeros(3, dtype=torch.int8)},
+              str(path), metadata={"flashdist": json.dumps(plain_data)})
+    for command in (("inspect", path), ("convert", path, tmp_path / "o.pt", "--to", "dcp", "--format", "compressed"),
+                    ("export", path, tmp_path / "o.safetensors")):
+        rc, _, err = run_cli(*command)
+        assert rc in (0, 1) and "FLASHDIST_TRACEBACK" not in err and err.count("\n") == rc, (command[0], err)
