@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                    TensorStorageMetadata)
 
 from .errors import CheckpointError
-from .files import check_routes, inside, open_regular, read_bounded, reason, regular_size, shown
+from .files import check_routes, inside, open_regular, printable, read_bounded, reason, regular_size, shown
 
 MAX_METADATA_BYTES = 1 << 30
 """The largest ``.metadata`` file read (1 GiB); its size grows with the number of tensors times ranks."""
@@ -73,8 +73,9 @@ def _check_opcodes(data: bytes, path: Path) -> None:
     try:
         for count, (op, arg, _) in enumerate(pickletools.genops(data)):
             if op.name in _REFUSED_OPCODES or (op.name in _PUT_OPCODES and not 0 <= int(arg) <= count):
-                raise CheckpointError(f"flashdist: {path} holds the pickle opcode {op.name} {shown(arg)}, which DCP "
-                                      "metadata does not; the checkpoint is damaged or crafted")
+                raise CheckpointError(f"flashdist: {path} is not a valid DCP metadata file (it holds the pickle "
+                                      f"opcode {op.name} {shown(arg)}, which DCP metadata does not); the checkpoint "
+                                      "is damaged or crafted")
     except CheckpointError:
         raise
     except Exception as e:  # noqa: BLE001 - truncated or unknown opcodes
@@ -220,7 +221,7 @@ def _check_metadata(metadata: Any, folder: str | os.PathLike, source: Path) -> N
         if name not in sizes:
             real = inside(folder, name, source=source)
             if not os.path.lexists(real):
-                raise CheckpointError(f"flashdist: could not read checkpoint {folder}: its shard file {name} is "
+                raise CheckpointError(f"flashdist: could not read checkpoint {folder}: its shard file {shown(name)} is "
                                       "missing")
             sizes[name] = regular_size(real, expected="a DCP shard file")
         offset, length = info.offset, info.length
@@ -229,8 +230,9 @@ def _check_metadata(metadata: Any, folder: str | os.PathLike, source: Path) -> N
         if offset + length > sizes[name]:
             if _written_by(inside(folder, name)) != _save_id_of(metadata):  # a shard of another save: said so
                 verify_shard(inside(folder, name), _save_id_of(metadata), crc=False)
-            raise CheckpointError(f"flashdist: could not read checkpoint {folder}: shard file {name} is truncated or "
-                                  f"damaged ({sizes[name]:,} bytes; its .metadata places {index.fqn[:80]!r} at bytes "
+            raise CheckpointError(f"flashdist: could not read checkpoint {folder}: shard file {shown(name)} is "
+                                  f"truncated or damaged ({sizes[name]:,} bytes; its .metadata places "
+                                  f"{index.fqn[:80]!r} at bytes "
                                   f"{offset:,} to {offset + length:,})")
         if getattr(info, "transform_descriptors", None):
             refuse(f"stores {index.fqn[:80]!r} transformed ({shown(info.transform_descriptors)}), which flashdist "
@@ -320,15 +322,16 @@ def verify_shard(file: str | os.PathLike, save_id: str | None, *, crc: bool = Tr
             tied = head.startswith(_SHARD_MAGIC)
             if save_id is None:
                 if tied:
-                    raise CheckpointError(f"flashdist: shard {file} was written by save "
-                                          f"{head[len(_SHARD_MAGIC):].decode(errors='replace')}, but the checkpoint's "
-                                          ".metadata predates shard ids: the folder mixes files of two saves")
+                    written = printable(head[len(_SHARD_MAGIC):].decode(errors="replace"))
+                    raise CheckpointError(f"flashdist: shard {file} was written by save {written}, but the "
+                                          "checkpoint's .metadata predates shard ids: the folder mixes files of two "
+                                          "saves")
                 return
             if head != _SHARD_MAGIC + save_id.encode():
-                found = head[len(_SHARD_MAGIC):].decode(errors="replace") if tied else "no flashdist save id"
+                found = printable(head[len(_SHARD_MAGIC):].decode(errors="replace")) if tied else "no flashdist save id"
                 raise CheckpointError(f"flashdist: shard {file} belongs to another save ({found}) than its "
-                                      f"checkpoint's .metadata ({save_id}): the folder mixes files of two saves; "
-                                      "restore the original file or load another checkpoint")
+                                      f"checkpoint's .metadata ({printable(save_id)}): the folder mixes files of two "
+                                      "saves; restore the original file or load another checkpoint")
             size = os.fstat(f.fileno()).st_size
             body = size - _TRAILER.size
             if body < _HEADER_SIZE:

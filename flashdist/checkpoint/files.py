@@ -53,10 +53,17 @@ _SHORT = reprlib.Repr()
 _SHORT.maxlevel, _SHORT.maxtuple, _SHORT.maxlist, _SHORT.maxdict, _SHORT.maxstring, _SHORT.maxother = 2, 8, 8, 4, 78, 40
 
 
+def printable(text) -> str:
+    """``text`` (a path holding a name read from a file, say) with non-printable characters escaped, so an
+    error message cannot carry terminal control sequences from a crafted file."""
+    text = str(text)
+    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def reason(e: BaseException, limit: int = 200) -> str:
-    """An exception met while parsing a file, as one short line for an error message."""
-    text = " ".join(str(e).split())
-    return f"{type(e).__name__}: {text[:limit]}" if text else type(e).__name__
+    """An exception met while parsing a file, as one short printable line for an error message."""
+    text = printable(" ".join(str(e).split())[:limit])
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def inside(folder: str | os.PathLike, name, *, source: str | os.PathLike | None = None) -> Path:
@@ -74,17 +81,18 @@ def inside(folder: str | os.PathLike, name, *, source: str | os.PathLike | None 
     root = Path(os.path.realpath(folder))
     target = Path(os.path.realpath(root / name))
     if not target.is_relative_to(root) and not follow_links():
-        raise CheckpointError(f"flashdist: {Path(folder) / name}{where} is a symbolic link that leads outside "
-                              f"{folder}; refused (set {FOLLOW_LINKS}=1 to follow links out of a checkpoint folder)")
+        raise CheckpointError(f"flashdist: {printable(Path(folder) / name)}{where} is a symbolic link that leads "
+                              f"outside {folder}; refused (set {FOLLOW_LINKS}=1 to follow links out of a checkpoint "
+                              "folder)")
     return target
 
 
 def _refuse_kind(mode: int, path, expected: str) -> None:
     for test, kind in _KINDS:
         if test(mode):
-            raise CheckpointError(f"flashdist: {path} is {kind}, not {expected}; refused")
+            raise CheckpointError(f"flashdist: {printable(path)} is {kind}, not {expected}; refused")
     if not stat.S_ISREG(mode):
-        raise CheckpointError(f"flashdist: {path} is not {expected}; refused")
+        raise CheckpointError(f"flashdist: {printable(path)} is not {expected}; refused")
 
 
 def regular_size(path: str | os.PathLike, *, expected: str = "a regular file") -> int:
@@ -93,9 +101,9 @@ def regular_size(path: str | os.PathLike, *, expected: str = "a regular file") -
     try:
         st = os.stat(path)
     except FileNotFoundError:
-        raise CheckpointError(f"flashdist: {path} does not exist") from None
+        raise CheckpointError(f"flashdist: {printable(path)} does not exist") from None
     except OSError as e:
-        raise CheckpointError(f"flashdist: cannot read {path}: {e.strerror or e}") from None
+        raise CheckpointError(f"flashdist: cannot read {printable(path)}: {e.strerror or e}") from None
     _refuse_kind(st.st_mode, path, expected)
     return st.st_size
 
@@ -109,7 +117,7 @@ def open_regular(path: str | os.PathLike, *, expected: str = "a regular file") -
     try:
         fd = os.open(path, flags | getattr(os, "O_BINARY", 0))
     except OSError as e:
-        raise CheckpointError(f"flashdist: cannot open {path}: {e.strerror or e}") from None
+        raise CheckpointError(f"flashdist: cannot open {printable(path)}: {e.strerror or e}") from None
     try:
         _refuse_kind(os.fstat(fd).st_mode, path, expected)  # swapped after the stat above
         if hasattr(os, "set_blocking"):
@@ -125,14 +133,14 @@ def read_bounded(path: str | os.PathLike, limit: int, *, expected: str = "a regu
     with open_regular(path, expected=expected) as f:
         size = os.fstat(f.fileno()).st_size
         if size > limit:
-            raise CheckpointError(f"flashdist: {path} holds {size:,} bytes, more than the {limit:,} such a file may "
-                                  "hold; refused")
+            raise CheckpointError(f"flashdist: {printable(path)} holds {size:,} bytes, more than the {limit:,} such a "
+                                  "file may hold; refused")
         try:
             data = f.read(size + 1)  # read(n) sets n bytes aside at once: ask for what the file holds
         except OSError as e:
-            raise CheckpointError(f"flashdist: cannot read {path}: {e.strerror or e}") from None
+            raise CheckpointError(f"flashdist: cannot read {printable(path)}: {e.strerror or e}") from None
     if len(data) != size:
-        raise CheckpointError(f"flashdist: {path} changed while it was read; try again")
+        raise CheckpointError(f"flashdist: {printable(path)} changed while it was read; try again")
     return data
 
 

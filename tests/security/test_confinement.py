@@ -141,3 +141,13 @@ def test_plain_dcp_reader_api_refuses_too(victims, tmp_path):
     with pytest.raises(checkpoint.CheckpointError, match="outside"):
         sources.read(folder)
     assert not os.path.exists(tmp_path / "out")
+
+
+def test_names_with_control_characters_are_printed_escaped(victims, tmp_path):
+    """A crafted name cannot carry terminal control sequences into the error message."""
+    md = metadata_of(victims["plain"])
+    retarget(md, lambda name: "\x1b[2J\x1b]0;owned\x07" + name)
+    folder = write_metadata(tmp_path / "ck", md)
+    error = attempt("inspect", folder, tmp_path / "out")
+    assert error is not None and "\x1b" not in str(error) and "\x07" not in str(error), repr(error)
+    assert "\\x1b" in str(error), repr(error)
