@@ -10,9 +10,11 @@ existing path unless asked to.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,7 @@ from ..quant.moment import MomentLayout, QuantizedMoment
 
 from .dcp_files import SafeFileSystemReader
 from .errors import CheckpointError
+from .files import reason
 from .output import Fetch, Spec, atomic_output, check_destination, write_dcp, write_safetensors, write_torch
 from .publish import resolve
 from .sources import (KINDS, Fetcher, MemorySource, Progress, Source, dcp_entries, detect, json_header, open_source,
@@ -199,15 +202,16 @@ def _reformat_plan(source: Source, fmt: str):
 
 
 def _size_on_disk(path: Path) -> int:
+    """Bytes of the regular files in ``path`` (links not followed: a link out of the folder is not its size)."""
     if path.is_dir():
-        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        return sum(st.st_size for f in path.rglob("*") if stat.S_ISREG((st := f.lstat()).st_mode))
     return path.stat().st_size
 
 
-def saved_world_size(path: str | os.PathLike) -> int:
+def saved_world_size(path: str | os.PathLike, *, metadata=None) -> int:
     """How many ranks wrote DCP checkpoint ``path``, from the files its .metadata names (``__<rank>_<n>.distcp``);
-    other files in the folder do not count."""
-    md = SafeFileSystemReader(str(resolve(path))).read_metadata()
+    other files in the folder do not count. ``metadata``: the checkpoint's, when the caller has read it."""
+    md = metadata if metadata is not None else SafeFileSystemReader(str(resolve(path))).read_metadata()
     files = {str(info.relative_path) for info in (md.storage_data or {}).values()}
     ranks = {m.group(1) for f in files if (m := re.match(r"^__(\d+)_\d+\.distcp$", f))}
     return len(ranks) or len(files)
@@ -215,20 +219,28 @@ def saved_world_size(path: str | os.PathLike) -> int:
 
 def inspect(path: str | os.PathLike) -> dict[str, Any]:
     """What a checkpoint is, without loading its tensors where the format allows (DCP: metadata plus the
-    few small plain-data entries; safetensors: the header)."""
-    path = Path(path)
+    few small plain-data entries; safetensors: the header). A checkpoint whose parts do not have the types
+    flashdist writes (a damaged or crafted one) raises :class:`CheckpointError` naming it."""
+    with _as_checkpoint_error(path):
+        return _inspect(Path(path))
+
+
+def _inspect(path: Path) -> dict[str, Any]:
     kind = detect(path)
     info: dict[str, Any] = {"path": str(path), "kind": kind}
     if kind == "dcp":
         where = resolve(path)
-        entries = dcp_entries(where)
+        metadata = SafeFileSystemReader(str(where)).read_metadata()  # once: checking it costs a pass over it
+        checked: set = set()
+        entries = dcp_entries(where, metadata)
         small = [k for k, (route, size, _) in entries.items()
                  if size is None and route[:2] == ("optim", "param_groups")]
-        groups = read_dcp(where, small).get("optim", {}).get("param_groups", []) if small else []
+        groups = (read_dcp(where, small, metadata=metadata, checked=checked).get("optim", {}).get("param_groups", [])
+                  if small else [])
         tensors = {k: v for k, v in entries.items() if v[1] is not None}
         model = {k: v for k, v in tensors.items() if v[0][0] == "model"}
         optim = {k: v for k, v in tensors.items() if v[0][0] == "optim"}
-        info["saved_world_size"] = saved_world_size(where)
+        info["saved_world_size"] = saved_world_size(where, metadata=metadata)
         info["path"] = str(where)
     else:
         source = open_source(path)  # a torch or safetensors file: the structure, no tensor read
@@ -267,7 +279,7 @@ def inspect(path: str | os.PathLike) -> dict[str, Any]:
     if steps:
         first = steps[0]
         if kind == "dcp":
-            node = value_at(read_dcp(path, [first]), optim[first][0])
+            node = value_at(read_dcp(where, [first], metadata=metadata, checked=checked), optim[first][0])
         else:
             node = source.get([optim[first][0]])[optim[first][0]]
         info["step"] = int(float(node))
@@ -291,12 +303,26 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, fmt: str
     check_destination([Path(src)], dst, to, force)
     if fmt is not None:
         _check_format(fmt)
-    source = open_source(src, tag=tag, master_weight_bits=master_weight_bits, progress=progress)
-    rest, specs, derived, compute = (source.rest, source.specs, {}, None) if fmt is None else \
-        _reformat_plan(source, fmt)
-    order = [r for r in specs if r not in derived]  # what the writers ask for, in their usual order
-    _write(to, dst, rest, specs, Fetcher(source, derived, compute, order=order), progress)
+    with _as_checkpoint_error(src):
+        source = open_source(src, tag=tag, master_weight_bits=master_weight_bits, progress=progress)
+        rest, specs, derived, compute = (source.rest, source.specs, {}, None) if fmt is None else \
+            _reformat_plan(source, fmt)
+        order = [r for r in specs if r not in derived]  # what the writers ask for, in their usual order
+        _write(to, dst, rest, specs, Fetcher(source, derived, compute, order=order), progress)
     return dst
+
+
+@contextlib.contextmanager
+def _as_checkpoint_error(src):
+    """A checkpoint whose parts do not have the types flashdist writes (param groups that are not dicts, say:
+    a damaged or crafted one) raises :class:`CheckpointError` naming ``src``, not the TypeError it meets."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except (AttributeError, TypeError, KeyError, IndexError, ValueError, OverflowError) as e:
+        raise CheckpointError(f"flashdist: {src} does not hold what a checkpoint holds ({reason(e)}); it is "
+                              "damaged or was not written by flashdist") from None
 
 
 def _master_plan(source: Source, dtype: torch.dtype = torch.float32) -> tuple[dict[str, Spec], Callable[[str], torch.Tensor]]:
@@ -383,14 +409,15 @@ def export(src: str | os.PathLike, dst: str | os.PathLike, *, force: bool = Fals
     check_destination([Path(src)], dst, "hf" if hf else "safetensors", force)
     # a DeepSpeed folder's fp32 master partitions (a flashoptim file's ECC masters) survive all 32 bits in an
     # int16 rho (24 bits would round them)
-    source = open_source(src, master_weight_bits=32 if detect(src) in ("deepspeed", "flashoptim") else None,
-                         progress=progress)
-    specs, fetch = _master_plan(source, EXPORT_DTYPES[dtype])
-    if hf:
-        from .hf import write_hf_folder
+    with _as_checkpoint_error(src):
+        source = open_source(src, master_weight_bits=32 if detect(src) in ("deepspeed", "flashoptim") else None,
+                             progress=progress)
+        specs, fetch = _master_plan(source, EXPORT_DTYPES[dtype])
+        if hf:
+            from .hf import write_hf_folder
 
-        write_hf_folder(dst, specs, fetch, config=config, max_shard_size=max_shard_size, progress=progress)
-    else:
-        with atomic_output(dst, directory=False) as tmp:
-            write_safetensors(tmp, specs, fetch, {"format": "pt"}, progress)
+            write_hf_folder(dst, specs, fetch, config=config, max_shard_size=max_shard_size, progress=progress)
+        else:
+            with atomic_output(dst, directory=False) as tmp:
+                write_safetensors(tmp, specs, fetch, {"format": "pt"}, progress)
     return dst

@@ -154,6 +154,9 @@ def _template_for_extra(metadata: Metadata) -> dict:
         node = extra
         for part in route[1:-1]:
             node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise CheckpointError(f"flashdist: the checkpoint's entry {key[:80]!r} lies inside another entry; "
+                                      "the checkpoint is damaged or crafted")
         if len(route) > 1:
             node[route[-1]] = value
     return extra
@@ -212,7 +215,19 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     except (Exception, CheckpointException) as e:  # DCP wraps per-rank failures in a BaseException
         raise CheckpointError(f"flashdist: could not read checkpoint {where}: {error_summary(e)}; the model and "
                               "optimizer were not changed") from e
-    set_optimizer_state_dict(model, optimizer, state["optim"])  # validates everything before it copies
+    # the optimizer validates everything before it copies; a refusal (other master_weight_bits, format version,
+    # ...) is a CheckpointError on every rank, told by the ranks that refused
+    failure = None
+    try:
+        set_optimizer_state_dict(model, optimizer, state["optim"])
+    except (ValueError, KeyError, TypeError, RuntimeError) as e:
+        failure = f"flashdist: checkpoint {where} does not load into this optimizer: {error_summary(e)}"
+    failures = _gather(failure)
+    if any(failures):
+        if failure:
+            raise CheckpointError(failure + "; the model and optimizer were not changed")
+        rank, text = next((r, f) for r, f in enumerate(failures) if f)
+        raise CheckpointError(f"{text} (on rank {rank}); this rank's model was not changed")
     set_model_state_dict(model, state["model"])
     return state["extra"]
 

@@ -16,8 +16,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import math
 import os
 import pickle
+import pickletools
 import struct
 import uuid
 import zlib
@@ -25,55 +27,111 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed._shard.sharded_tensor.metadata import TensorProperties as _ShardedTensorProperties
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystem
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                   MetadataIndex, StorageMeta, TensorProperties,
+                                                   TensorStorageMetadata)
 
 from .errors import CheckpointError
+from .files import check_routes, inside, open_regular, printable, read_bounded, reason, regular_size, shown
 
-_METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
-_PATH_CLASSES = {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"}
+MAX_METADATA_BYTES = 1 << 30
+"""The largest ``.metadata`` file read (1 GiB); its size grows with the number of tensors times ranks."""
+
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+_SHARDED_METADATA = "torch.distributed._shard.sharded_tensor.metadata"
+# What dcp.save pickles into .metadata (torch 2.13; older versions wrote the TensorProperties of the
+# sharded-tensor module): DCP's metadata dataclasses (built field by field, their __init__ sets attributes
+# only), the enum TensorProperties encodes the memory format with, the storage record of FileSystemWriter,
+# sizes, dtypes, layouts (torch.serialization._get_layout looks a name up in a table) and the checkpoint_id
+# path. Nothing here touches the file system or allocates from the file's numbers.
+_ALLOWED = {
+    (_DCP_METADATA, name) for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                                       "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
+                                       "StorageMeta", "_MEM_FORMAT_ENCODING")
+} | {(_SHARDED_METADATA, "TensorProperties"), (_SHARDED_METADATA, "MEM_FORMAT_ENCODING"),
+     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+     ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+     ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib._local", "PosixPath"),
+     ("pathlib._local", "PurePosixPath")}
+
+
+# Opcodes dcp.save never writes and whose objects DCP metadata never holds (sets: the object built per byte of
+# file is largest for them; buffers, persistent ids and extension codes: not plain data).
+_REFUSED_OPCODES = frozenset({"EMPTY_SET", "ADDITEMS", "FROZENSET", "BYTEARRAY8", "NEXT_BUFFER", "READONLY_BUFFER",
+                              "PERSID", "BINPERSID", "EXT1", "EXT2", "EXT4"})
+_PUT_OPCODES = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
+
+
+def _check_opcodes(data: bytes, path: Path) -> None:
+    """Walk the pickle's opcodes before it is unpickled: refuse those metadata never holds, and memo indexes
+    beyond the objects built so far (the C unpickler grows its memo table to twice the index it is given, so
+    a 10-byte file could make it set gigabytes aside)."""
+    try:
+        for count, (op, arg, _) in enumerate(pickletools.genops(data)):
+            if op.name in _REFUSED_OPCODES or (op.name in _PUT_OPCODES and not 0 <= int(arg) <= count):
+                raise CheckpointError(f"flashdist: {path} is not a valid DCP metadata file (it holds the pickle "
+                                      f"opcode {op.name} {shown(arg)}, which DCP metadata does not); the checkpoint "
+                                      "is damaged or crafted")
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - truncated or unknown opcodes
+        raise CheckpointError(f"flashdist: {path} is not a valid DCP metadata file ({reason(e)}); the checkpoint "
+                              "is damaged or was not written by torch.distributed.checkpoint") from None
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Builds only DCP metadata dataclasses, torch dtypes/sizes/layouts and paths; refuses anything else."""
+    """Builds only what DCP metadata holds (:data:`_ALLOWED`, and torch dtypes); refuses anything else."""
 
     def find_class(self, module: str, name: str):
-        obj = None
-        if module in _METADATA_MODULES:
-            obj = getattr(__import__(module, fromlist=[name]), name, None)
-            obj = obj if isinstance(obj, type) or name == "_MEM_FORMAT_ENCODING" else None
-        elif module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
-            obj = getattr(torch, name)
-        elif module == "torch.serialization" and name == "_get_layout":
-            obj = torch.serialization._get_layout
-        elif module == "pathlib" and name in _PATH_CLASSES:
-            obj = getattr(__import__("pathlib"), name)
-        if obj is None:
-            raise pickle.UnpicklingError(f"refusing to load {module}.{name} from checkpoint metadata")
-        return obj
+        if (module, name) in _ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refusing to load {module[:60]}.{name[:60]} from checkpoint metadata")
+
+
+class _ConfinedFileSystem(FileSystem):
+    """DCP's file system for reading: the files a ``.metadata`` names resolve inside the checkpoint folder and
+    are opened only when regular (:mod:`flashdist.checkpoint.files`)."""
+
+    def concat_path(self, path, suffix):
+        return inside(path, suffix, source=Path(path) / ".metadata")
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        if mode != "rb":
+            raise CheckpointError(f"flashdist: the checkpoint reader does not write ({path})")
+        with open_regular(path) as stream:
+            yield stream
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """FileSystemReader whose metadata load cannot run code, and which refuses a shard file of another save
-    or a damaged one (:func:`verify_shard`) before reading from it."""
+    """FileSystemReader whose metadata load cannot run code or build more than the checkpoint holds
+    (:func:`check_metadata`), which reads only regular files inside the checkpoint folder
+    (:mod:`flashdist.checkpoint.files`), and which refuses a shard file of another save or a damaged one
+    (:func:`verify_shard`) before reading from it."""
+
+    def __init__(self, path: str | os.PathLike, *args: Any, **kwargs: Any):
+        super().__init__(path, *args, **kwargs)
+        self.fs = _ConfinedFileSystem()
+        self.path = Path(os.path.realpath(self.path))  # the folder the user named; links above it are theirs
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = Path(self.path) / ".metadata"
+        if not os.path.lexists(path):
+            raise CheckpointError(f"flashdist: {self.path} is not a DCP checkpoint (no .metadata file)")
+        data = read_bounded(inside(self.path, ".metadata"), MAX_METADATA_BYTES, expected="a DCP metadata file")
+        _check_opcodes(data, path)
         try:
-            with open(path, "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
-        except FileNotFoundError:
-            raise CheckpointError(f"flashdist: {self.path} is not a DCP checkpoint (no .metadata file)") from None
-        except OSError as e:
-            raise CheckpointError(f"flashdist: cannot read {path}: {e.strerror or e}") from None
-        except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as e:
-            raise CheckpointError(f"flashdist: {path} is not a valid DCP metadata file ({e}); the checkpoint "
+            metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+        except Exception as e:  # noqa: BLE001 - any damage (bit flips, truncation, crafted opcodes) is one line
+            raise CheckpointError(f"flashdist: {path} is not a valid DCP metadata file ({reason(e)}); the checkpoint "
                                   "is damaged or was not written by torch.distributed.checkpoint") from None
-        if not isinstance(metadata, Metadata):
-            raise CheckpointError(f"flashdist: {path} does not hold DCP metadata")
-        if getattr(metadata, "storage_meta", None) is not None:
+        del data
+        check_metadata(metadata, self.path)
+        if metadata.storage_meta is not None:
             metadata.storage_meta.load_id = self.load_id
         return metadata
 
@@ -99,10 +157,7 @@ class SafeFileSystemReader(FileSystemReader):
                 if plan.storage_data is None else plan for rank, plan in enumerate(plans)]
 
     def _size(self, name: str) -> int:
-        try:
-            return os.path.getsize(Path(self.path) / name)
-        except OSError:
-            return 0
+        return regular_size(inside(self.path, name, source=Path(self.path) / ".metadata"))
 
     def read_data(self, plan, planner):
         # every shard this rank reads is checked first; an error here reaches every rank through DCP's
@@ -110,8 +165,106 @@ class SafeFileSystemReader(FileSystemReader):
         full = plan.storage_data.get(_FULL_CHECK) if isinstance(plan.storage_data, dict) else None
         files = sorted({self.storage_data[item.storage_index].relative_path for item in plan.items})
         for name in files:
-            verify_shard(Path(self.path) / name, self._save_id, crc=full is None or name in full)
+            verify_shard(inside(self.path, name, source=Path(self.path) / ".metadata"), self._save_id,
+                         crc=full is None or name in full)
         return super().read_data(plan, planner)
+
+
+_TENSOR_PROPERTIES = (TensorProperties, _ShardedTensorProperties)
+
+
+def check_metadata(metadata: Any, folder: str | os.PathLike) -> None:
+    """Refuse (one line naming the ``.metadata`` file) metadata that does not describe a checkpoint this
+    folder holds, before anything is allocated from its numbers: the types DCP writes; tensor sizes, chunks
+    and dtypes that fit together; shard files that are regular files inside ``folder`` (see
+    :func:`~flashdist.checkpoint.files.inside`) and hold each record's bytes; no tensor larger than the bytes
+    its records hold (so building a tensor for it costs at most the size of the files); planner routes whose
+    list indices the entries pay for (:func:`~flashdist.checkpoint.files.check_routes`); and no storage
+    transforms (compression), whose output the file's size would not bound."""
+    try:
+        _check_metadata(metadata, folder, Path(folder) / ".metadata")
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a missing field, an unhashable key, ...: damage, said in one line
+        raise CheckpointError(f"flashdist: {Path(folder) / '.metadata'} is not valid DCP metadata ({reason(e, 100)}); "
+                              "the checkpoint is damaged or was not written by "
+                              "torch.distributed.checkpoint") from None
+
+
+def _check_metadata(metadata: Any, folder: str | os.PathLike, source: Path) -> None:
+    def refuse(what: str):
+        raise CheckpointError(f"flashdist: {source} {what}; the checkpoint is damaged or was not written by "
+                              "torch.distributed.checkpoint")
+
+    def dims(value, what: str) -> tuple[int, ...]:
+        if not isinstance(value, tuple) or len(value) > 64 or \
+                not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 62 for d in value):
+            refuse(f"holds an invalid {what} {shown(value)}")
+        return value
+
+    if not isinstance(metadata, Metadata):
+        refuse(f"holds a {type(metadata).__name__}, not DCP metadata")
+    entries = metadata.state_dict_metadata
+    if not isinstance(entries, dict):
+        refuse("has no table of entries")
+    if metadata.storage_meta is not None and not isinstance(metadata.storage_meta, StorageMeta):
+        refuse("holds an invalid storage record")
+    if not isinstance(metadata.storage_data, dict):
+        refuse("names no shard files (it was not written by DCP's FileSystemWriter)")
+    # the shard files and the bytes each entry's records hold in them
+    sizes: dict[str, int] = {}
+    stored: dict[str, int] = {}
+    for index, info in metadata.storage_data.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(index.fqn, str) or not isinstance(info, _StorageInfo):
+            refuse("holds an invalid storage record")
+        name = info.relative_path
+        if name not in sizes:
+            real = inside(folder, name, source=source)
+            if not os.path.lexists(real):
+                raise CheckpointError(f"flashdist: could not read checkpoint {folder}: its shard file {shown(name)} is "
+                                      "missing")
+            sizes[name] = regular_size(real, expected="a DCP shard file")
+        offset, length = info.offset, info.length
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (offset, length)):
+            refuse(f"places {index.fqn[:80]!r} at an invalid offset or length")
+        if offset + length > sizes[name]:
+            if _written_by(inside(folder, name)) != _save_id_of(metadata):  # a shard of another save: said so
+                verify_shard(inside(folder, name), _save_id_of(metadata), crc=False)
+            raise CheckpointError(f"flashdist: could not read checkpoint {folder}: shard file {shown(name)} is "
+                                  f"truncated or damaged ({sizes[name]:,} bytes; its .metadata places "
+                                  f"{index.fqn[:80]!r} at bytes "
+                                  f"{offset:,} to {offset + length:,})")
+        if getattr(info, "transform_descriptors", None):
+            refuse(f"stores {index.fqn[:80]!r} transformed ({shown(info.transform_descriptors)}), which flashdist "
+                   "does not read")
+        stored[index.fqn] = stored.get(index.fqn, 0) + length
+    for key, meta in entries.items():
+        if not isinstance(key, str):
+            refuse(f"holds an entry named by a {type(key).__name__}")
+        if isinstance(meta, BytesStorageMetadata):
+            continue
+        if not isinstance(meta, TensorStorageMetadata) or not isinstance(meta.properties, _TENSOR_PROPERTIES) \
+                or not isinstance(meta.properties.dtype, torch.dtype) or not isinstance(meta.chunks, list):
+            refuse(f"holds an invalid entry {key[:80]!r}")
+        size = dims(meta.size, f"size of {key[:80]!r}")
+        covered = 0
+        for chunk in meta.chunks:
+            if not isinstance(chunk, ChunkStorageMetadata):
+                refuse(f"holds an invalid chunk of {key[:80]!r}")
+            offsets, lengths = dims(chunk.offsets, "chunk offset"), dims(chunk.sizes, "chunk size")
+            if len(offsets) != len(size) or len(lengths) != len(size) or \
+                    any(o + n > d for o, n, d in zip(offsets, lengths, size)):
+                refuse(f"holds a chunk of {key[:80]!r} outside its size {list(size)}")
+            covered += math.prod(lengths)
+        numel = math.prod(size)
+        if covered < numel or numel * meta.properties.dtype.itemsize > stored.get(key, 0):
+            refuse(f"gives {key[:80]!r} {numel:,} elements ({list(size)[:8]}) but its records hold "
+                   f"{stored.get(key, 0):,} bytes")
+    routes = metadata.planner_data
+    if routes is not None:
+        if not isinstance(routes, dict) or not all(isinstance(k, str) for k in routes):
+            refuse("holds invalid planner data")
+        check_routes(routes.values(), slack=len(entries) + 64, source=source)
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -150,6 +303,13 @@ def _save_id_of(metadata: Metadata) -> str | None:
     return save_id if isinstance(save_id, str) and save_id.startswith(SAVE_ID_PREFIX) else None
 
 
+def _written_by(file: Path) -> str | None:
+    """The save id in the header of shard ``file``; None when it has none."""
+    with open_regular(file, expected="a DCP shard file") as f:
+        head = f.read(_HEADER_SIZE)
+    return head[len(_SHARD_MAGIC):].decode(errors="replace") if head.startswith(_SHARD_MAGIC) else None
+
+
 def verify_shard(file: str | os.PathLike, save_id: str | None, *, crc: bool = True) -> None:
     """Raise :class:`CheckpointError` naming ``file`` unless it is an intact shard of the save ``save_id``
     (the id in its checkpoint's ``.metadata``; None for a checkpoint written before shards carried ids, whose
@@ -157,20 +317,21 @@ def verify_shard(file: str | os.PathLike, save_id: str | None, *, crc: bool = Tr
     file once to check its CRC-32; without, only its first and last bytes (id, length)."""
     file = Path(file)
     try:
-        with open(file, "rb") as f:
+        with open_regular(file, expected="a DCP shard file") as f:
             head = f.read(_HEADER_SIZE)
             tied = head.startswith(_SHARD_MAGIC)
             if save_id is None:
                 if tied:
-                    raise CheckpointError(f"flashdist: shard {file} was written by save "
-                                          f"{head[len(_SHARD_MAGIC):].decode(errors='replace')}, but the checkpoint's "
-                                          ".metadata predates shard ids: the folder mixes files of two saves")
+                    written = printable(head[len(_SHARD_MAGIC):].decode(errors="replace"))
+                    raise CheckpointError(f"flashdist: shard {file} was written by save {written}, but the "
+                                          "checkpoint's .metadata predates shard ids: the folder mixes files of two "
+                                          "saves")
                 return
             if head != _SHARD_MAGIC + save_id.encode():
-                found = head[len(_SHARD_MAGIC):].decode(errors="replace") if tied else "no flashdist save id"
+                found = printable(head[len(_SHARD_MAGIC):].decode(errors="replace")) if tied else "no flashdist save id"
                 raise CheckpointError(f"flashdist: shard {file} belongs to another save ({found}) than its "
-                                      f"checkpoint's .metadata ({save_id}): the folder mixes files of two saves; "
-                                      "restore the original file or load another checkpoint")
+                                      f"checkpoint's .metadata ({printable(save_id)}): the folder mixes files of two "
+                                      "saves; restore the original file or load another checkpoint")
             size = os.fstat(f.fileno()).st_size
             body = size - _TRAILER.size
             if body < _HEADER_SIZE:

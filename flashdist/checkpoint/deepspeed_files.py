@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from .errors import CheckpointError
+from .files import inside, read_bounded, regular_size, shown
 
 DEEPSPEED_GLOBALS = ("deepspeed.runtime.zero.config.ZeroStageEnum",
                      "deepspeed.runtime.fp16.loss_scaler.LossScaler",
@@ -93,9 +94,11 @@ def load_file(path: str | os.PathLike, *, deepspeed_objects: bool = False) -> di
     own classes (DeepSpeed must be installed), so that ``torch.save`` of the result is a file DeepSpeed loads.
     Raises :class:`CheckpointError` naming the file (and the class, for a refused one)."""
     path = Path(path)
+    real = inside(path.parent, path.name)  # a link out of the checkpoint's folder, a FIFO, ... is refused
+    regular_size(real, expected="a DeepSpeed checkpoint file")
     try:
         with torch.serialization.safe_globals(_globals(deepspeed_objects)):
-            value = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            value = torch.load(real, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as e:
         found = _REFUSED_GLOBAL.search(str(e))
         if found:
@@ -126,28 +129,47 @@ def tag_folder(path: str | os.PathLike, tag: str | None = None) -> Path:
         raise CheckpointNotFoundError(f"flashdist: {path} is not a directory")
     if tag is None and any(path.glob("*_optim_states.pt")):
         return path
+    source = None
     if tag is None:
         latest = path / "latest"
-        if not latest.is_file():
+        if not os.path.lexists(latest):
             raise CheckpointNotFoundError(f"flashdist: {path} has no 'latest' file and no *_optim_states.pt files; "
                                           "pass the checkpoint tag (--tag)")
-        tag = latest.read_text().strip()
-        if not tag:
-            raise CheckpointError(f"flashdist: {latest} is empty; pass the checkpoint tag (--tag)")
+        tag, source = read_tag(latest), latest
     # a tag names a folder inside this one: a 'latest' file (or --tag) pointing elsewhere is refused, so a
     # copied or crafted folder cannot make flashdist read another checkpoint
-    if Path(tag).is_absolute() or ".." in Path(tag).parts or not (path / tag).resolve().is_relative_to(path.resolve()):
-        raise CheckpointError(f"flashdist: the DeepSpeed tag {tag!r}"
-                              f"{' in ' + str(path / 'latest') if (path / 'latest').is_file() else ''} leads outside "
-                              f"{path}; a tag must name a folder inside the checkpoint folder")
+    real = inside(path, tag, source=source)
     folder = path / tag
-    if not folder.is_dir():
-        raise CheckpointNotFoundError(f"flashdist: the DeepSpeed checkpoint {folder} does not exist (tag {tag!r}"
-                                      f"{' from ' + str(path / 'latest') if (path / 'latest').is_file() else ''})")
+    if not real.is_dir():
+        raise CheckpointNotFoundError(f"flashdist: the DeepSpeed checkpoint {folder} does not exist or is not a folder "
+                                      f"(tag {shown(tag)}{' from ' + str(source) if source else ''})")
     if (folder / "zero").is_dir() and not any(folder.glob("*_optim_states.pt")):
         raise CheckpointError(f"flashdist: {folder} is a DeepSpeed universal checkpoint; convert the checkpoint "
                               "it was made from (engine.save_checkpoint's folder)")
     return folder
+
+
+_TAG = re.compile(r"/?[\w.+=@,:-]+(/[\w.+=@,:-]+)*")
+MAX_TAG_BYTES = 4096
+
+
+def read_tag(latest: str | os.PathLike) -> str:
+    """The tag in a DeepSpeed ``latest`` (or ``latest_universal``) file, a regular file of at most
+    :data:`MAX_TAG_BYTES` (:mod:`flashdist.checkpoint.files`). A file that does not hold one tag (letters,
+    digits, ``._-+=@,:/``) is refused without printing what it holds."""
+    latest = Path(latest)
+    data = read_bounded(inside(latest.parent, latest.name), MAX_TAG_BYTES, expected="a DeepSpeed 'latest' file")
+    try:
+        tag = data.decode().strip()
+    except UnicodeDecodeError:
+        tag = None
+    if not tag:
+        raise CheckpointError(f"flashdist: {latest} {'is empty' if tag == '' else 'does not hold a checkpoint tag'}; "
+                              "pass the checkpoint tag (--tag)")
+    if not _TAG.fullmatch(tag):
+        raise CheckpointError(f"flashdist: {latest} does not hold a checkpoint tag (one name of letters, digits and "
+                              "._-+=@,:/); pass the checkpoint tag (--tag)")
+    return tag
 
 
 def optimizer_files(folder: Path) -> tuple[dict[int, Path], str]:
@@ -193,7 +215,7 @@ def missing(folder: Path, what: str, name: str, rank: int, world: int) -> Checkp
 def model_states_file(folder: Path) -> Path:
     """The model-states file that holds the world size and the parameter shapes: ``mp_rank_00_model_states.pt``
     (ZeRO 1/2) or rank 0's ``zero_pp_rank_0_mp_rank_00_model_states.pt`` (ZeRO 3)."""
-    if (folder / ZERO12_MODEL_FILE).is_file():
+    if os.path.lexists(folder / ZERO12_MODEL_FILE):  # a FIFO or a link out is refused when it is read
         return folder / ZERO12_MODEL_FILE
     stage3 = stage3_model_files(folder)
     if 0 in stage3:

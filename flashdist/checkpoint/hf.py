@@ -17,13 +17,14 @@ from pathlib import Path
 import torch
 
 from .errors import CheckpointError
+from .files import read_bounded
 from .output import Spec, atomic_output, write_safetensors
 
 
 def _read_config(config: Path) -> None:
-    try:
-        loaded = json.loads(Path(config).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    try:  # a regular file of at most 64 MiB: a FIFO or a device is refused, never read
+        loaded = json.loads(read_bounded(config, 64 << 20, expected="a config file").decode())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise CheckpointError(f"flashdist: cannot read the model config {config}: {str(e).splitlines()[0]}") from None
     if not isinstance(loaded, dict) or "model_type" not in loaded:
         raise CheckpointError(f"flashdist: {config} is not a transformers model config (a JSON object with "

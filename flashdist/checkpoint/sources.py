@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from .dcp_files import SafeFileSystemReader, SafeLoadPlanner
 from .errors import CheckpointError, error_summary
+from .files import check_routes, open_regular, reason
 from .output import Spec
 from .publish import resolve
 
@@ -58,19 +59,16 @@ def detect(path: str | os.PathLike) -> str:
         if (old / ".metadata").exists():
             return "dcp"
         raise CheckpointError(f"flashdist: no such file or directory: {path}")
-    with open(path, "rb") as f:
+    with open_regular(path, expected="a checkpoint file") as f:  # a FIFO or a device is refused, never read
         head = f.read(8)
+        size = os.fstat(f.fileno()).st_size
+        first = f.read(1) if len(head) == 8 and 0 < int.from_bytes(head, "little") < 100 * 2**20 else b""
     if head[:2] == b"PK":
         from .flashoptim_import import is_flashoptim_file
 
         return "flashoptim" if is_flashoptim_file(path) else "torch"
-    if len(head) == 8:
-        n = int.from_bytes(head, "little")
-        if 0 < n < 100 * 2**20 and path.stat().st_size >= 8 + n:
-            with open(path, "rb") as f:
-                f.seek(8)
-                if f.read(1) == b"{":
-                    return "safetensors"
+    if first == b"{" and size >= 8 + int.from_bytes(head, "little"):
+        return "safetensors"
     raise CheckpointError(f"flashdist: {path} is not a DCP directory, a torch file or a safetensors file")
 
 
@@ -78,22 +76,30 @@ def detect(path: str | os.PathLike) -> str:
 
 
 def _set(root: dict, route: tuple, value) -> None:
+    """Put ``value`` at ``route`` in ``root``, growing lists to the index (checked beforehand with
+    :func:`~flashdist.checkpoint.files.check_routes`, so a route cannot make a list longer than its file pays
+    for). A route through a plain value, or a name into a list, raises :class:`CheckpointError`."""
     node = root
-    for i, part in enumerate(route[:-1]):
-        nxt = route[i + 1]
-        if isinstance(node, list):
+    for i, part in enumerate(route):
+        last = i == len(route) - 1
+        if isinstance(node, list) and isinstance(part, int) and not isinstance(part, bool) and part >= 0:
             while len(node) <= part:
-                node.append({} if not isinstance(nxt, int) else [])
-            node = node[part]
+                node.append(None if last else ({} if not isinstance(route[i + 1], int) else []))
+            if last:
+                node[part] = value
+            elif node[part] is None:
+                node[part] = {} if not isinstance(route[i + 1], int) else []
+        elif isinstance(node, dict) and isinstance(part, (str, int)):
+            if last:
+                node[part] = value
+            else:
+                node = node.setdefault(part, [] if isinstance(route[i + 1], int) else {})
+                continue
         else:
-            node = node.setdefault(part, [] if isinstance(nxt, int) else {})
-    last = route[-1]
-    if isinstance(node, list):
-        while len(node) <= last:
-            node.append(None)
-        node[last] = value
-    else:
-        node[last] = value
+            raise CheckpointError(f"flashdist: the checkpoint's entry route {list(route)[:8]} does not fit its other "
+                                  "entries; the checkpoint is damaged or crafted")
+        if not last:
+            node = node[part]
 
 
 def dcp_entries(path: str | os.PathLike, metadata=None) -> dict[str, tuple]:
@@ -156,16 +162,22 @@ def read_dcp(path: str | os.PathLike, keys: list[str] | None = None, *, metadata
     return nested
 
 
+def _safetensors_routes(path: Path, f) -> tuple[dict, dict[str, tuple]]:
+    """The plain data of an open safetensors file and the route of each of its tensors, checked
+    (:func:`~flashdist.checkpoint.files.check_routes`) before anything is built from them."""
+    meta = f.metadata() or {}
+    rest = _from_json(meta["flashdist"]) if "flashdist" in meta else {}
+    routes = {key: tuple(json.loads(meta.get(f"route:{key}", "null")) or key.split(".")) for key in f.keys()}
+    check_routes(routes.values(), slack=len(meta.get("flashdist", "")) + 64, source=path)
+    return rest, routes
+
+
 def _read_safetensors(path: Path) -> dict:
     from safetensors import safe_open
 
-    nested: dict = {}
     with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-        if "flashdist" in meta:
-            nested = _from_json(meta["flashdist"])
-        for key in f.keys():
-            route = tuple(json.loads(meta.get(f"route:{key}", "null")) or key.split("."))
+        nested, routes = _safetensors_routes(path, f)
+        for key, route in routes.items():
             _set(nested, route, f.get_tensor(key))
     return nested
 
@@ -179,22 +191,37 @@ def read(path: str | os.PathLike, *, tag: str | None = None, master_weight_bits:
     if kind == "flashoptim":
         from .flashoptim_import import read_flashoptim
 
-        return read_flashoptim(path, master_weight_bits=master_weight_bits)
+        return _whole(path, read_flashoptim, path, master_weight_bits=master_weight_bits)
     if kind == "dcp":
         return read_dcp(path)
     if kind == "torch":
         try:
             return torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 - truncated zip, refused pickle global, ...
-            raise CheckpointError(f"flashdist: could not read {path}: {str(e).splitlines()[0][:300]}") from None
+            raise CheckpointError(f"flashdist: could not read {path}: {_first_line(e)}") from None
     if kind == "safetensors":
         try:
             return _read_safetensors(Path(path))
+        except CheckpointError:
+            raise
         except Exception as e:  # noqa: BLE001
-            raise CheckpointError(f"flashdist: could not read {path}: {str(e).splitlines()[0][:300]}") from None
+            raise CheckpointError(f"flashdist: could not read {path}: {_first_line(e)}") from None
     from .deepspeed_import import read_deepspeed
 
-    return read_deepspeed(path, tag, master_weight_bits=master_weight_bits, progress=progress)
+    return _whole(path, read_deepspeed, path, tag, master_weight_bits=master_weight_bits, progress=progress)
+
+
+def _whole(path, reader: Callable, *args, **kwargs) -> dict:
+    """``reader(*args, **kwargs)`` (a DeepSpeed folder's or a flashoptim file's), whose failure on a file of
+    unexpected structure (a type, a key or an index it does not have) is a :class:`CheckpointError` naming
+    ``path``."""
+    try:
+        return reader(*args, **kwargs)
+    except CheckpointError:
+        raise
+    except (AttributeError, TypeError, KeyError, IndexError, ValueError, OverflowError, RuntimeError) as e:
+        raise CheckpointError(f"flashdist: could not read {path}: it does not hold what a checkpoint of its kind "
+                              f"holds ({reason(e)}); it is damaged or was written by another program") from None
 
 
 # ----- streaming sources ------------------------------------------------------------------------------------
@@ -278,7 +305,7 @@ class _TorchSource(Source):
         try:
             return torch.load(self.path, map_location="cpu", weights_only=True, mmap=True)
         except Exception as e:  # noqa: BLE001 - truncated zip, refused pickle global, ...
-            raise CheckpointError(f"flashdist: could not read {self.path}: {str(e).splitlines()[0][:300]}") from None
+            raise CheckpointError(f"flashdist: could not read {self.path}: {_first_line(e)}") from None
 
     def get(self, routes):
         state = self._load()
@@ -292,17 +319,17 @@ class _SafetensorsSource(Source):
         self.path = path
         try:
             with safe_open(str(path), framework="pt") as f:
-                meta = f.metadata() or {}
-                rest = _from_json(meta["flashdist"]) if "flashdist" in meta else {}
+                rest, routes = _safetensors_routes(path, f)
                 self.keys, specs = {}, {}
-                for key in f.keys():
-                    route = tuple(json.loads(meta.get(f"route:{key}", "null")) or key.split("."))
+                for key, route in routes.items():
                     sl = f.get_slice(key)
                     self.keys[route] = key
                     specs[route] = (tuple(sl.get_shape()), _dtype_of(sl.get_dtype()))
                     _set(rest, route, None)
+        except CheckpointError:
+            raise
         except Exception as e:  # noqa: BLE001
-            raise CheckpointError(f"flashdist: could not read {path}: {str(e).splitlines()[0][:300]}") from None
+            raise CheckpointError(f"flashdist: could not read {path}: {_first_line(e)}") from None
         super().__init__(rest, specs)
 
     def get(self, routes):
@@ -310,6 +337,11 @@ class _SafetensorsSource(Source):
 
         with safe_open(str(self.path), framework="pt") as f:  # mapped for this read only
             return {r: f.get_tensor(self.keys[r]).clone() for r in routes}
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    return lines[0][:300] if lines else type(e).__name__
 
 
 def _dtype_of(name: str) -> torch.dtype:

@@ -434,8 +434,7 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None, **kwargs):
     if kwargs.get("load_module_only", False) or result is None or result[0] is None:
         return result
     if tag is None:
-        with open(os.path.join(load_dir, "latest_universal")) as f:
-            tag = f.read().strip()
+        tag = deepspeed_files.read_tag(os.path.join(load_dir, "latest_universal"))
     _restore_universal_masters(engine, os.path.join(load_dir, tag, "zero"))
     return result
 

@@ -1,0 +1,184 @@
+"""Opening the files a checkpoint names: the one safety policy of every flashdist reader.
+
+A checkpoint may come from anyone (shared storage, a colleague's folder, a download), and the names inside
+it (a DCP ``.metadata``'s shard paths, a DeepSpeed ``latest`` tag, the files of a tag folder) are data of
+that file, not the user's word. Every reader resolves such names through :func:`inside` and opens files
+through :func:`open_regular`:
+
+- Confined: a name must be relative, without ``..``, and must resolve (symbolic links followed) inside the
+  folder the user named. A symbolic link that stays inside the folder is fine; one that leads out of it is
+  refused, unless the user sets ``FLASHDIST_FOLLOW_LINKS=1`` (:data:`FOLLOW_LINKS`), for a folder whose files
+  are links into a store of their own. ``..`` and absolute names are refused even then.
+- Regular files only: a FIFO, a device, a socket or a directory where a file is expected is refused in one
+  line, before it is opened for reading (a FIFO would block forever, a device could be endless). The check
+  is repeated on the open descriptor (``O_NOFOLLOW | O_NONBLOCK``, then ``fstat``), so a file swapped in
+  between is refused too.
+- Bounded: :func:`read_bounded` reads a whole small file (a ``.metadata``, a ``latest`` tag) only when it is
+  at most a stated number of bytes.
+
+Every refusal is a :class:`~flashdist.checkpoint.errors.CheckpointError` of one line naming the file.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import reprlib
+import stat
+from pathlib import Path, PurePath
+
+from .errors import CheckpointError
+
+FOLLOW_LINKS = "FLASHDIST_FOLLOW_LINKS"
+"""Environment variable: ``1`` lets the names in a checkpoint resolve through symbolic links that lead out of
+its folder (``..`` and absolute names stay refused)."""
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def follow_links() -> bool:
+    """True when the user opted in to symbolic links out of a checkpoint folder (:data:`FOLLOW_LINKS`)."""
+    return os.environ.get(FOLLOW_LINKS, "").strip().lower() in ("1", "true", "yes")
+
+
+def shown(value, limit: int = 80) -> str:
+    """A value taken from a file, safe to print in an error: a short repr (non-printable characters escaped,
+    long containers elided), cut to ``limit`` characters."""
+    text = _SHORT.repr(str(value) if isinstance(value, PurePath) else value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxtuple, _SHORT.maxlist, _SHORT.maxdict, _SHORT.maxstring, _SHORT.maxother = 2, 8, 8, 4, 78, 40
+
+
+def printable(text) -> str:
+    """``text`` (a path holding a name read from a file, say) with non-printable characters escaped, so an
+    error message cannot carry terminal control sequences from a crafted file."""
+    text = str(text)
+    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def reason(e: BaseException, limit: int = 200) -> str:
+    """An exception met while parsing a file, as one short printable line for an error message."""
+    text = printable(" ".join(str(e).split())[:limit])
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def inside(folder: str | os.PathLike, name, *, source: str | os.PathLike | None = None) -> Path:
+    """``folder / name`` (symbolic links resolved), where ``name`` was read from a checkpoint file (``source``,
+    named in the error). Raises :class:`CheckpointError` unless ``name`` is a relative path without ``..``
+    that stays inside ``folder`` (links out allowed only under :data:`FOLLOW_LINKS`)."""
+    where = f" (named in {source})" if source is not None else ""
+    if not isinstance(name, (str, PurePath)) or not str(name) or "\x00" in str(name):
+        raise CheckpointError(f"flashdist: {folder} holds a file name {shown(name)}{where} that is not a file name; "
+                              "the checkpoint is damaged or crafted")
+    parts = PurePath(name).parts
+    if PurePath(name).is_absolute() or ".." in parts:
+        raise CheckpointError(f"flashdist: the name {shown(name)}{where} leads outside {folder}; a checkpoint names "
+                              "only files inside its own folder. Refused")
+    root = Path(os.path.realpath(folder))
+    target = Path(os.path.realpath(root / name))
+    if not target.is_relative_to(root) and not follow_links():
+        raise CheckpointError(f"flashdist: {printable(Path(folder) / name)}{where} is a symbolic link that leads "
+                              f"outside {folder}; refused (set {FOLLOW_LINKS}=1 to follow links out of a checkpoint "
+                              "folder)")
+    return target
+
+
+def _refuse_kind(mode: int, path, expected: str) -> None:
+    for test, kind in _KINDS:
+        if test(mode):
+            raise CheckpointError(f"flashdist: {printable(path)} is {kind}, not {expected}; refused")
+    if not stat.S_ISREG(mode):
+        raise CheckpointError(f"flashdist: {printable(path)} is not {expected}; refused")
+
+
+def regular_size(path: str | os.PathLike, *, expected: str = "a regular file") -> int:
+    """The size of ``path`` after checking that it is a regular file (symbolic links followed: confine the
+    name with :func:`inside` first); :class:`CheckpointError` naming it otherwise (missing, FIFO, ...)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise CheckpointError(f"flashdist: {printable(path)} does not exist") from None
+    except OSError as e:
+        raise CheckpointError(f"flashdist: cannot read {printable(path)}: {e.strerror or e}") from None
+    _refuse_kind(st.st_mode, path, expected)
+    return st.st_size
+
+
+def open_regular(path: str | os.PathLike, *, expected: str = "a regular file") -> io.BufferedReader:
+    """``path`` opened for reading in binary, if it is a regular file; a FIFO, device, socket or directory is
+    refused without blocking. The last component is opened without following a link (``O_NOFOLLOW``): resolve
+    it with :func:`inside` (or :func:`os.path.realpath` for a path the user named) first."""
+    regular_size(path, expected=expected)  # refuse a device before opening it: opening one may act
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags | getattr(os, "O_BINARY", 0))
+    except OSError as e:
+        raise CheckpointError(f"flashdist: cannot open {printable(path)}: {e.strerror or e}") from None
+    try:
+        _refuse_kind(os.fstat(fd).st_mode, path, expected)  # swapped after the stat above
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return open(fd, "rb", closefd=True)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_bounded(path: str | os.PathLike, limit: int, *, expected: str = "a regular file") -> bytes:
+    """The whole of regular file ``path``, refused (one line) when it holds more than ``limit`` bytes."""
+    with open_regular(path, expected=expected) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > limit:
+            raise CheckpointError(f"flashdist: {printable(path)} holds {size:,} bytes, more than the {limit:,} such a "
+                                  "file may hold; refused")
+        try:
+            data = f.read(size + 1)  # read(n) sets n bytes aside at once: ask for what the file holds
+        except OSError as e:
+            raise CheckpointError(f"flashdist: cannot read {printable(path)}: {e.strerror or e}") from None
+    if len(data) != size:
+        raise CheckpointError(f"flashdist: {printable(path)} changed while it was read; try again")
+    return data
+
+
+def check_routes(routes, *, slack: int, source: str | os.PathLike) -> None:
+    """Refuse (one line naming ``source``) a set of routes into a nested checkpoint dict (keys and list indices,
+    outermost first, as a DCP ``.metadata``'s planner data or a safetensors file's ``route:`` entries give
+    them) that would make a reader build more than it holds: a list index must be paid for by the routes
+    through it, within ``slack`` empty slots in all; a node is a list (int keys) or a dict (str keys), never
+    both, and never also a leaf."""
+    lists: dict[tuple, int] = {}  # list node -> largest index
+    kinds: dict[tuple, type] = {}
+    leaves: set[tuple] = set()
+    paid = 0
+    for route in routes:
+        if not isinstance(route, (tuple, list)) or not route or len(route) > 64:
+            raise CheckpointError(f"flashdist: {source} holds a malformed entry route {shown(route)}; the checkpoint "
+                                  "is damaged or crafted")
+        for depth, part in enumerate(route):
+            prefix = tuple(route[:depth])
+            kind = (int if isinstance(part, int) and not isinstance(part, bool)
+                    else str if isinstance(part, str) else None)
+            if kind is None or (kind is int and part < 0) or kinds.setdefault(prefix, kind) is not kind \
+                    or prefix in leaves:
+                raise CheckpointError(f"flashdist: {source} holds an entry route {shown(list(route))} that conflicts "
+                                      "with the others or holds something other than names and list indices; the "
+                                      "checkpoint is damaged or crafted")
+            if kind is int:
+                paid += 1
+                if part >= lists.get(prefix, -1):
+                    lists[prefix] = part
+                    if part > paid + slack:  # checked early: one huge index refuses before the sum below
+                        break
+        key = tuple(route)
+        if key in kinds or key in leaves:
+            raise CheckpointError(f"flashdist: {source} holds the entry route {shown(list(route))} twice or inside "
+                                  "another entry; the checkpoint is damaged or crafted")
+        leaves.add(key)
+    slots = sum(i + 1 for i in lists.values())
+    if slots > paid + slack:
+        raise CheckpointError(f"flashdist: {source} names list indices up to {max(lists.values()):,} for "
+                              f"{len(leaves):,} entries; the checkpoint is damaged or crafted")

@@ -1,0 +1,270 @@
+"""Sizes, counts and indexes taken from a file are checked against the file before memory is allocated for
+them: tiny crafted files are refused with a one-line CheckpointError in bounded time and memory by every
+reader, and every single-byte corruption of a real .metadata is a CheckpointError or loads."""
+
+from __future__ import annotations
+
+import copy
+import json
+import pickle
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from _hostile import metadata_of, plain, write_metadata
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+from flashdist import checkpoint
+from flashdist.checkpoint import sources
+
+ROOT = Path(__file__).resolve().parents[2]
+HUGE = 3_000_000_000
+STATE = {"model": {"w": torch.arange(12.0).reshape(3, 4)},
+         "optim": {"param_groups": [{"lr": 0.1, "params": ["w"]}]}}
+
+
+def _tensor_key(md) -> str:
+    return next(k for k, m in md.state_dict_metadata.items() if hasattr(m, "size"))
+
+
+def _index(md):
+    md.planner_data["optim.param_groups.0.lr"] = ("optim", "param_groups", HUGE, "lr")
+
+
+def _size(md):
+    meta = md.state_dict_metadata[_tensor_key(md)]
+    meta.size = torch.Size([HUGE, HUGE])
+    meta.chunks = [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([HUGE, HUGE]))]
+
+
+def _length(md):
+    for info in md.storage_data.values():
+        info.length = 10**15
+
+
+def _chunk_outside(md):
+    meta = md.state_dict_metadata[_tensor_key(md)]
+    meta.chunks = [ChunkStorageMetadata(torch.Size([HUGE, 0]), torch.Size([3, 4]))]
+
+
+def _negative(md):
+    meta = md.state_dict_metadata[_tensor_key(md)]
+    meta.size = torch.Size([-1, 4])
+
+
+def _transformed(md):
+    for info in md.storage_data.values():
+        info.transform_descriptors = ["zstd"]
+
+
+def _leaf_and_folder(md):
+    md.planner_data["optim.param_groups.0.lr"] = ("model", "w", "lr")
+
+
+def _name_into_list(md):
+    md.planner_data["optim.param_groups.0.lr"] = ("optim", "param_groups", "lr")
+
+
+def _no_table(md):
+    md.state_dict_metadata = [1, 2, 3]
+
+
+def _deep_route(md):
+    md.planner_data["optim.param_groups.0.lr"] = tuple([0] * 1000)
+
+
+MUTATIONS = {"index-3e9": _index, "size-3e9x3e9": _size, "length-1e15": _length, "chunk-outside": _chunk_outside,
+             "negative-size": _negative, "transformed": _transformed, "leaf-and-folder": _leaf_and_folder,
+             "name-into-list": _name_into_list, "no-table": _no_table, "deep-route": _deep_route}
+
+
+@pytest.fixture(scope="module")
+def hostile(tmp_path_factory) -> dict[str, Path]:
+    """One folder per mutation: a real plain DCP checkpoint whose .metadata was changed."""
+    root = tmp_path_factory.mktemp("hostile")
+    good = plain(root / "good", STATE)
+    out = {}
+    for name, mutate in MUTATIONS.items():
+        md = copy.deepcopy(metadata_of(good))
+        mutate(md)
+        folder = root / name
+        folder.mkdir()
+        for shard in good.glob("*.distcp"):
+            (folder / shard.name).write_bytes(shard.read_bytes())
+        out[name] = write_metadata(folder, md)
+        assert (folder / ".metadata").stat().st_size < 4096  # tiny files, every one
+    return out
+
+
+@pytest.mark.parametrize("name", MUTATIONS)
+def test_crafted_metadata_is_one_line_checkpoint_error(hostile, name):
+    if name in ("index-3e9", "size-3e9x3e9", "length-1e15"):  # these would allocate: run in the child below
+        assert name in _CHILD_CASES
+        return
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        sources.read(hostile[name])
+    assert "\n" not in str(e.value) and str(hostile[name]) in str(e.value)
+
+
+_CHILD_CASES = ("index-3e9", "size-3e9x3e9", "length-1e15", "safetensors-route-3e9")
+_CHILD = r"""
+import json, resource, sys, time
+def vm():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmSize:"):
+            return int(line.split()[1]) * 1024
+from flashdist.cli import main
+import contextlib, io
+import flashdist.checkpoint  # imported before the limit: its libraries' address space is not the reader's
+main(["inspect", sys.argv[2]])  # warm: the first run loads lazily imported modules
+resource.setrlimit(resource.RLIMIT_AS, (vm() + (1 << 30),) * 2)  # a regression fails fast, not the machine
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+results = []
+for path in json.loads(sys.argv[1]):
+    for args in (["inspect", path], ["convert", path, path + ".out", "--to", "torch"], ["export", path, path + ".st"]):
+        err = io.StringIO()
+        start = time.monotonic()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            rc = main(args)
+        results.append([args[0], path, rc, err.getvalue(), time.monotonic() - start])
+print(json.dumps({"results": results,
+                  "grew": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024}))
+"""
+
+
+def test_tiny_files_naming_huge_sizes_stay_within_memory_and_time(hostile, tmp_path):
+    """In a child process (its address space capped 1 GiB above its start, so a regression fails there):
+    inspect, convert and export of each crafted file fail in one line, within 64 MiB more than a good
+    checkpoint's inspect and 10 s."""
+    from safetensors.torch import save_file
+
+    st = tmp_path / "route.safetensors"
+    save_file({"w": torch.zeros(3)}, str(st), metadata={"route:w": json.dumps(["model", "layers", HUGE, "w"])})
+    paths = [str(hostile[n]) for n in _CHILD_CASES[:3]] + [str(st)]
+    good = plain(tmp_path / "good", STATE)
+    run = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(paths), str(good)], capture_output=True,
+                         text=True, timeout=120, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    for command, path, rc, err, seconds in report["results"]:
+        assert rc == 1 and err.count("\n") == 1 and "Traceback" not in err, (command, path, err)
+        assert "FLASHDIST_TRACEBACK" not in err and "Error:" not in err, (command, path, err)
+        assert seconds < 10, (command, path, seconds)
+    assert report["grew"] < 64 * 2**20, report["grew"]
+
+
+def test_every_single_byte_corruption_of_a_metadata_file_is_refused_or_loads(tmp_path):
+    good = plain(tmp_path / "good", STATE)
+    data = (good / ".metadata").read_bytes()
+    assert len(data) < 2048
+    folder = tmp_path / "flipped"
+    folder.mkdir()
+    for shard in good.glob("*.distcp"):
+        (folder / shard.name).write_bytes(shard.read_bytes())
+    rng = random.Random(0)
+    start, outcomes = time.monotonic(), {"refused": 0, "loaded": 0}
+    for i in range(len(data)):
+        flipped = bytearray(data)
+        flipped[i] ^= rng.randrange(1, 256)
+        (folder / ".metadata").write_bytes(bytes(flipped))
+        try:
+            state = sources.read(folder)
+        except checkpoint.CheckpointError as e:
+            assert "\n" not in str(e) and str(folder) in str(e), (i, str(e))
+            outcomes["refused"] += 1
+        else:
+            assert isinstance(state, dict), i
+            outcomes["loaded"] += 1
+    assert outcomes["refused"] > len(data) // 2, outcomes
+    assert time.monotonic() - start < 30
+
+
+def test_metadata_larger_than_the_cap_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    from flashdist.checkpoint import dcp_files
+
+    good = plain(tmp_path / "good", STATE)
+    monkeypatch.setattr(dcp_files, "MAX_METADATA_BYTES", 100)
+    with pytest.raises(checkpoint.CheckpointError, match="more than the 100"):
+        sources.read(good)
+
+
+def test_unknown_pickle_opcodes_and_truncations_are_checkpoint_errors(tmp_path):
+    good = plain(tmp_path / "good", STATE)
+    data = (good / ".metadata").read_bytes()
+    for bad in (data[:-1], data[: len(data) // 2], b"", b"\x80\x05\x95" + b"\xff" * 8, pickle.dumps([[]] * 10),
+                b"\x80\x04" + b"(" * 100_000, b"\x80\x04B\xff\xff\xff\x7f"):
+        (good / ".metadata").write_bytes(bad)
+        with pytest.raises(checkpoint.CheckpointError, match=r"\.metadata"):
+            sources.read(good)
+
+
+@pytest.mark.parametrize("kind", ["dcp", "safetensors", "torch"])
+def test_damaged_files_are_one_line_through_every_command(tmp_path, kind):
+    """Seeded random byte changes in a flashdist checkpoint's .metadata, a safetensors file's header and a
+    torch file: inspect, convert and export succeed or exit 1 with one line that is a refusal, not an error
+    nobody foresaw, and leave no output behind."""
+    from _hostile import copy_checkpoint, saved
+
+    from flashdist.checkpoint import convert as C
+    from tests._cli import run_cli
+
+    ck = saved(tmp_path / "ck")
+    source = {"dcp": ck, "safetensors": tmp_path / "a.safetensors", "torch": tmp_path / "a.pt"}[kind]
+    if kind != "dcp":
+        C.convert(ck, source, to=kind)
+    target = source / ".metadata" if kind == "dcp" else source
+    data = target.read_bytes()
+    end = 8 + int.from_bytes(data[:8], "little") if kind == "safetensors" else len(data)
+    rng = random.Random(kind)
+    for trial in range(40):
+        work = tmp_path / f"w{trial}"
+        work.mkdir()
+        damaged = copy_checkpoint(source, work / "ck") if kind == "dcp" else work / source.name
+        changed = bytearray(data)
+        changed[rng.randrange(end)] ^= rng.randrange(1, 256)
+        (damaged / ".metadata" if kind == "dcp" else damaged).write_bytes(bytes(changed))
+        for command in (("inspect", damaged), ("convert", damaged, work / "o.pt", "--to", "torch"),
+                        ("export", damaged, work / "o.safetensors")):
+            rc, _, err = run_cli(*command)
+            assert rc in (0, 1) and (rc == 0 or err.count("\n") == 1), (trial, command[0], err)
+            assert "FLASHDIST_TRACEBACK" not in err, (trial, command[0], err)
+            assert rc == 0 or not (work / "o.pt").exists() or command[0] != "convert"
+
+
+@pytest.mark.parametrize("param_groups", [[{"params": 5}], [7], "groups", [{"params": [0, 1]}] * 3])
+def test_deepspeed_files_of_unexpected_structure_are_checkpoint_errors(tmp_path, param_groups):
+    from _hostile import attempt
+
+    folder = tmp_path / "ds" / "step1"
+    folder.mkdir(parents=True)
+    (folder.parent / "latest").write_text("step1")
+    torch.save({"module": {}, "param_shapes": [{"w": torch.Size([2])}], "dp_world_size": 1, "ds_version": "0.19"},
+               folder / "mp_rank_00_model_states.pt")
+    torch.save({"optimizer_state_dict": {"zero_stage": 2, "partition_count": 1,
+                                         "base_optimizer_state": {"state": {}, "param_groups": param_groups},
+                                         "single_partition_of_fp32_groups": [torch.zeros(2)]}},
+               folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    for reader in ("inspect", "convert", "export"):
+        error = attempt(reader, folder.parent, tmp_path / "out")
+        assert error is not None and "ds" in str(error), (reader, error)
+
+
+@pytest.mark.parametrize("plain_data", [{"optim": {"param_groups": [5]}}, {"optim": {"param_groups": [{"params": 5}]}},
+                                        {"optim": {"param_groups": "x", "state": 4}}, [1, 2]],
+                         ids=["group-int", "params-int", "groups-str", "list"])
+def test_safetensors_plain_data_of_unexpected_types_is_one_line(tmp_path, plain_data):
+    from safetensors.torch import save_file
+
+    from tests._cli import run_cli
+
+    path = tmp_path / "c.safetensors"
+    save_file({"model.w": torch.zeros(3, dtype=torch.bfloat16), "optim.state.w.rho": torch.zeros(3, dtype=torch.int8)},
+              str(path), metadata={"flashdist": json.dumps(plain_data)})
+    for command in (("inspect", path), ("convert", path, tmp_path / "o.pt", "--to", "dcp", "--format", "compressed"),
+                    ("export", path, tmp_path / "o.safetensors")):
+        rc, _, err = run_cli(*command)
+        assert rc in (0, 1) and "FLASHDIST_TRACEBACK" not in err and err.count("\n") == rc, (command[0], err)
