@@ -81,7 +81,7 @@ def _check_target(path: Path) -> None:
                                   "move them")
 
 
-def _flock(fd: int, flags: int) -> bool | None:
+def flock(fd: int, flags: int) -> bool | None:
     """flock(fd, flags): True when locked, False when another holder has it (LOCK_NB), None when this file
     system cannot lock (then saves to one path are not serialised: docs/checkpoints.md)."""
     global _warned_no_flock
@@ -123,7 +123,7 @@ def _exclusive(lock: Path):
     system cannot lock. A process that dies holding it releases it, so a crashed save never blocks a later one."""
     while True:
         fd = open_lock(lock)
-        locked = _flock(fd, fcntl.LOCK_EX if fcntl else 0)
+        locked = flock(fd, fcntl.LOCK_EX if fcntl else 0)
         if locked is None:
             break
         # the previous holder removes the file on release: a lock on a removed file guards nothing, retry
@@ -150,7 +150,7 @@ def _writer_alive(folder: Path, can_lock: bool) -> bool | None:
     except OSError:
         return False if can_lock else None
     try:
-        got = _flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB if fcntl else 0)
+        got = flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB if fcntl else 0)
         return None if got is None else not got
     finally:
         os.close(fd)
@@ -241,7 +241,7 @@ class Claim:
                 _leftovers(path, can_lock, apply=True)
                 self.tmp.mkdir()
                 self.fd = os.open(self.tmp / _WRITING, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
-                _flock(self.fd, fcntl.LOCK_EX if fcntl else 0)
+                flock(self.fd, fcntl.LOCK_EX if fcntl else 0)
         except CheckpointError:
             self.release()
             raise
