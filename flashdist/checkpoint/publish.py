@@ -109,6 +109,9 @@ def open_lock(lock: Path, *, create: bool = True) -> int:
         if e.errno == errno.ELOOP:
             raise CheckpointError(f"flashdist: the lock file {lock} is a symbolic link (not made by flashdist); "
                                   "remove it and retry") from None
+        if e.errno == errno.EISDIR:
+            raise CheckpointError(f"flashdist: the lock file {lock} is not a regular file (not made by flashdist); "
+                                  "remove it and retry") from None
         raise
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
