@@ -36,7 +36,7 @@ except ImportError:  # not POSIX: saves are not serialised (docs/checkpoints.md)
 
 from .dcp_files import SAVE_ID_PREFIX, new_save_id
 from .errors import CheckpointError, CheckpointWriteError
-from .ownership import Leftover, is_plain_dir, lexists, sniff, unrecognised
+from .ownership import Leftover, is_plain_dir, lexists, unrecognised
 
 
 _LOCK_SUFFIX = ".flashdist-lock"  # a name no user file is likely to have: the lock file is removed after use
@@ -221,8 +221,13 @@ def save_leftovers(path: str | os.PathLike, *, apply: bool) -> list[Leftover]:
     path = Path(path)
     if not path.parent.is_dir():
         return []
-    with _exclusive(lock_file(path)) as can_lock:
-        return _leftovers(path, can_lock, apply)
+    try:
+        with _exclusive(lock_file(path)) as can_lock:
+            return _leftovers(path, can_lock, apply)
+    except OSError as e:
+        if apply or e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+    return _leftovers(path, True, apply=False)  # a folder this process cannot write to: list only
 
 
 class Claim:

@@ -283,3 +283,25 @@ def test_disk_full_in_a_dcp_write_is_one_line(tmp_path, source, monkeypatch):
     with pytest.raises(checkpoint.CheckpointWriteError, match="the disk is full") as info:
         checkpoint.save(tmp_path / "ck", *_model_opt())
     assert len(str(info.value).splitlines()) == 1 and os.listdir(tmp_path) == []
+
+
+def test_clean_keeps_what_a_live_writer_holds(tmp_path):
+    """A temporary output or a save folder whose lock a running process holds is listed as kept, not removed."""
+    fcntl = pytest.importorskip("fcntl", reason="file locks are POSIX")
+    temp = tmp_path / ".out.pt.abcd1234.tmp"
+    temp.write_bytes(b"PK\x03\x04partial")
+    live = tmp_path / f"out.pt.tmp-{'d' * 32}"
+    live.mkdir()
+    (live / ".flashdist-writing").touch()
+    fds = [os.open(temp, os.O_RDONLY), os.open(live / ".flashdist-writing", os.O_RDWR)]
+    try:
+        for fd in fds:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        rc, out, _ = cli("clean", tmp_path / "out.pt")
+        assert rc == 0 and out.count("kept") == 2 and "live" in out, out
+        assert temp.exists() and live.exists()
+    finally:
+        for fd in fds:
+            os.close(fd)
+    rc, out, _ = cli("clean", tmp_path / "out.pt")
+    assert out.count("removed") == 2 and os.listdir(tmp_path) == []
