@@ -1,8 +1,8 @@
-"""``flashdist``: inspect, convert and export sharded checkpoints. A thin layer over flashdist.checkpoint.convert.
+"""``flashdist``: inspect, convert, export and clean sharded checkpoints. A thin layer over flashdist.checkpoint.convert.
 
 Exit status 0 on success; 1 with a one-line reason on stderr otherwise. Outputs are written one tensor at a
 time to a temporary name and renamed into place; an existing output is replaced only with --force, and only
-when it is a previous output of the same kind.
+when it is a previous output of the same kind. ``clean`` removes what killed runs left beside a path.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ EXAMPLES = {
                 "--master-weight-bits 32\n"
                 "  flashdist convert flashoptim.pt ckpt_dcp --from flashoptim --to dcp  # torch.save({'model': ..., "
                 "'optimizer': ...}) of flashoptim's FlashAdamW"),
+    "clean": ("examples:\n  flashdist clean runs/main/ckpt/latest --dry-run   # list only\n"
+              "  flashdist clean runs/main/ckpt/latest\n  flashdist clean model.safetensors"),
     "export": ("examples:\n  flashdist export runs/main/ckpt/latest model.safetensors\n"
                "  flashdist export runs/main/ckpt/latest hf_model --hf --config config.json --dtype bf16 "
                "--max-shard-size 2GB\n"
@@ -111,6 +113,16 @@ def _parser() -> argparse.ArgumentParser:
                         "of its own)")
     p.add_argument("--force", action="store_true",
                    help="replace OUT if it is a previous output of the same kind (never a folder holding other files)")
+    p = sub.add_parser("clean", help="remove what killed saves, converts and exports left beside a path",
+                       epilog=EXAMPLES["clean"], formatter_class=fmt,
+                       description="List and remove the leftovers of killed runs writing PATH: temporary folders of "
+                                   "saves (PATH.tmp-<id>), temporary outputs of convert/export (.PATH.<random>.tmp), "
+                                   "and a previous checkpoint or output moved aside (PATH.old, .PATH.<random>.old), "
+                                   "which is put back at PATH when PATH is missing. Only what no live run holds "
+                                   "(its lock is free) and whose files are recognisably flashdist's is touched; "
+                                   "anything else is listed as kept, with the reason.")
+    p.add_argument("path")
+    p.add_argument("--dry-run", action="store_true", help="list only; change nothing")
     return ap
 
 
@@ -142,6 +154,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "inspect":
             info = C.inspect(args.path)
             print(json.dumps(info, indent=1, default=str)) if args.json else _print_inspect(info)
+        elif args.command == "clean":
+            from .checkpoint.clean import clean
+
+            found = clean(args.path, dry_run=args.dry_run)
+            for item in found:
+                print(item.line(args.dry_run))
+            if not found:
+                print(f"nothing to clean beside {args.path}")
         elif args.command == "convert":
             if args.src_kind == "deepspeed" and C.detect(args.src) != "deepspeed":
                 raise CheckpointError(f"flashdist: {args.src} is not a DeepSpeed checkpoint directory")

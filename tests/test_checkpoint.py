@@ -315,7 +315,7 @@ def test_save_refuses_a_file_or_foreign_folder_at_the_path(tmp_path):
     folder.mkdir()
     (folder / "config.json").write_text("{}")
     (folder / "__0_0.distcp").write_bytes(b"x")
-    with pytest.raises(checkpoint.CheckpointError, match=r"not part of a checkpoint \(config\.json\)"):
+    with pytest.raises(checkpoint.CheckpointError, match=r"not part of a checkpoint \(__0_0\.distcp, config\.json\)"):
         checkpoint.save(folder, model, opt)
     assert sorted(os.listdir(folder)) == ["__0_0.distcp", "config.json"]
     _only_checkpoint_left(tmp_path)

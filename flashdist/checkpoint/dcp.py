@@ -36,7 +36,7 @@ from ..quant.moment import QuantizedMoment
 from ..optim.base import FlashOptimizer
 
 from .dcp_files import SafeFileSystemReader, SafeLoadPlanner, TiedWriter, shard_writer, verify_shard
-from .errors import CheckpointError, CheckpointWriteError, error_summary
+from .errors import CheckpointError, CheckpointWriteError, error_summary, write_failure
 from .publish import Claim, resolve, temp_folder
 
 # this module's public names, with those that moved to dcp_files, errors and publish (their old import path)
@@ -98,7 +98,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
         try:
             dcp.save(_state(model, optimizer, extra), storage_writer=TiedWriter(tmp, save_id))
         except (Exception, CheckpointException) as e:  # DCP wraps per-rank failures in a BaseException
-            failure = f"flashdist: could not save checkpoint {path}: {error_summary(e)}"
+            failure = f"flashdist: could not save checkpoint {path}: {write_failure(e, tmp)}"
         failures = _gather(failure)
         message = None
         if any(failures):

@@ -290,6 +290,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 SAVE_ID_PREFIX = "flashdist-1-"  # a .metadata save_id without it: a checkpoint written before shards had ids
 _SHARD_MAGIC = b"flashdist shard\n"
+SHARD_MAGIC = _SHARD_MAGIC  # how a shard file that save wrote starts (flashdist.checkpoint.ownership)
 _HEADER_SIZE = len(_SHARD_MAGIC) + len(SAVE_ID_PREFIX) + 32
 _TRAILER = struct.Struct("<8sQI")  # magic, length of everything before the trailer, CRC-32 of it
 _TRAILER_MAGIC = b"fdshard\n"

@@ -1,12 +1,15 @@
 """Writing conversion outputs safely, one tensor at a time.
 
 Safety. :func:`check_destination` refuses a destination that is the source, lies inside it or holds it, and
-an existing destination unless ``force`` is given and the destination is a previous output of the same kind
-(a folder that holds anything else is never replaced). :func:`atomic_output` writes to a temporary name unique
-to the run, beside the destination; on success every file is fsynced and renamed into place (the directory
-fsynced too), on any failure the temporary output is removed and the error is raised as a one-line
-:class:`CheckpointError` naming the destination. A failed write leaves nothing behind and the destination
-as it was.
+an existing destination unless ``force`` is given and the destination is a previous output of the same kind,
+recognised by its files' types and headers (a folder that holds anything else, or a link, is never replaced).
+:func:`atomic_output` writes to a temporary name unique to the run, beside the destination, created without
+following links and locked (flock) for the run; on success it gets the modes ``open``/``mkdir`` give under the
+umask, is fsynced and moved into place so that the destination holds the old or the new output at every
+instant; on any failure the temporary output is removed and the error is raised as a one-line
+:class:`CheckpointError` naming the destination (a full disk said as such). The leftovers of a killed run
+(its temporary output, a previous output it moved aside) are removed or put back by the next run writing the
+same destination, or by ``flashdist clean`` (:func:`output_leftovers`).
 
 Streaming. The writers take the tensors' shapes and dtypes up front (``specs``) and a ``fetch`` that returns
 one tensor when the writer needs it, so the peak memory of a write is the largest tensor, not the checkpoint:
@@ -24,9 +27,8 @@ import contextlib
 import json
 import os
 import re
+import secrets
 import shutil
-import tempfile
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -34,44 +36,57 @@ from typing import Any
 import torch
 
 from .dcp_files import shard_writer
-from .errors import CheckpointError, error_summary
+from .errors import CheckpointError, error_summary, write_failure
+from .ownership import Leftover, exchange, is_plain_dir, lexists, publish_mode, sniff, unrecognised
+from .publish import fcntl, flock
 
 Spec = tuple[tuple[int, ...], torch.dtype]
 Fetch = Callable[[Any], torch.Tensor]
 
 # ----- destinations ----------------------------------------------------------------------------------------
 
-_DCP_FILE = re.compile(r"^(\.metadata|__\d+_\d+\.distcp)$")
-_HF_FILE = re.compile(r"^(model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json|config\.json|"
-                      r"generation_config\.json)$")
+_TEMP = r"\.{name}\.[a-z0-9_]{{8}}\.tmp"  # a run's temporary output (8 characters: this run's, and mkstemp's before)
+_ASIDE = r"\.{name}\.[0-9a-f]{{8}}\.old"  # a previous folder output moved aside (where no atomic swap exists)
+
+
+def _torch_zip(path: Path) -> bool:
+    """A zip whose first record is a torch pickle (``<archive>/data.pkl``), as ``torch.save`` writes it."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(30 + 256)
+    except OSError:
+        return False
+    size = int.from_bytes(head[26:28], "little")
+    return head.startswith(b"PK\x03\x04") and head[30:30 + size].endswith(b"data.pkl")
 
 
 def output_kind(path: Path) -> str | None:
-    """What an existing ``path`` is as a conversion output: "dcp" (a folder of DCP files only), "hf" (a folder
-    of a Hugging Face export only), "torch" or "safetensors" (a file), or None (anything else)."""
+    """What an existing ``path`` is as a conversion output, by its files' types and headers (never by names
+    alone: :mod:`flashdist.checkpoint.ownership`): "dcp" (a folder of DCP files only), "hf" (a folder of a
+    Hugging Face export only), "torch" or "safetensors" (a file), or None (anything else, a link included)."""
     if path.is_symlink():
         return None
-    if path.is_dir():
-        names = [p.name for p in path.iterdir()]
-        if names and all(_DCP_FILE.match(n) for n in names) and ".metadata" in names:
-            return "dcp"
-        if names and all(_HF_FILE.match(n) for n in names) and any(n.endswith(".safetensors") for n in names):
-            return "hf"
+    if is_plain_dir(path):
+        try:
+            names = os.listdir(path)
+            if names and ".metadata" in names and not unrecognised(path, "dcp"):
+                return "dcp"
+            if names and any(n.endswith(".safetensors") for n in names) and not unrecognised(path, "hf"):
+                return "hf"
+        except OSError:
+            pass
         return None
-    if path.is_file():
-        with open(path, "rb") as f:
-            head = f.read(9)
-        if head[:2] == b"PK":
-            return "torch"
-        if len(head) == 9 and head[8:9] == b"{" and 0 < int.from_bytes(head[:8], "little") < path.stat().st_size:
-            return "safetensors"
-    return None
+    found = sniff(path)
+    if found == "zip" and _torch_zip(path):
+        return "torch"
+    return "safetensors" if found == "safetensors" else None
 
 
 def check_destination(sources: list[Path], dst: Path, kind: str, force: bool) -> None:
     """Refuse ``dst`` before anything is read or written: equal to, inside or a parent of a source; existing
     without ``force``; existing with ``force`` but not a previous ``kind`` output (dcp, hf, torch,
-    safetensors)."""
+    safetensors). Before the existence checks, the leftovers of killed runs writing ``dst`` are removed, and a
+    previous output they left moved aside is put back (:func:`output_leftovers`)."""
     where = dst.resolve()
     for src in sources:
         src = src.resolve()
@@ -79,20 +94,102 @@ def check_destination(sources: list[Path], dst: Path, kind: str, force: bool) ->
             relation = "is" if where == src else ("lies inside" if where.is_relative_to(src) else "holds")
             raise CheckpointError(f"flashdist: the destination {dst} {relation} the source {src}; write the output "
                                   "elsewhere")
-    if not (dst.exists() or dst.is_symlink()):
+    try:
+        output_leftovers(dst, apply=True)
+    except OSError as e:
+        raise CheckpointError(f"flashdist: cannot write {dst}: {error_summary(e)}") from e
+    if not lexists(dst):
         return
     if not force:
         raise CheckpointError(f"flashdist: {dst} exists; pass --force (force=True) to replace it")
     found = output_kind(dst)
-    if kind in ("dcp", "hf") and dst.is_dir() and not dst.is_symlink() and not any(dst.iterdir()):
+    if kind in ("dcp", "hf") and is_plain_dir(dst) and not os.listdir(dst):
         return  # an empty folder holds nothing to lose
     if found != kind:
         what = {"dcp": "a DCP checkpoint folder", "hf": "a Hugging Face model folder", "torch": "a torch file",
                 "safetensors": "a safetensors file"}[kind]
         raise CheckpointError(f"flashdist: {dst} is not {what} written by flashdist (it is "
-                              f"{'a folder holding other files' if dst.is_dir() else 'another kind of file'}); "
-                              "--force replaces only a previous output of the same kind: remove it yourself or "
-                              "choose another destination")
+                              f"{_describe(dst)}); --force replaces only a previous output of the same kind, "
+                              "recognised by its files' headers: remove it yourself or choose another destination")
+
+
+def _describe(path: Path) -> str:
+    if path.is_symlink():
+        return "a symbolic link"
+    if is_plain_dir(path):
+        try:
+            bad = unrecognised(path, "dcp" if ".metadata" in os.listdir(path) else "hf")
+        except OSError:
+            bad = []
+        return "a folder holding other entries" + (f": {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}"
+                                                    if bad else "")
+    return "another kind of file"
+
+
+def _held(path: Path) -> bool | None:
+    """Whether a live run holds the lock on the temporary output (or the output moved aside) ``path``: True,
+    False, or None when this file system cannot lock."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        got = flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB if fcntl else 0)
+        return None if got is None else not got
+    finally:
+        os.close(fd)
+
+
+def _partial_output(path: Path) -> bool:
+    """A temporary output as flashdist writes one, complete or not: a file that is empty or starts as a torch
+    zip or a safetensors file, or a folder of DCP or Hugging Face files only (each by its header)."""
+    if not is_plain_dir(path):
+        return sniff(path) in ("empty", "zip", "safetensors")
+    try:
+        return not unrecognised(path, "dcp", partial=True) or not unrecognised(path, "hf", partial=True)
+    except OSError:
+        return False
+
+
+def output_leftovers(dst: str | os.PathLike, *, apply: bool) -> list[Leftover]:
+    """What killed ``convert``/``export`` runs writing ``dst`` left beside it: temporary outputs
+    (``.DST.<random>.tmp``) whose run is dead, removed when ``apply``, and a previous folder output moved aside
+    (``.DST.<random>.old``: only where no atomic swap exists), put back at ``dst`` when ``dst`` is missing and
+    removed otherwise. Anything held by a live run, or not recognisably flashdist's, is listed as "keep"."""
+    dst = Path(dst)
+    parent = dst.parent if str(dst.parent) else Path(".")
+    temp = re.compile(_TEMP.format(name=re.escape(dst.name)))
+    aside = re.compile(_ASIDE.format(name=re.escape(dst.name)))
+    try:
+        names = sorted(os.listdir(parent))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    found: list[Leftover] = []
+    for name in names:
+        is_temp, is_aside = temp.fullmatch(name), aside.fullmatch(name)
+        if not (is_temp or is_aside):
+            continue
+        path = parent / name
+        alive = _held(path)
+        what = ("the temporary output of a convert or export that did not finish" if is_temp
+                else f"the previous {dst.name}, moved aside by a --force run killed before it finished")
+        if alive:
+            found.append(Leftover(path, what, "keep", "a live convert or export is writing it"))
+        elif not (_partial_output(path) if is_temp else output_kind(path)):
+            found.append(Leftover(path, what, "keep", "its files are not recognisably flashdist's: remove it "
+                                  "yourself"))
+        elif alive is None:
+            found.append(Leftover(path, what, "keep", "this file system cannot lock files, so a live run cannot be "
+                                  "told from a dead one: remove it yourself when none is running"))
+        elif is_aside and not lexists(dst):
+            found.append(Leftover(path, what, "restore"))
+            if apply:
+                os.rename(path, dst)
+        else:
+            found.append(Leftover(path, what, "remove"))
+            if apply:
+                _remove(path)
+    return found
 
 
 def _fsync(path: Path) -> None:
@@ -104,14 +201,14 @@ def _fsync(path: Path) -> None:
 
 
 def _fsync_tree(path: Path) -> None:
-    if path.is_dir():
+    if is_plain_dir(path):
         for p in path.iterdir():
             _fsync_tree(p)
     _fsync(path)
 
 
 def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
+    if is_plain_dir(path):
         shutil.rmtree(path, ignore_errors=True)
     else:
         with contextlib.suppress(FileNotFoundError):
@@ -121,36 +218,73 @@ def _remove(path: Path) -> None:
 short_error = error_summary  # its former name here
 
 
+def _locked_temp(parent: Path, name: str, directory: bool) -> tuple[Path, int]:
+    """A new private temporary output beside the destination (a folder when ``directory``) and a descriptor
+    holding an exclusive flock on it for the run, so a cleaner tells it from a dead run's. Created without
+    following links (O_EXCL / mkdir never do)."""
+    while True:
+        tmp = parent / f".{name}.{secrets.token_hex(4)}.tmp"
+        try:
+            if directory:
+                os.mkdir(tmp, 0o700)
+                fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+            else:
+                fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except (FileExistsError, FileNotFoundError):
+            continue  # a name taken, or a cleaner removed it before we held it: draw another
+        locked = flock(fd, fcntl.LOCK_EX if fcntl else 0)
+        try:
+            if locked is None or os.path.samestat(os.fstat(fd), os.lstat(tmp)):
+                return tmp, fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
+def _into_place(tmp: Path, dst: Path, directory: bool) -> None:
+    """Move the finished ``tmp`` to ``dst`` so that ``dst`` holds the old or the new output at every instant:
+    a file by one rename; a folder over a previous one by an atomic swap, then the old one (now under the
+    temporary name) removed; where no swap exists, the old folder is moved aside (locked, so no cleaner takes
+    it), the new one renamed into place, the old one removed. A run killed between those two renames leaves
+    the old output aside, put back by the next run or ``flashdist clean``."""
+    if not (directory and is_plain_dir(dst)):
+        os.replace(tmp, dst)
+        return
+    if exchange(tmp, dst):
+        _remove(tmp)
+        return
+    fd = os.open(dst, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        flock(fd, fcntl.LOCK_EX if fcntl else 0)
+        old = dst.parent / f".{dst.name}.{secrets.token_hex(4)}.old"
+        os.rename(dst, old)
+        try:
+            os.rename(tmp, dst)
+        except BaseException:
+            os.rename(old, dst)  # the previous output back in place
+            raise
+        _remove(old)
+    finally:
+        os.close(fd)
+
+
 @contextlib.contextmanager
 def atomic_output(dst: Path, *, directory: bool) -> Iterator[Path]:
-    """A temporary path (a new empty folder when ``directory``) beside ``dst``, unique to this call; moved to
-    ``dst`` when the block succeeds (replacing a previous output, which :func:`check_destination` vetted),
-    removed when it fails, the error raised as a one-line CheckpointError naming ``dst``."""
+    """A temporary path (a new empty folder when ``directory``) beside ``dst``, unique to this call and locked
+    for it; when the block succeeds, given the modes ``open``/``mkdir`` give under the umask, fsynced and moved
+    to ``dst`` (:func:`_into_place`; a previous output, which :func:`check_destination` vetted, is replaced);
+    removed when it fails, the error raised as one line naming ``dst`` (a full disk said as such)."""
     parent = dst.parent if str(dst.parent) else Path(".")
     try:
         parent.mkdir(parents=True, exist_ok=True)
-        if directory:
-            tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".tmp", dir=parent))
-        else:
-            fd, name = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=parent)
-            os.close(fd)
-            tmp = Path(name)
+        tmp, fd = _locked_temp(parent, dst.name, directory)
     except OSError as e:
-        raise CheckpointError(f"flashdist: cannot write {dst}: {error_summary(e)}") from e
+        raise CheckpointError(f"flashdist: cannot write {dst}: {write_failure(e, parent)}") from e
     try:
         yield tmp
+        publish_mode(tmp, directory=directory)
         _fsync_tree(tmp)
-        if dst.is_dir() and not dst.is_symlink():  # a previous folder output: move it aside, then drop it
-            old = parent / f".{dst.name}.{uuid.uuid4().hex[:8]}.old"
-            os.replace(dst, old)
-            try:
-                os.replace(tmp, dst)
-            except BaseException:
-                os.replace(old, dst)  # the previous output back in place
-                raise
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, dst)
+        _into_place(tmp, dst, directory)
         _fsync(parent)
     except BaseException as e:
         _remove(tmp)
@@ -158,7 +292,10 @@ def atomic_output(dst: Path, *, directory: bool) -> Iterator[Path]:
             raise
         if isinstance(e, CheckpointError):
             raise
-        raise CheckpointError(f"flashdist: could not write {dst}: {error_summary(e)}; nothing was written") from e
+        raise CheckpointError(f"flashdist: could not write {dst}: {write_failure(e, parent)}; nothing was "
+                              "written") from e
+    finally:
+        os.close(fd)
 
 
 # ----- safetensors -----------------------------------------------------------------------------------------
