@@ -123,6 +123,7 @@ def _print_inspect(info: dict) -> None:
             ("model dtypes", ", ".join(f"{k} ({v:,})" for k, v in info["model_dtypes"].items()) or "-"),
             ("optimizer state", f"{info['optimizer_format'] or '-'} (version {info.get('format_version') or '-'})"),
             ("master_weight_bits", ", ".join(map(str, info.get("master_weight_bits") or [])) or "-"),
+            ("masters", info.get("masters") or "-"),
             ("step", info.get("step", "-")),
             ("bytes on disk", f"{info['bytes_on_disk']:,} ({info['bytes_per_param']:.3f} per parameter)"
              if info.get("bytes_per_param") else f"{info['bytes_on_disk']:,}")]
