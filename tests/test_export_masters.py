@@ -150,7 +150,8 @@ def test_rho_that_no_weight_uses_is_refused(tmp_path):
 
 def test_trainer_checkpoint_folder_exports_the_masters(tmp_path):
     """A Trainer ``checkpoint-N`` folder (model.safetensors, optimizer.pt keyed by index in the Trainer's decay /
-    no-decay groups, no param_names): fp32 export and --hf, against the Trainer's live optimizer."""
+    no-decay groups, no param_names), and the same weights as pytorch_model.bin and as sharded safetensors: fp32
+    export, --hf and a convert output, against the Trainer's live optimizer."""
     transformers = pytest.importorskip("transformers")
     from flashdist.integrations import transformers as fd_hf
     from integrations._tiny_llama import tiny_llama
@@ -175,3 +176,25 @@ def test_trainer_checkpoint_folder_exports_the_masters(tmp_path):
     assert rc == 0, err
     loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
     assert_masters_equal(opt, model, loaded.state_dict())
+    # the other ways the Trainer writes the weights: pytorch_model.bin, and sharded safetensors with an index
+    import shutil
+
+    from huggingface_hub import save_torch_state_dict
+
+    weights = load_file(folder / "model.safetensors")
+    for variant in ("bin", "sharded"):
+        other = tmp_path / variant / "checkpoint-2"
+        shutil.copytree(folder, other, ignore=shutil.ignore_patterns("model.safetensors"))
+        if variant == "bin":
+            torch.save(weights, other / "pytorch_model.bin")
+        else:
+            save_torch_state_dict(weights, other, max_shard_size="40KB")
+            assert len(list(other.glob("model-*.safetensors"))) > 1
+        out = tmp_path / variant / "out.safetensors"
+        rc, _, err = run_cli("export", other, out)
+        assert rc == 0, err
+        assert_masters_equal(opt, model, load_file(out))
+    # a convert output keeps the model's order: its masters are still exact
+    rc, _, err = run_cli("convert", folder, tmp_path / "ck.pt", "--to", "torch")
+    assert rc == 0, err
+    assert_masters_equal(opt, model, master_weights(torch.load(tmp_path / "ck.pt", weights_only=True)))

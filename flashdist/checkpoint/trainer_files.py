@@ -100,11 +100,16 @@ class TrainerSource:
                     specs[("optim", "state", key, field)] = (tuple(value.shape), value.dtype)
                     value = None
                 state[key][field] = value
-        rest = {"model": {r[1]: None for r in specs if r[0] == "model"},
+        rest = {"model": {},
                 "optim": {"state": state, "param_groups": optim.get("param_groups", [])},
                 "extra": {"step": self._global_step()}}
-        self.rest, self.specs = rest, specs
         self.model_order, self.order_unknown = self._model_order()
+        if self.model_order is not None:  # the weights in the model's order, which a convert output then keeps
+            first = [("model", n) for n in self.model_order if ("model", n) in specs]
+            placed = set(first)
+            specs = {r: specs[r] for r in first + [r for r in specs if r not in placed]}
+        rest["model"] = {r[1]: None for r in specs if r[0] == "model"}
+        self.rest, self.specs = rest, specs
 
     def _global_step(self):
         try:
