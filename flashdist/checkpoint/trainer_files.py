@@ -129,7 +129,7 @@ class TrainerSource:
             config = transformers.AutoConfig.from_pretrained(str(self.folder))
             arch = (getattr(config, "architectures", None) or [None])[0]
             cls = getattr(transformers, arch, None) if isinstance(arch, str) else None
-            if cls is None:
+            if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
                 return None, f"config.json names no transformers model class ({arch!r})"
             with torch.device("meta"):
                 model = cls(config)
