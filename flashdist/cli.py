@@ -32,7 +32,9 @@ EXAMPLES = {
     "export": ("examples:\n  flashdist export runs/main/ckpt/latest model.safetensors\n"
                "  flashdist export runs/main/ckpt/latest hf_model --hf --config config.json --dtype bf16 "
                "--max-shard-size 2GB\n"
-               "      # a folder transformers' from_pretrained('hf_model') loads"),
+               "      # a folder transformers' from_pretrained('hf_model') loads\n"
+               "  flashdist export out/checkpoint-500 hf_model --hf --config out/checkpoint-500/config.json"
+               "  # a Trainer checkpoint"),
 }
 
 
@@ -60,13 +62,15 @@ class _Progress:
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="flashdist", description="Inspect, convert and export flashdist checkpoints "
-                                 "(DCP directories, torch files, safetensors files, DeepSpeed ZeRO directories).")
+                                 "(DCP directories, torch files, safetensors files, DeepSpeed ZeRO directories, "
+                                 "Hugging Face Trainer checkpoint-N folders).")
     sub = ap.add_subparsers(dest="command", required=True)
     fmt = argparse.RawDescriptionHelpFormatter
     p = sub.add_parser("inspect", help="what a checkpoint is", epilog=EXAMPLES["inspect"], formatter_class=fmt,
                        description="Kind, optimizer-state format and version, saved world size, parameter count, "
-                                   "dtypes, master_weight_bits, step and bytes on disk per parameter. Reads metadata "
-                                   "only where the format allows.")
+                                   "dtypes, master_weight_bits, the masters an export gives (how many weights get "
+                                   "their rho and how the optimizer state was named, or why export refuses), step "
+                                   "and bytes on disk per parameter. Reads metadata only where the format allows.")
     p.add_argument("path")
     p.add_argument("--json", action="store_true", help="print JSON (for scripts)")
     p = sub.add_parser("convert", help="convert between formats", epilog=EXAMPLES["convert"], formatter_class=fmt,
@@ -97,10 +101,14 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="master weights as safetensors or a Hugging Face model folder",
                        epilog=EXAMPLES["export"], formatter_class=fmt,
                        description="Write the master weights (bf16/fp16 parameter + rho; a tied parameter under each "
-                                   "of its names) of CKPT (DCP, torch, safetensors, DeepSpeed ZeRO folder or "
-                                   "flashoptim file), keyed by the model's FQNs, for inference: one safetensors file, "
-                                   "or with --hf a Hugging Face model folder (size-capped safetensors shards, "
-                                   "model.safetensors.index.json, config.json) that from_pretrained loads.")
+                                   "of its names) of CKPT (DCP, torch, safetensors, DeepSpeed ZeRO folder, "
+                                   "flashoptim file or Trainer checkpoint-N folder), keyed by the model's FQNs, for "
+                                   "inference: one safetensors file, or with --hf a Hugging Face model folder "
+                                   "(size-capped safetensors shards, model.safetensors.index.json, config.json) that "
+                                   "from_pretrained loads. Optimizer state keyed by index (torch.save of "
+                                   "opt.state_dict(), a Trainer's optimizer.pt) is named by its param_names, else by "
+                                   "the model's parameter order where only one match exists; otherwise, and for a "
+                                   "rho no weight uses, export refuses.")
     p.add_argument("ckpt")
     p.add_argument("out")
     p.add_argument("--hf", action="store_true", help="write a Hugging Face model folder OUT")
@@ -135,6 +143,7 @@ def _print_inspect(info: dict) -> None:
             ("model dtypes", ", ".join(f"{k} ({v:,})" for k, v in info["model_dtypes"].items()) or "-"),
             ("optimizer state", f"{info['optimizer_format'] or '-'} (version {info.get('format_version') or '-'})"),
             ("master_weight_bits", ", ".join(map(str, info.get("master_weight_bits") or [])) or "-"),
+            ("masters", info.get("masters") or "-"),
             ("step", info.get("step", "-")),
             ("bytes on disk", f"{info['bytes_on_disk']:,} ({info['bytes_per_param']:.3f} per parameter)"
              if info.get("bytes_per_param") else f"{info['bytes_on_disk']:,}")]

@@ -27,6 +27,7 @@ from ..quant.moment import MomentLayout, QuantizedMoment
 from .dcp_files import SafeFileSystemReader
 from .errors import CheckpointError
 from .files import reason
+from .names import owners
 from .output import Fetch, Spec, atomic_output, check_destination, write_dcp, write_safetensors, write_torch
 from .publish import resolve
 from .sources import (KINDS, Fetcher, MemorySource, Progress, Source, dcp_entries, detect, json_header, open_source,
@@ -284,7 +285,28 @@ def _inspect(path: Path) -> dict[str, Any]:
             node = source.get([optim[first][0]])[optim[first][0]]
         info["step"] = int(float(node))
     info["bytes_per_param"] = info["bytes_on_disk"] / n_params if n_params else None
+    if kind == "dcp":
+        state_specs = {route: (size, dtype) for route, size, dtype in tensors.values()}
+        rest, order, unknown = {"optim": {"param_groups": groups}}, None, None
+    else:
+        state_specs, rest = source.specs, source.rest
+        order, unknown = getattr(source, "model_order", None), getattr(source, "order_unknown", None)
+    info["masters"] = _masters_line(rest, state_specs, order, unknown, len(model))
     return info
+
+
+def _masters_line(rest, specs, order, unknown, n_weights: int) -> str:
+    """What an export of this checkpoint gives, proved from its structure: which weights get their rho, and
+    how the state was named; or why the rho cannot be attached (export refuses then)."""
+    try:
+        found = owners(rest, specs, order, unknown)
+    except CheckpointError as e:
+        return f"not attachable, export refuses: {str(e).removeprefix('flashdist: ')}"
+    if not found.rho:
+        return f"the saved weights (no rho in the optimizer state; {found.how})"
+    bits = sorted({{torch.int8: 24, torch.int16: 32}.get(specs[r][1], 0) for r in found.rho.values()})
+    return (f"param + rho ({'/'.join(map(str, bits))}-bit) for {len(found.rho)} of {n_weights} weights; "
+            f"state named by {found.how}")
 
 
 # ----- convert / export -------------------------------------------------------------------------------------
@@ -327,15 +349,17 @@ def _as_checkpoint_error(src):
 
 def _master_plan(source: Source, dtype: torch.dtype = torch.float32) -> tuple[dict[str, Spec], Callable[[str], torch.Tensor]]:
     """The model's weights as master weights in ``dtype`` (parameter + rho where the optimizer state has one),
-    keyed by FQN: their specs, and a function that reads one. A tied parameter (embedding = LM head) is saved
-    under each name but its optimizer state under one: a model entry that no param group lists, without rho,
+    keyed by FQN: their specs, and a function that reads one. Each state is attached to its weight by
+    :func:`flashdist.checkpoint.names.owners` (state keyed by name, or by index through ``param_names`` or the
+    model's order), which refuses a rho it cannot attach. A tied parameter (embedding = LM head) is saved under
+    each name but its optimizer state under one: a model entry that no param group lists, without rho,
     bit-identical to a parameter with rho, is that parameter's alias and gets its master weight."""
-    model = {route[1]: route for route in source.specs if route[0] == "model" and len(route) == 2}
-    if not model:
+    if not any(route[0] == "model" and len(route) == 2 for route in source.specs):
         raise CheckpointError("flashdist: the checkpoint has no model weights ('model' entries)")
-    rho = {name: ("optim", "state", name, "rho") for name in model if ("optim", "state", name, "rho") in source.specs}
-    optim = source.rest.get("optim", {}) if isinstance(source.rest, dict) else {}
-    listed = set(_groups_by_param(optim)) if isinstance(optim, dict) else set()
+    found = owners(source.rest, source.specs, getattr(source, "model_order", None),
+                   getattr(source, "order_unknown", None))
+    model, rho = found.model, found.rho
+    listed = set(found.optim_names.values())
     alias: dict[str, str] = {}
     for name, route in model.items():
         if name in rho or name in listed or source.specs[route][1] not in (torch.bfloat16, torch.float16):
@@ -359,10 +383,8 @@ def _master_plan(source: Source, dtype: torch.dtype = torch.float32) -> tuple[di
     def fetch(name: str) -> torch.Tensor:
         owner = alias.get(name, name)
         value = get(model[owner])
-        if owner in rho:
-            r = get(rho[owner])
-            if value.dtype in (torch.bfloat16, torch.float16):
-                return _merge(value, r, dtype)
+        if owner in rho:  # owners() attached it to a bf16/fp16 weight of the same shape
+            return _merge(value, get(rho[owner]), dtype)
         return value.to(dtype) if value.is_floating_point() else value
 
     return specs, fetch

@@ -11,6 +11,8 @@
 - DeepSpeed ZeRO 1/2/3 folder (``engine.save_checkpoint`` with a flashdist optimizer): read only, through
   :func:`flashdist.checkpoint.deepspeed_import.read_deepspeed` (every rank's partitions reassembled per
   parameter; portable optimizer state; parameter + rho).
+- Hugging Face Trainer ``checkpoint-N`` folder (model weights + ``optimizer.pt``): read only, tensor by tensor,
+  through :class:`flashdist.checkpoint.trainer_files.TrainerSource`.
 - flashoptim torch file (``{"model": ..., "optimizer": ...}`` of the FlashOptim paper's library): read only,
   through :func:`flashdist.checkpoint.flashoptim_import.read_flashoptim`.
 """
@@ -35,7 +37,7 @@ from .files import check_routes, open_regular, reason
 from .output import Spec
 from .publish import resolve
 
-KINDS = ("dcp", "torch", "safetensors", "deepspeed", "flashoptim")
+KINDS = ("dcp", "torch", "safetensors", "deepspeed", "flashoptim", "trainer")
 Progress = Callable[[str, int, int], None]
 
 
@@ -52,8 +54,13 @@ def detect(path: str | os.PathLike) -> str:
         if ((path / "latest").exists() or any(path.glob("*/mp_rank_*_model_states.pt"))
                 or any(path.glob("*/zero_pp_rank_*")) or any(path.glob("*_optim_states.pt"))):
             return "deepspeed"
-        raise CheckpointError(f"flashdist: {path} is a directory but neither a DCP checkpoint (.metadata) nor a "
-                              "DeepSpeed checkpoint (latest, */mp_rank_*_model_states.pt, *_optim_states.pt)")
+        from .trainer_files import is_trainer_folder
+
+        if is_trainer_folder(path):
+            return "trainer"
+        raise CheckpointError(f"flashdist: {path} is a directory but neither a DCP checkpoint (.metadata), a "
+                              "DeepSpeed checkpoint (latest, */mp_rank_*_model_states.pt, *_optim_states.pt) nor a "
+                              "Trainer checkpoint-N folder (optimizer.pt and model.safetensors or pytorch_model.bin)")
     if not path.exists():
         old = path.with_name(path.name + ".old")
         if (old / ".metadata").exists():
@@ -194,6 +201,10 @@ def read(path: str | os.PathLike, *, tag: str | None = None, master_weight_bits:
         return _whole(path, read_flashoptim, path, master_weight_bits=master_weight_bits)
     if kind == "dcp":
         return read_dcp(path)
+    if kind == "trainer":
+        from .trainer_files import TrainerSource
+
+        return TrainerSource(path).read()
     if kind == "torch":
         try:
             return torch.load(path, map_location="cpu", weights_only=True)
@@ -376,6 +387,11 @@ def open_source(path: str | os.PathLike, *, tag: str | None = None, master_weigh
     if kind == "safetensors":
         _check_options(path, kind, tag, master_weight_bits)
         return _SafetensorsSource(Path(path))
+    if kind == "trainer":
+        _check_options(path, kind, tag, master_weight_bits)
+        from .trainer_files import TrainerSource
+
+        return TrainerSource(path)
     return MemorySource(read(path, tag=tag, master_weight_bits=master_weight_bits, progress=progress))
 
 

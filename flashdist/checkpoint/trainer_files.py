@@ -1,0 +1,163 @@
+"""A Hugging Face Trainer ``checkpoint-N`` folder as a checkpoint source (the interface of
+:class:`flashdist.checkpoint.sources.Source`: ``rest``, ``specs``, ``get``), read tensor by tensor:
+``{"model": {fqn: weight}, "optim": optimizer.pt, "extra": {"step": global_step}}``.
+
+What the folder holds (transformers 5.x, ``Trainer._save_checkpoint``): the model's weights as
+``model.safetensors``, shards ``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json``, or
+``pytorch_model.bin`` (``save_safetensors=False``; shards with ``pytorch_model.bin.index.json``); the
+optimizer's ``optimizer.pt``, ``torch.save(optimizer.state_dict())``: state keyed by index, in the Trainer's
+groups (decay, then no decay, each in the model's order, frozen parameters left out), without ``param_names``;
+``config.json``, ``trainer_state.json`` and files flashdist does not read (scheduler, rng, training args).
+
+The names of the optimizer's indices come from the model's parameter order (see
+:mod:`flashdist.checkpoint.names`), which the weight files do not keep (safetensors sorts its keys): the model
+is built on the meta device from ``config.json`` by the transformers class its ``architectures`` names, and its
+``named_parameters()`` give the order. Without transformers or a config the order is unknown and only
+``param_names`` can name the state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from .errors import CheckpointError
+from .output import SAFETENSORS_DTYPES
+
+SAFETENSORS_INDEX, BIN_INDEX = "model.safetensors.index.json", "pytorch_model.bin.index.json"
+WEIGHTS = ("model.safetensors", SAFETENSORS_INDEX, "pytorch_model.bin", BIN_INDEX)
+OPTIMIZER = "optimizer.pt"
+
+
+def is_trainer_folder(path: str | os.PathLike) -> bool:
+    """A folder with ``optimizer.pt`` and the model's weights as the Trainer writes them."""
+    path = Path(path)
+    return path.is_dir() and (path / OPTIMIZER).is_file() and any((path / w).is_file() for w in WEIGHTS)
+
+
+def _load(path: Path):
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # noqa: BLE001 - truncated zip, refused pickle global, ...
+        raise CheckpointError(f"flashdist: could not read {path}: {str(e).splitlines()[0][:300]}") from None
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    for index in (SAFETENSORS_INDEX, BIN_INDEX):
+        if (folder / index).is_file():
+            try:
+                names = sorted(set(json.loads((folder / index).read_text())["weight_map"].values()))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+                raise CheckpointError(f"flashdist: cannot read {folder / index}: {e}") from None
+            if not all(isinstance(n, str) and n and Path(n).name == n for n in names):
+                raise CheckpointError(f"flashdist: {folder / index} names shard files outside its folder")
+            return [folder / n for n in names]
+    return [folder / ("model.safetensors" if (folder / "model.safetensors").is_file() else "pytorch_model.bin")]
+
+
+_DTYPES = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()}
+
+
+class TrainerSource:
+    """A Trainer ``checkpoint-N`` folder opened for streaming. ``model_order``: the model's parameter names in
+    ``named_parameters()`` order, or None with ``order_unknown`` saying why."""
+
+    def __init__(self, path: str | os.PathLike):
+        from safetensors import safe_open
+
+        self.folder = Path(path)
+        self.where: dict[str, Path] = {}
+        specs: dict[tuple, tuple] = {}
+        for file in _weight_files(self.folder):
+            if file.suffix == ".safetensors":
+                try:
+                    with safe_open(str(file), framework="pt") as f:
+                        for key in f.keys():
+                            sl = f.get_slice(key)
+                            if sl.get_dtype() not in _DTYPES:
+                                raise CheckpointError(f"flashdist: {file}: '{key}' is {sl.get_dtype()}, not supported")
+                            specs[("model", key)] = (tuple(sl.get_shape()), _DTYPES[sl.get_dtype()])
+                            self.where[key] = file
+                except CheckpointError:
+                    raise
+                except Exception as e:  # noqa: BLE001
+                    raise CheckpointError(f"flashdist: could not read {file}: {str(e).splitlines()[0][:300]}") from None
+            else:
+                for key, t in _load(file).items():
+                    specs[("model", key)] = (tuple(t.shape), t.dtype)
+                    self.where[key] = file
+        optim = _load(self.folder / OPTIMIZER)
+        if not isinstance(optim, dict) or not isinstance(optim.get("state"), dict):
+            raise CheckpointError(f"flashdist: {self.folder / OPTIMIZER} is not an optimizer state dict")
+        state = {}
+        for key, entry in optim["state"].items():  # the tensors are all here: torch's packing keeps no others
+            state[key] = {}
+            for field, value in (entry.items() if isinstance(entry, dict) else ()):
+                if isinstance(value, torch.Tensor):
+                    specs[("optim", "state", key, field)] = (tuple(value.shape), value.dtype)
+                    value = None
+                state[key][field] = value
+        rest = {"model": {},
+                "optim": {"state": state, "param_groups": optim.get("param_groups", [])},
+                "extra": {"step": self._global_step()}}
+        self.model_order, self.order_unknown = self._model_order()
+        if self.model_order is not None:  # the weights in the model's order, which a convert output then keeps
+            first = [("model", n) for n in self.model_order if ("model", n) in specs]
+            placed = set(first)
+            specs = {r: specs[r] for r in first + [r for r in specs if r not in placed]}
+        rest["model"] = {r[1]: None for r in specs if r[0] == "model"}
+        self.rest, self.specs = rest, specs
+
+    def _global_step(self):
+        try:
+            return int(json.loads((self.folder / "trainer_state.json").read_text())["global_step"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def _model_order(self) -> tuple[list[str] | None, str | None]:
+        """The parameter names of the model ``config.json`` describes, built on the meta device (no weights)."""
+        if not (self.folder / "config.json").is_file():
+            return None, f"{self.folder} has no config.json to build the model's parameter order from"
+        try:
+            import transformers
+        except ImportError:
+            return None, "transformers is not installed (it gives the model's parameter order)"
+        try:
+            config = transformers.AutoConfig.from_pretrained(str(self.folder))
+            arch = (getattr(config, "architectures", None) or [None])[0]
+            cls = getattr(transformers, arch, None) if isinstance(arch, str) else None
+            if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+                return None, f"config.json names no transformers model class ({arch!r})"
+            with torch.device("meta"):
+                model = cls(config)
+        except Exception as e:  # noqa: BLE001 - any failure to build it leaves the order unknown, said why
+            return None, f"cannot build the model from config.json: {str(e).splitlines()[0][:200]}"
+        return [n for n, _ in model.named_parameters()], None
+
+    def get(self, routes):
+        from safetensors import safe_open
+
+        out: dict[tuple, torch.Tensor] = {}
+        by_file: dict[Path, list[tuple]] = {}
+        for r in routes:
+            by_file.setdefault(self.where[r[1]] if r[0] == "model" else self.folder / OPTIMIZER, []).append(r)
+        for file, rs in by_file.items():
+            if file.suffix == ".safetensors":
+                with safe_open(str(file), framework="pt") as f:  # mapped for this read only
+                    out.update({r: f.get_tensor(r[1]).clone() for r in rs})
+            else:
+                loaded = _load(file)
+                out.update({r: (loaded[r[1]] if r[0] == "model" else loaded["state"][r[2]][r[3]]).clone() for r in rs})
+        return out
+
+    def read(self) -> dict:
+        """The whole checkpoint as a nested dict (full CPU tensors)."""
+        got = self.get(list(self.specs))
+        model = {r[1]: got[r] for r in self.specs if r[0] == "model"}
+        state = {k: {f: got.get(("optim", "state", k, f), v) for f, v in e.items()}
+                 for k, e in self.rest["optim"]["state"].items()}
+        return {"model": model, "optim": {"state": state, "param_groups": self.rest["optim"]["param_groups"]},
+                "extra": dict(self.rest["extra"])}

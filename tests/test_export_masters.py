@@ -1,0 +1,200 @@
+"""``flashdist export`` / ``master_weights`` give the live optimizer's masters (param + rho) bit for bit on every
+kind of checkpoint a user saves, or refuse in one line: state keyed by index (``torch.save`` of
+``optimizer.state_dict()``, with and without ``param_names``), a Trainer ``checkpoint-N`` folder, DCP; frozen
+and tied parameters; an order that cannot be proved, and a rho that no weight uses, refused."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import flashdist
+from flashdist import checkpoint
+from flashdist.checkpoint.convert import inspect, master_weights
+from flashdist.checkpoint.errors import CheckpointError
+from _cli import run_cli  # tests/_cli.py
+from invariants import assert_masters_equal  # tests/invariants.py
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Tiny(torch.nn.Module):
+    """An embedding, two same-shaped layers (an order that shapes alone cannot tell apart if shuffled), a norm
+    and an LM head that may be tied to the embedding."""
+
+    def __init__(self, tie: bool = False):
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 8)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+        self.norm = torch.nn.LayerNorm(8)
+        self.head = torch.nn.Linear(8, 16, bias=False)
+        if tie:
+            self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.head(self.norm(x))
+
+
+def _train(model, params, steps: int = 3):
+    torch.manual_seed(1)
+    opt = flashdist.FlashAdamW(params, lr=1e-2)
+    for _ in range(steps):
+        ids = torch.randint(0, 16, (4, 6))
+        torch.nn.functional.cross_entropy(model(ids).flatten(0, 1).float(), ids.flatten()).backward()
+        opt.step()
+        opt.zero_grad()
+    return opt
+
+
+def _model(dtype, tie=False):
+    torch.manual_seed(0)
+    return Tiny(tie).to(dtype)
+
+
+def _export(src, tmp_path, *args):
+    out = tmp_path / "out.safetensors"
+    rc, _, err = run_cli("export", src, out, *args)
+    assert rc == 0, err
+    return load_file(out)
+
+
+def _refused(src, tmp_path, needle):
+    out = tmp_path / "refused.safetensors"
+    rc, stdout, err = run_cli("export", src, out)
+    assert rc == 1 and stdout == "" and err.count("\n") == 1 and needle in err, err
+    assert not out.exists()
+    with pytest.raises(CheckpointError, match=re.escape(needle)):
+        master_weights(torch.load(src, weights_only=True) if src.is_file() else checkpoint.convert.read(src))
+    assert inspect(src)["masters"].startswith("not attachable"), inspect(src)["masters"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("named", [False, True], ids=["index", "param_names"])
+def test_torch_save_of_the_state_dicts_exports_the_masters(tmp_path, dtype, named):
+    model = _model(dtype)
+    params = list(model.named_parameters() if named else model.parameters())
+    if named:
+        params.reverse()  # param_names prove any order
+    opt = _train(model, params)
+    sd = opt.state_dict()
+    assert all(isinstance(k, int) for k in sd["state"]) and named == ("param_names" in sd["param_groups"][0])
+    torch.save({"model": model.state_dict(), "optim": sd}, tmp_path / "ck.pt")
+    assert_masters_equal(opt, model, _export(tmp_path / "ck.pt", tmp_path))
+    assert_masters_equal(opt, model, master_weights(torch.load(tmp_path / "ck.pt", weights_only=True)))
+    assert "24-bit" in inspect(tmp_path / "ck.pt")["masters"]
+
+
+def test_dcp_checkpoint_exports_the_masters(tmp_path):
+    model = _model(torch.bfloat16, tie=True)
+    opt = _train(model, model.parameters())
+    checkpoint.save(tmp_path / "ck", model, opt)
+    assert_masters_equal(opt, model, _export(tmp_path / "ck", tmp_path))
+    assert "state named by names" in inspect(tmp_path / "ck")["masters"]
+
+
+FROZEN = {
+    # the optimizer holds the frozen norm without state: the count proves the order
+    "frozen-listed": ("norm.weight", lambda m: m.parameters()),
+    # the optimizer leaves the frozen (tied) embedding out: proved by shapes, no other reading fits
+    "frozen-left-out": ("embed.weight", lambda m: [p for p in m.parameters() if p.requires_grad]),
+}
+
+
+@pytest.mark.parametrize("frozen, params", FROZEN.values(), ids=FROZEN.keys())
+def test_frozen_and_tied_parameters_keep_the_mapping(tmp_path, frozen, params):
+    model = _model(torch.bfloat16, tie=True)
+    model.get_parameter(frozen).requires_grad_(False)
+    opt = _train(model, params(model))
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, tmp_path / "ck.pt")
+    assert_masters_equal(opt, model, _export(tmp_path / "ck.pt", tmp_path))
+
+
+def test_unprovable_orders_are_refused(tmp_path):
+    model = _model(torch.bfloat16)
+    # a norm weight frozen and left out: which of the same-shaped vectors the optimizer holds, shapes cannot tell
+    model.norm.weight.requires_grad_(False)
+    opt = _train(model, [p for p in model.parameters() if p.requires_grad])
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, tmp_path / "ck.pt")
+    _refused(tmp_path / "ck.pt", tmp_path, "more than one way")
+    # shuffled against the model's order: no match
+    model = _model(torch.bfloat16)
+    opt = _train(model, list(model.parameters())[::-1])
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, tmp_path / "ck.pt")
+    _refused(tmp_path / "ck.pt", tmp_path, "no model weights of these shapes")
+
+
+def test_rho_that_no_weight_uses_is_refused(tmp_path):
+    model = _model(torch.bfloat16)
+    opt = _train(model, model.named_parameters())
+    sd = opt.state_dict()
+    weights = model.state_dict()
+    del weights["head.weight"]  # its state and rho stay
+    torch.save({"model": weights, "optim": sd}, tmp_path / "ck.pt")
+    _refused(tmp_path / "ck.pt", tmp_path, "param_names ['head.weight'] are not among the model weights")
+    # keyed by name: a state of a weight the model does not have
+    named = {"model": weights, "optim": {
+        "state": {"head.weight": sd["state"][len(sd["state"]) - 1]}, "param_groups": [{"params": ["head.weight"]}]}}
+    with pytest.raises(CheckpointError, match=r"rho of optimizer state \['head.weight'\] belongs to no"):
+        master_weights(named)
+    # rho beside an fp32 weight of that name
+    weights = dict(model.state_dict(), **{"head.weight": model.head.weight.detach().float()})
+    torch.save({"model": weights, "optim": sd}, tmp_path / "ck.pt")
+    _refused(tmp_path / "ck.pt", tmp_path, "belongs to no bf16/fp16 model weight")
+
+
+def test_trainer_checkpoint_folder_exports_the_masters(tmp_path):
+    """A Trainer ``checkpoint-N`` folder (model.safetensors, optimizer.pt keyed by index in the Trainer's decay /
+    no-decay groups, no param_names), and the same weights as pytorch_model.bin and as sharded safetensors: fp32
+    export, --hf and a convert output, against the Trainer's live optimizer."""
+    transformers = pytest.importorskip("transformers")
+    from flashdist.integrations import transformers as fd_hf
+    from integrations._tiny_llama import tiny_llama
+
+    fd_hf.register()
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": ids, "labels": ids.clone()}
+            for ids in ((torch.randint(0, 128, (1,), generator=g) + torch.arange(16)) % 128 for _ in range(8))]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "run"), optim="flash_adamw", learning_rate=1e-2, max_steps=2, save_steps=2,
+        per_device_train_batch_size=4, report_to=[], use_cpu=True, seed=0, dataloader_num_workers=0,
+        disable_tqdm=True, weight_decay=0.1)
+    trainer = transformers.Trainer(model=tiny_llama(), args=args, train_dataset=data)
+    trainer.train()
+    model, opt = trainer.model, getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    folder = tmp_path / "run" / "checkpoint-2"
+    assert len(torch.load(folder / "optimizer.pt", weights_only=True)["param_groups"]) == 2  # decay, no decay
+    info = inspect(folder)
+    assert info["kind"] == "trainer" and info["step"] == 2 and "model order" in info["masters"], info
+    assert_masters_equal(opt, model, _export(folder, tmp_path))
+    rc, _, err = run_cli("export", folder, tmp_path / "hf", "--hf", "--config", folder / "config.json")
+    assert rc == 0, err
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    assert_masters_equal(opt, model, loaded.state_dict())
+    # the other ways the Trainer writes the weights: pytorch_model.bin, and sharded safetensors with an index
+    import shutil
+
+    from huggingface_hub import save_torch_state_dict
+
+    weights = load_file(folder / "model.safetensors")
+    for variant in ("bin", "sharded"):
+        other = tmp_path / variant / "checkpoint-2"
+        shutil.copytree(folder, other, ignore=shutil.ignore_patterns("model.safetensors"))
+        if variant == "bin":
+            torch.save(weights, other / "pytorch_model.bin")
+        else:
+            save_torch_state_dict(weights, other, max_shard_size="40KB")
+            assert len(list(other.glob("model-*.safetensors"))) > 1
+        out = tmp_path / variant / "out.safetensors"
+        rc, _, err = run_cli("export", other, out)
+        assert rc == 0, err
+        assert_masters_equal(opt, model, load_file(out))
+    # a convert output keeps the model's order: its masters are still exact
+    rc, _, err = run_cli("convert", folder, tmp_path / "ck.pt", "--to", "torch")
+    assert rc == 0, err
+    assert_masters_equal(opt, model, master_weights(torch.load(tmp_path / "ck.pt", weights_only=True)))
