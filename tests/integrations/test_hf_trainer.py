@@ -64,6 +64,26 @@ def test_bad_optim_args_are_refused_with_the_key(tmp_path, name, optim_args, mat
         fd_hf.optimizer_cls_and_kwargs(name, _args(tmp_path, optim=name), optim_args)
 
 
+@pytest.mark.parametrize("optim_args", ["master_weight_bits", "master_weight_bits=24,,companded=true=1",
+                                        "quantize_states=false,"], ids=["no-equals", "two-equals", "trailing-comma"])
+def test_malformed_optim_args_through_the_trainer_get_the_documented_error(tmp_path, optim_args):
+    """The Trainer's own path (TrainingArguments -> get_optimizer_cls_and_kwargs), not only the helper: a
+    malformed item is named by flashdist's parser, not failed in Transformers' unpacking."""
+    args = _args(tmp_path, optim="flash_lion", optim_args=optim_args)
+    if optim_args.endswith(","):  # an empty item is skipped, as the documented parser does
+        cls, kwargs = transformers.Trainer.get_optimizer_cls_and_kwargs(args)
+        assert cls is FlashLion and kwargs["quantize_states"] is False
+        return
+    with pytest.raises(ValueError, match="optim_args item .* is not key=value") as info:
+        transformers.Trainer(model=torch.nn.Linear(4, 4), args=args).create_optimizer()
+    assert "\n" not in str(info.value)
+
+
+def test_other_optimizer_names_keep_transformers_own_route(tmp_path):
+    cls, kwargs = transformers.Trainer.get_optimizer_cls_and_kwargs(_args(tmp_path, optim="adamw_torch"))
+    assert cls is torch.optim.AdamW and kwargs["lr"] == 1e-2
+
+
 def test_unsupported_transformers_version_is_refused_and_changes_nothing(monkeypatch):
     from transformers import trainer_optimizer
 
