@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import io
 import pickle
+import sys
 import warnings
 
 import pytest
@@ -290,7 +291,8 @@ def test_compiled_step_with_fullgraph_says_why_and_changes_nothing():
 # ----- precision warning ----------------------------------------------------------------------------------
 
 
-def test_fp32_parameters_warn_once_how_to_get_24_bit_masters():
+def test_fp32_parameters_warn_once_how_to_get_24_bit_masters(monkeypatch):
+    monkeypatch.delitem(sys.modules, "peft", raising=False)  # (with PEFT loaded the advice is PEFT's)
     with pytest.warns(PrecisionWarning, match=r"model.to\(torch.bfloat16\).*docs/integrations.md") as record:
         opt = FlashAdamW(_model(dtype=torch.float32).parameters())
     assert len([w for w in record if w.category is PrecisionWarning]) == 1
