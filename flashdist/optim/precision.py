@@ -64,7 +64,7 @@ def peft_fp32_warning(optimizer: str, count: int) -> str:
             "adapters, a small part of the model, hardly need. Keep them fp32: PEFT upcasts adapters again "
             "whenever it loads them (a Trainer resume calls load_adapter), so a bf16 cast does not survive a "
             "resume. Pass master_weight_bits=None (Trainer: optim_args='master_weight_bits=none') to silence "
-            "this: see docs/integrations.md#peft.")
+            "this: see docs/integrations.md#peft-lora-through-the-trainer.")
 
 
 def fsdp_low_precision_fp32(param_groups, model: torch.nn.Module) -> list[str]:
