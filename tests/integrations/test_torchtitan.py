@@ -227,6 +227,30 @@ def test_job_config_and_command_line_reach_the_container(tmp_path, monkeypatch):
     assert opt.param_groups[0]["master_weight_bits"] == 32
 
 
+def test_name_switched_on_the_command_line_refuses_adams_options(tmp_path, monkeypatch):
+    """torchtitan's ConfigManager: `--optimizer.param-groups.0.optimizer-name FlashSGD` on a flash_adamw config
+    keeps Adam's betas and eps in the group; building the container names them instead of ignoring them.
+    A misspelt name gets the valid names."""
+    from torchtitan.config import ConfigManager
+
+    package = tmp_path / "flash_switch_config"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "config_registry.py").write_text(
+        "from torchtitan.trainer import Trainer\n"
+        "from flashdist.integrations.torchtitan import flash_adamw\n\n"
+        "def tiny_flash():\n"
+        "    return Trainer.Config(optimizer=flash_adamw(lr=1e-3))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name, match in (("FlashSGD", "sets betas, eps, which FlashSGD does not take"),
+                        ("FlashLoin", "did you mean 'FlashLion'")):
+        config = ConfigManager().parse_args(["--module", "flash_switch_config", "--config", "tiny_flash",
+                                             "--optimizer.param-groups.0.optimizer-name", name])
+        assert config.optimizer.param_groups[0].optimizer_name == name
+        with pytest.raises(ValueError, match=match):
+            config.optimizer.build(model_parts=[_model()])
+
+
 def test_checkpoint_of_another_model_is_one_line_error():
     model = _model()
     container = _config("compressed").build(model_parts=[model])
