@@ -115,27 +115,71 @@ def test_momentum_schedule_and_param_groups():
     assert torch.allclose(a.double(), ref_a, atol=1e-5) and torch.allclose(b.double(), ref_b, atol=1e-5)
 
 
-def test_switching_momentum_on_or_off_is_refused_before_any_change():
+@pytest.mark.parametrize("schedule", ["CyclicLR", "OneCycleLR"])
+def test_momentum_schedule_on_momentum_free_sgd_trains_as_torch(schedule):
+    """FlashSGD(momentum=0) under CyclicLR / OneCycleLR's default cycle_momentum: the schedule turns momentum
+    on, and the buffer starts as torch.optim.SGD's (the gradient), before or after steps without momentum."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(4, 32))
+    ref_p = torch.nn.Parameter(p.detach().double().clone())
+    opt = FlashSGD([p], lr=0.1, quantize_states=False)
+    ref = torch.optim.SGD([ref_p], lr=0.1)
+    p.grad = torch.randn_like(p)
+    ref_p.grad = p.grad.double()
+    opt.step()  # a step without momentum first: the buffer is made later
+    ref.step()
+    make = {"CyclicLR": lambda o: torch.optim.lr_scheduler.CyclicLR(o, 0.01, 0.1, step_size_up=3),
+            "OneCycleLR": lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.2, total_steps=10)}[schedule]
+    sched, rsched = make(opt), make(ref)
+    for _ in range(6):
+        p.grad = torch.randn_like(p)
+        ref_p.grad = p.grad.double()
+        opt.step()
+        ref.step()
+        sched.step()
+        rsched.step()
+    assert opt.param_groups[0]["momentum"] == ref.param_groups[0]["momentum"] != 0
+    assert "momentum_buffer" in opt.state[p]
+    assert torch.allclose(p.double(), ref_p, atol=1e-5)
+
+
+def test_momentum_switches_that_torch_would_not_match_are_refused_before_any_change():
     p = torch.nn.Parameter(torch.randn(4, 32))
     q = torch.nn.Parameter(torch.randn(4, 32))
-    opt = FlashSGD([{"params": [p]}, {"params": [q], "momentum": 0.9}], lr=0.1)
+    opt = FlashSGD([{"params": [p], "dampening": 0.5}, {"params": [q], "momentum": 0.9}], lr=0.1)
     p.grad, q.grad = torch.randn_like(p), torch.randn_like(q)
     opt.step()
     before = (p.detach().clone(), q.detach().clone())
-    opt.param_groups[0]["momentum"] = 0.5
-    with pytest.raises(ValueError, match="momentum.*fixed at construction"):
+    opt.param_groups[0]["momentum"] = 0.5  # a zero buffer with dampening would not start as torch's
+    with pytest.raises(ValueError, match="momentum.*dampening=0.5"):
         opt.step()
     opt.param_groups[0]["momentum"] = 0.0
-    opt.param_groups[1]["momentum"] = 0.0
-    with pytest.raises(ValueError, match="momentum.*fixed at construction"):
+    opt.param_groups[1]["momentum"] = 0.0  # would drop a live buffer
+    with pytest.raises(ValueError, match="momentum.*not set it to 0"):
         opt.step()
     assert torch.equal(p, before[0]) and torch.equal(q, before[1])
 
 
-@pytest.mark.parametrize("saved_momentum, momentum", [(0.0, 0.9), (0.9, 0.0)], ids=["off-into-on", "on-into-off"])
+def test_load_of_momentum_on_before_any_step_turns_the_buffer_on():
+    """A torch.optim.SGD state dict with momentum on but no buffer yet (saved before its first step) loads into
+    a FlashSGD(momentum=0): the buffer is made at the next step, as torch would make it."""
+    src = torch.nn.Parameter(torch.randn(4, 32))
+    sgd = torch.optim.SGD([src], lr=0.1, momentum=0.9)
+    p = torch.nn.Parameter(src.detach().clone())
+    opt = FlashSGD([p], lr=0.1, quantize_states=False)
+    opt.load_state_dict(sgd.state_dict())
+    for _ in range(2):
+        p.grad = torch.randn_like(p)
+        src.grad = p.grad.clone()
+        opt.step()
+        sgd.step()
+    assert torch.allclose(p, src, atol=1e-6)
+
+
+@pytest.mark.parametrize("saved_momentum, momentum", [(0.0, 0.9)], ids=["off-into-on"])
 def test_load_that_would_switch_momentum_is_refused_before_any_change(saved_momentum, momentum):
-    """A torch.optim.SGD state dict whose momentum is off (or on, before any step: no buffer saved) would
-    switch FlashSGD's momentum under its state: refused, and the optimizer still steps."""
+    """A torch.optim.SGD state dict whose momentum is off would drop FlashSGD's live momentum buffer: refused,
+    and the optimizer still steps."""
     src = torch.nn.Parameter(torch.randn(4, 32))
     sgd = torch.optim.SGD([src], lr=0.1, momentum=saved_momentum)
     if saved_momentum == 0:

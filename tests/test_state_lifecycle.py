@@ -8,6 +8,8 @@ from __future__ import annotations
 import copy
 import io
 import pickle
+import sys
+import types
 import warnings
 
 import pytest
@@ -290,7 +292,8 @@ def test_compiled_step_with_fullgraph_says_why_and_changes_nothing():
 # ----- precision warning ----------------------------------------------------------------------------------
 
 
-def test_fp32_parameters_warn_once_how_to_get_24_bit_masters():
+def test_fp32_parameters_warn_once_how_to_get_24_bit_masters(monkeypatch):
+    monkeypatch.delitem(sys.modules, "peft", raising=False)  # (with PEFT loaded the advice is PEFT's)
     with pytest.warns(PrecisionWarning, match=r"model.to\(torch.bfloat16\).*docs/integrations.md") as record:
         opt = FlashAdamW(_model(dtype=torch.float32).parameters())
     assert len([w for w in record if w.category is PrecisionWarning]) == 1
@@ -298,6 +301,18 @@ def test_fp32_parameters_warn_once_how_to_get_24_bit_masters():
     with warnings.catch_warnings():
         warnings.simplefilter("error", PrecisionWarning)
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(4, 4))]})  # said once
+
+
+def test_with_peft_loaded_the_advice_is_to_keep_its_fp32_adapters(monkeypatch):
+    """PEFT upcasts adapters again at load_adapter (a Trainer resume): advising a bf16 cast would lead into a
+    run that cannot resume. The advice is PEFT's default fp32 adapters with master_weight_bits=None."""
+    monkeypatch.setitem(sys.modules, "peft", types.ModuleType("peft"))
+    with pytest.warns(PrecisionWarning, match=r"PEFT.*load_adapter.*master_weight_bits=None") as record:
+        FlashAdamW(_model(dtype=torch.float32).parameters())
+    assert "model.to(torch.bfloat16)" not in str(record[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PrecisionWarning)
+        FlashAdamW(_model(dtype=torch.float32).parameters(), master_weight_bits=None)
 
 
 @pytest.mark.parametrize("case", ["bf16", "fp32-with-master_weight_bits=None", "mixed-bf16-and-fp32"])

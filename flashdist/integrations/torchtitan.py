@@ -7,6 +7,9 @@ In a config registry (a function that returns ``Trainer.Config``)::
 
     optimizer=flash_adamw(lr=3e-4, weight_decay=0.1),
 
+(one catch-all group; ``flash_adam``, ``flash_sgd``, ``flash_sgdw`` and ``flash_lion`` do the same for the
+other classes, each with its own defaults: see :data:`HELPERS`)
+
 or, for several groups (first matching pattern wins, as in torchtitan)::
 
     from flashdist.integrations.torchtitan import FlashOptimizersContainer
@@ -27,6 +30,11 @@ work, so one container may mix them). ``optimizer_kwargs`` are the optimizer's p
 (``optimizer_factory_kwargs_by_name={"FlashAdamW": {...}}`` overrides them per name). torchtitan's
 ``implementation`` field (fused/foreach) is for torch's optimizers and does not reach flashdist's groups.
 
+Names and options are checked when the container is built: a name neither flashdist nor torchtitan knows is
+refused with the list of valid names, and a group option the chosen class does not take (Adam's ``betas`` and
+``eps`` left behind when ``optimizer_name`` is switched to ``FlashSGD`` on the command line, say) is refused
+naming it, instead of sitting unused in the param group.
+
 Checkpoints. torchtitan saves the optimizer as a flat, name-keyed dict (``state.<fqn>.<state>``), and its own
 loader rebuilds each parameter's state from the keys of the LIVE optimizer state, which for flashdist are
 codes and scales. The container's default ``state_dict_format="compressed"`` saves exactly those (codes,
@@ -46,6 +54,7 @@ the full 7.125-byte budget (bf16 parameter and gradient, int8 rho, 8-bit moments
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -64,6 +73,11 @@ FLASH_OPTIMIZERS: dict[str, type[FlashOptimizer]] = {
 }
 # Group keys torchtitan adds for torch's fused/foreach kernels: not options of a flashdist optimizer.
 _TORCH_IMPL_KEYS = ("fused", "foreach")
+# Names torchtitan's own container may know (listed in errors when it resolves them).
+_TORCHTITAN_CANDIDATES = ("Adam", "AdamW", "DistMuon", "Muon", "SGD", "Lion")
+# Constructor options of every flashdist optimizer that are not per group (keys a group may not set).
+_OPTIMIZER_WIDE = ("backend", "state_dict_format", "capturable", "graphed")
+_GROUP_OPTIONS: dict[type, frozenset[str]] = {}
 
 
 class FlashOptimizersContainer(OptimizersContainer):
@@ -102,10 +116,18 @@ class FlashOptimizersContainer(OptimizersContainer):
     def _resolve_optimizer_factory(name: str) -> Callable[..., torch.optim.Optimizer]:
         if name in FLASH_OPTIMIZERS:
             return FLASH_OPTIMIZERS[name]
-        return OptimizersContainer._resolve_optimizer_factory(name)
+        try:
+            return OptimizersContainer._resolve_optimizer_factory(name)
+        except NotImplementedError:  # torchtitan's bare "Optimizer X not added."
+            raise ValueError(unknown_name_message(name)) from None
 
     @staticmethod
     def _build_param_groups(model, param_group_configs, impl_kwargs):
+        for pg in param_group_configs:  # every name and option is checked before anything is built
+            if pg.optimizer_name in FLASH_OPTIMIZERS:
+                check_group_options(pg.optimizer_name, pg.pattern, pg.optimizer_kwargs)
+            else:
+                FlashOptimizersContainer._resolve_optimizer_factory(pg.optimizer_name)
         groups, patterns = OptimizersContainer._build_param_groups(model, param_group_configs, impl_kwargs)
         for name, name_groups in groups.items():
             if name in FLASH_OPTIMIZERS:
@@ -161,13 +183,104 @@ def unflatten_state_dict(optim: torch.optim.Optimizer, flat: dict[str, Any]) -> 
     return {"state": state, "param_groups": groups}
 
 
+def torchtitan_names() -> list[str]:
+    """The optimizer names torchtitan's own container resolves (of those it had in 0.3.0 and later)."""
+    found = []
+    for name in _TORCHTITAN_CANDIDATES:
+        try:
+            OptimizersContainer._resolve_optimizer_factory(name)
+        except NotImplementedError:
+            continue
+        found.append(name)
+    return found
+
+
+def unknown_name_message(name: str) -> str:
+    valid = [*FLASH_OPTIMIZERS, *torchtitan_names()]
+    close = difflib.get_close_matches(name.lower(), [v.lower() for v in valid], n=1)
+    hint = f" (did you mean {next(v for v in valid if v.lower() == close[0])!r}?)" if close else ""
+    return (f"flashdist: optimizer_name {name!r} is neither a flashdist nor a torchtitan optimizer{hint}; "
+            f"valid names: {', '.join(valid)}")
+
+
+def group_options(cls: type[FlashOptimizer]) -> frozenset[str]:
+    """The per-group options of ``cls`` (the keys of its ``defaults``): what a param group may set."""
+    if cls not in _GROUP_OPTIONS:
+        probe = cls([torch.zeros(1, dtype=torch.bfloat16, requires_grad=True)])
+        _GROUP_OPTIONS[cls] = frozenset(probe.defaults)
+    return _GROUP_OPTIONS[cls]
+
+
+def check_group_options(name: str, pattern: str, options: dict[str, Any]) -> None:
+    """Refuse, in one line, the keys of a param group's ``optimizer_kwargs`` that ``FLASH_OPTIMIZERS[name]``
+    does not take per group: torch keeps unknown group keys without a word, so Adam's ``betas`` and ``eps``
+    left in a group switched to FlashSGD would silently do nothing."""
+    cls = FLASH_OPTIMIZERS[name]
+    unknown = sorted(set(options) - group_options(cls))
+    if not unknown:
+        return
+    wide = [k for k in unknown if k in _OPTIMIZER_WIDE]
+    where = (f"; {', '.join(wide)} apply to the whole optimizer: set them as the container's state_dict_format / "
+             f"backend or in optimizer_factory_kwargs_by_name[{name!r}]") if wide else ""
+    raise ValueError(f"flashdist: param group {pattern!r} ({name}) sets {', '.join(unknown)}, which {name} does "
+                     f"not take per group (left from another optimizer's config?){where}; {name} takes: "
+                     f"{', '.join(sorted(group_options(cls)))}")
+
+
+def _catch_all(name: str, state_dict_format: str, backend: str,
+               options: dict[str, Any]) -> FlashOptimizersContainer.Config:
+    return FlashOptimizersContainer.Config(
+        state_dict_format=state_dict_format, backend=backend,
+        param_groups=[ParamGroupConfig(pattern=r".*", optimizer_name=name, optimizer_kwargs=options)])
+
+
 def flash_adamw(lr: float = 8e-4, *, state_dict_format: Literal["compressed", "portable"] = "compressed",
                 backend: Literal["auto", "triton", "reference"] = "auto",
                 **kwargs: Any) -> FlashOptimizersContainer.Config:
     """torchtitan's ``default_adamw`` with FlashAdamW: one catch-all group, betas (0.9, 0.95), eps 1e-8,
     weight decay 0.1 (torchtitan's defaults); ``kwargs`` are further FlashAdamW options
     (``master_weight_bits``, ``quantize_states``, ``companded``, or to replace the defaults)."""
-    return FlashOptimizersContainer.Config(
-        state_dict_format=state_dict_format, backend=backend,
-        param_groups=[ParamGroupConfig(pattern=r".*", optimizer_name="FlashAdamW", optimizer_kwargs={
-            "lr": lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, **kwargs})])
+    return _catch_all("FlashAdamW", state_dict_format, backend,
+                      {"lr": lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, **kwargs})
+
+
+def flash_adam(lr: float = 8e-4, *, state_dict_format: Literal["compressed", "portable"] = "compressed",
+               backend: Literal["auto", "triton", "reference"] = "auto",
+               **kwargs: Any) -> FlashOptimizersContainer.Config:
+    """FlashAdam (L2 weight decay, as torch.optim.Adam) in one catch-all group: betas (0.9, 0.95), eps 1e-8,
+    no weight decay; ``kwargs`` as for :func:`flash_adamw`."""
+    return _catch_all("FlashAdam", state_dict_format, backend,
+                      {"lr": lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0, **kwargs})
+
+
+def flash_lion(lr: float = 1e-4, *, state_dict_format: Literal["compressed", "portable"] = "compressed",
+               backend: Literal["auto", "triton", "reference"] = "auto",
+               **kwargs: Any) -> FlashOptimizersContainer.Config:
+    """FlashLion in one catch-all group: betas (0.9, 0.99), weight decay 0.1 (Lion's usual lr is 3-10x below
+    AdamW's, its weight decay as many times higher); no eps (Lion has none)."""
+    return _catch_all("FlashLion", state_dict_format, backend,
+                      {"lr": lr, "betas": (0.9, 0.99), "weight_decay": 0.1, **kwargs})
+
+
+def flash_sgd(lr: float = 1e-2, *, state_dict_format: Literal["compressed", "portable"] = "compressed",
+              backend: Literal["auto", "triton", "reference"] = "auto",
+              **kwargs: Any) -> FlashOptimizersContainer.Config:
+    """FlashSGD in one catch-all group: momentum 0.9, no weight decay; ``kwargs``: ``nesterov``,
+    ``dampening``, ``weight_decay`` (L2, as torch.optim.SGD) and the flashdist options."""
+    return _catch_all("FlashSGD", state_dict_format, backend,
+                      {"lr": lr, "momentum": 0.9, "weight_decay": 0.0, **kwargs})
+
+
+def flash_sgdw(lr: float = 1e-2, *, state_dict_format: Literal["compressed", "portable"] = "compressed",
+               backend: Literal["auto", "triton", "reference"] = "auto",
+               **kwargs: Any) -> FlashOptimizersContainer.Config:
+    """FlashSGDW (decoupled weight decay) in one catch-all group: momentum 0.9, weight decay 0.1."""
+    return _catch_all("FlashSGDW", state_dict_format, backend,
+                      {"lr": lr, "momentum": 0.9, "weight_decay": 0.1, **kwargs})
+
+
+HELPERS: dict[str, Callable[..., FlashOptimizersContainer.Config]] = {
+    "FlashAdamW": flash_adamw, "FlashAdam": flash_adam, "FlashLion": flash_lion, "FlashSGD": flash_sgd,
+    "FlashSGDW": flash_sgdw,
+}
+"""The one-group config helper of each name of :data:`FLASH_OPTIMIZERS`."""

@@ -15,7 +15,8 @@ argument of the class (``master_weight_bits=24``, ``quantize_states=false``, ``m
 Why a ``register()`` call. Transformers has no public way to add an optimizer name: ``TrainingArguments``
 converts ``optim`` to the closed enum ``OptimizerNames`` in ``__post_init__``, and the Trainer looks the name up
 in the table ``transformers.trainer_optimizer._OPTIMIZER_HANDLERS``. ``register()`` adds the flashdist names to
-both, on the Transformers versions it was tested with (:data:`SUPPORTED_TRANSFORMERS`), and refuses any other
+both (and routes them past the Trainer's own ``optim_args`` split, so that a malformed item gets flashdist's
+error naming it), on the Transformers versions it was tested with (:data:`SUPPORTED_TRANSFORMERS`), and refuses any other
 version with an error that names the public-API route: :func:`optimizer_cls_and_kwargs` gives the pair the
 Trainer's public ``optimizer_cls_and_kwargs=`` argument takes, on any Transformers that has that argument.
 
@@ -228,3 +229,25 @@ def register(*, deepspeed: bool = True) -> None:
     for value in OPTIMIZERS:
         _add_member(names, value)
         handlers[names(value)] = _handler
+    _route_flashdist_names()
+
+
+def _route_flashdist_names() -> None:
+    """Make the Trainer's public ``get_optimizer_cls_and_kwargs`` send a flashdist name straight to
+    :func:`optimizer_cls_and_kwargs`: Transformers splits ``optim_args`` before it looks the handler up, so a
+    malformed item would fail in its unpacking (``not enough values to unpack``) before flashdist's parser
+    could name the item. Other names go to Transformers' own method, unchanged."""
+    from transformers import Trainer
+
+    original = Trainer.get_optimizer_cls_and_kwargs
+    if getattr(original, "_flashdist_route", False):
+        return
+
+    def get_optimizer_cls_and_kwargs(args, model=None):
+        if str(getattr(args.optim, "value", args.optim)) in OPTIMIZERS:
+            return optimizer_cls_and_kwargs(args.optim, args)
+        return original(args, model)
+
+    get_optimizer_cls_and_kwargs._flashdist_route = True
+    get_optimizer_cls_and_kwargs.__doc__ = original.__doc__
+    Trainer.get_optimizer_cls_and_kwargs = staticmethod(get_optimizer_cls_and_kwargs)

@@ -44,12 +44,27 @@ def fp32_group_warning(optimizer: str, params, group: dict) -> str | None:
     params = [p for p in params if p.requires_grad]
     if not params or any(p.dtype != torch.float32 for p in params):
         return None
+    if "peft" in sys.modules:  # (imported by the user: never imported here)
+        return peft_fp32_warning(optimizer, len(params))
     return (f"flashdist: {optimizer} got fp32 parameters ({len(params)} in a group); they are their own "
             "master weights: fp32 gradients, no 8-bit rho split. If the model computes in bf16 (autocast, "
             "Trainer bf16=True, FSDP2/Accelerate mixed precision), cast it to bf16 before building the optimizer "
             "(model.to(torch.bfloat16)) to keep bf16 weights with 24-bit masters: see docs/integrations.md. For "
             "deliberate fp32 training pass master_weight_bits=None (it only affects bf16/fp16 parameters) to "
             "silence this.")
+
+
+def peft_fp32_warning(optimizer: str, count: int) -> str:
+    """The fp32-group warning where PEFT is loaded: its adapters are fp32 by design (``autocast_adapter_dtype``)
+    and PEFT upcasts them again whenever it loads them (``load_adapter``, which a Trainer resume calls), so a
+    bf16 cast would not survive a resume. Keeping them fp32 costs little: adapters are a small part of the
+    model, and an fp32 adapter is its own exact master."""
+    return (f"flashdist: {optimizer} got fp32 parameters ({count} in a group; PEFT is loaded, so likely its "
+            "adapters, which PEFT keeps in fp32); they are their own master weights: no 8-bit rho split, which "
+            "adapters, a small part of the model, hardly need. Keep them fp32: PEFT upcasts adapters again "
+            "whenever it loads them (a Trainer resume calls load_adapter), so a bf16 cast does not survive a "
+            "resume. Pass master_weight_bits=None (Trainer: optim_args='master_weight_bits=none') to silence "
+            "this: see docs/integrations.md#peft-lora-through-the-trainer.")
 
 
 def fsdp_low_precision_fp32(param_groups, model: torch.nn.Module) -> list[str]:

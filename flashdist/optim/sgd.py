@@ -22,9 +22,10 @@ class FlashSGD(FlashOptimizer):
     Args:
         params: parameters or param groups, as for any torch optimizer; ``named_parameters()`` gives error
             messages with parameter names. bf16/fp16/fp32, plain tensors or FSDP2 DTensors.
-        lr, momentum, dampening, weight_decay, nesterov: as ``torch.optim.SGD``. Whether a group keeps a
-            momentum buffer (momentum non-zero) is fixed when the optimizer is built; the value may change
-            (momentum schedules).
+        lr, momentum, dampening, weight_decay, nesterov: as ``torch.optim.SGD``. A group's
+            momentum buffer is made when momentum is first non-zero (at construction, or later by a momentum
+            schedule such as CyclicLR's ``cycle_momentum``, as torch makes it at first use); once made, the
+            value may change but not return to 0.
         master_weight_bits, quantize_states, companded, backend, state_dict_format, flat_layout, capturable,
         graphed: as :class:`flashdist.FlashAdamW`; the portable state dict holds fp32 ``momentum_buffer``
             (torch.optim.SGD's name, so it loads into torch.optim.SGD and back) plus ``rho`` and ``step``.
@@ -64,15 +65,28 @@ class FlashSGD(FlashOptimizer):
             raise ValueError("flashdist: nesterov=True needs a non-zero momentum and zero dampening (as "
                              f"torch.optim.SGD), got momentum={group['momentum']!r}, "
                              f"dampening={group['dampening']!r}")
-        # A momentum buffer exists from construction on or never: refuse switching momentum on or off.
+        # A buffer is made when momentum turns non-zero (torch.optim.SGD makes it at first use, and CyclicLR /
+        # OneCycleLR's default cycle_momentum turns it on): a zero buffer gives torch's first-use buffer (the
+        # gradient itself) only without dampening. Turning momentum off again would drop a live buffer.
         state = next((self.state[p] for p in group["params"] if p in self.state), None)  # frozen ones hold none
         if state:
             has_buffer = any(key.startswith("momentum_buffer") for key in state)
-            if has_buffer != (group["momentum"] != 0):
-                was = "non-zero" if has_buffer else "0"
-                raise ValueError(f"flashdist: momentum of a param group was {was} when the optimizer was built "
-                                 f"and is now {group['momentum']!r}; whether a momentum buffer is kept is fixed "
-                                 "at construction: build a new optimizer (or keep a tiny non-zero momentum)")
+            if has_buffer and group["momentum"] == 0:
+                raise ValueError(f"flashdist: momentum of a param group is now {group['momentum']!r} while its "
+                                 "momentum buffer holds state; a schedule may vary it but not set it to 0: keep a "
+                                 "tiny non-zero momentum, or build a new optimizer")
+            if not has_buffer and group["momentum"] != 0 and group["dampening"] != 0:
+                raise ValueError(f"flashdist: momentum of a param group was 0 when the optimizer was built and is "
+                                 f"now {group['momentum']!r} with dampening={group['dampening']!r}; a buffer made now "
+                                 "would not start as torch.optim.SGD's (the gradient): build the optimizer with "
+                                 "the momentum on, or use dampening=0")
+
+    def _step_params(self, group, params, grads=None):
+        # momentum turned on since the plan was made (a momentum schedule): the plan has no buffers to step
+        if params and group["momentum"] != 0 and params[0] in self.state \
+                and not any(key.startswith("momentum_buffer") for key in self.state[params[0]]):
+            self._invalidate_plans()
+        super()._step_params(group, params, grads)
 
     def _step_bucket(self, group, bucket, grads, step, skipped):
         momentum = bool(bucket.moments)

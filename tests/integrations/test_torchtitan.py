@@ -16,7 +16,7 @@ from torchtitan.components.optimizer import ParamGroupConfig  # noqa: E402
 
 from flashdist import FlashAdamW, FlashLion  # noqa: E402
 from flashdist import distributed as D  # noqa: E402
-from flashdist.integrations.torchtitan import FlashOptimizersContainer, flash_adamw  # noqa: E402
+from flashdist.integrations.torchtitan import FLASH_OPTIMIZERS, HELPERS, FlashOptimizersContainer, flash_adamw  # noqa: E402
 
 STEPS_BEFORE, STEPS_AFTER = 2, 2
 
@@ -81,6 +81,46 @@ def test_flash_adamw_defaults_and_per_name_options():
     group = opt.param_groups[0]
     assert (group["lr"], tuple(group["betas"]), group["weight_decay"]) == (3e-4, (0.9, 0.95), 0.1)
     assert opt.state[model.proj.weight]["rho"].dtype == torch.int16
+
+
+@pytest.mark.parametrize("name", FLASH_OPTIMIZERS)
+def test_every_flashdist_name_has_a_one_group_helper_that_builds_and_steps(name):
+    model = _model()
+    (opt,) = list(HELPERS[name](state_dict_format="portable").build(model_parts=[model]))
+    assert type(opt) is FLASH_OPTIMIZERS[name] and opt.state_dict_format == "portable"
+    assert len(opt.param_groups) == 1 and "foreach" not in opt.param_groups[0]
+    before = model.proj.weight.detach().clone()
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert not torch.equal(before, model.proj.weight)
+
+
+@pytest.mark.parametrize("name, match", [("Flashadamw", "did you mean 'FlashAdamW'"), ("SGD9", "valid names")])
+def test_misspelt_name_is_refused_with_the_valid_names(name, match):
+    config = flash_adamw()
+    config.param_groups[0].optimizer_name = name
+    with pytest.raises(ValueError, match=match) as info:
+        config.build(model_parts=[_model()])
+    message = str(info.value)
+    assert "\n" not in message and all(n in message for n in (*FLASH_OPTIMIZERS, "AdamW"))
+
+
+@pytest.mark.parametrize("name, left", [("FlashSGD", "betas, eps"), ("FlashSGDW", "betas, eps"), ("FlashLion", "eps")])
+def test_switching_the_name_refuses_the_options_left_from_adam(name, left):
+    """flash_adamw's config with only the name switched (as `--optimizer...optimizer_name FlashSGD` would):
+    Adam's betas and eps would sit unused in the group; they are named instead."""
+    config = flash_adamw()
+    config.param_groups[0].optimizer_name = name
+    with pytest.raises(ValueError, match=f"sets {left}, which {name} does not take") as info:
+        config.build(model_parts=[_model()])
+    assert "\n" not in str(info.value)
+
+
+def test_optimizer_wide_option_in_a_group_is_refused_with_where_it_goes():
+    config = flash_adamw(graphed=True)
+    with pytest.raises(ValueError, match=r"graphed apply to the whole optimizer.*optimizer_factory_kwargs_by_name"):
+        config.build(model_parts=[_model()])
 
 
 @pytest.mark.parametrize("field,value", [("state_dict_format", "fp32"), ("backend", "cuda")])
@@ -185,6 +225,30 @@ def test_job_config_and_command_line_reach_the_container(tmp_path, monkeypatch):
     (opt,) = list(config.optimizer.build(model_parts=[_model()]))
     assert isinstance(opt, FlashAdamW) and opt.state_dict_format == "portable"
     assert opt.param_groups[0]["master_weight_bits"] == 32
+
+
+def test_name_switched_on_the_command_line_refuses_adams_options(tmp_path, monkeypatch):
+    """torchtitan's ConfigManager: `--optimizer.param-groups.0.optimizer-name FlashSGD` on a flash_adamw config
+    keeps Adam's betas and eps in the group; building the container names them instead of ignoring them.
+    A misspelt name gets the valid names."""
+    from torchtitan.config import ConfigManager
+
+    package = tmp_path / "flash_switch_config"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "config_registry.py").write_text(
+        "from torchtitan.trainer import Trainer\n"
+        "from flashdist.integrations.torchtitan import flash_adamw\n\n"
+        "def tiny_flash():\n"
+        "    return Trainer.Config(optimizer=flash_adamw(lr=1e-3))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name, match in (("FlashSGD", "sets betas, eps, which FlashSGD does not take"),
+                        ("FlashLoin", "did you mean 'FlashLion'")):
+        config = ConfigManager().parse_args(["--module", "flash_switch_config", "--config", "tiny_flash",
+                                             "--optimizer.param-groups.0.optimizer-name", name])
+        assert config.optimizer.param_groups[0].optimizer_name == name
+        with pytest.raises(ValueError, match=match):
+            config.optimizer.build(model_parts=[_model()])
 
 
 def test_checkpoint_of_another_model_is_one_line_error():

@@ -1,0 +1,134 @@
+"""The conformance matrix as one table: which client drives which engine, with which optimizer, through
+which stages of a run's life; which cells are refused (and why), and which wait for a fix.
+
+A cell is ``client/engine/optimizer/stage``. Adding an optimizer is one entry of :data:`OPTIMIZERS`; adding a
+client or an engine is one entry of :data:`PATHS` plus its runner in test_matrix.py. Every stage of
+:data:`STAGES` that a path cannot take is in :data:`REFUSED` with its reason (docs/integrations.md lists
+them); where flashdist itself refuses the path (the CLI on a Lightning .ckpt), the cell asserts the refusal is
+one line."""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+
+from flashdist import FlashAdam, FlashAdamW, FlashLion, FlashSGD, FlashSGDW
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One optimizer of the family: its class and the options a cell trains with."""
+
+    cls: type
+    kwargs: dict = field(default_factory=dict)
+
+    def build(self, params, **overrides):
+        return self.cls(params, **{**self.kwargs, **overrides})
+
+
+OPTIMIZERS: dict[str, Entry] = {
+    "FlashAdamW": Entry(FlashAdamW, dict(lr=1e-2, weight_decay=0.1)),
+    "FlashAdam": Entry(FlashAdam, dict(lr=1e-2, weight_decay=1e-3)),
+    "FlashSGD": Entry(FlashSGD, dict(lr=1e-2, momentum=0.9, nesterov=True)),
+    "FlashSGDW": Entry(FlashSGDW, dict(lr=1e-2, momentum=0.9, weight_decay=0.1)),
+    "FlashLion": Entry(FlashLion, dict(lr=1e-3, weight_decay=0.1)),
+}
+
+STAGES = ("train", "first-step-memory", "outside-write", "noop-option", "save", "resume-same", "resume-other",
+          "export-fp32", "export-hf", "inspect")
+"""train: state only for trainable parameters in param_groups; first-step-memory: before the first step the
+optimizer holds no more than AdamW; outside-write: a weight written outside the optimizer is its own master;
+noop-option: ``graphed=True`` where no graph can be made says so once;
+save: the masters read back from the checkpoint the client writes equal the live ones; resume-same /
+resume-other: a run resumed at the same / another world size equals the uninterrupted one; export-fp32 /
+export-hf: ``flashdist export`` (safetensors / ``--hf`` folder) of that checkpoint gives the live masters;
+inspect: ``flashdist inspect`` reads it."""
+
+PATHS: dict[str, tuple[str, ...]] = {
+    "plain": ("one-process", "ddp", "fsdp2"),
+    "trainer": ("one-process",),
+    "peft-trainer": ("one-process",),       # PEFT's default fp32 adapters
+    "peft-trainer-bf16": ("one-process",),  # adapters cast to bf16
+    "accelerate": ("one-process",),
+    "lightning": ("one-process",),
+    "torchtitan": ("fsdp2",),
+}
+"""Client -> the engines the matrix runs it under. DeepSpeed ZeRO-2/3 (fds.initialize, Accelerate, the
+Trainer) and the Trainer / Accelerate under FSDP2 are tested in tests/test_deepspeed.py,
+tests/integrations/test_hf_deepspeed.py, tests/integrations/test_hf_trainer_fsdp2.py and
+tests/distributed/test_accelerate_fsdp2.py, not yet as cells of this matrix."""
+
+REFUSED: dict[str, str] = {
+    "*/one-process/*/resume-other": "one process has no other world size; resumes across world sizes are the "
+                                    "multi-rank engines' cells",
+    "torchtitan/*/*/export-hf": "torchtitan checkpoints hold torchtitan's model, not a Hugging Face one: export "
+                                "to safetensors (export-fp32) and convert with torchtitan's own tools",
+    "plain/*/*/export-hf": "a plain torch model has no Hugging Face config: export-fp32 writes the masters",
+    "accelerate/*/*/export-hf": "the Accelerate cells train a plain torch model (no Hugging Face config): "
+                                "export-fp32 writes the masters",
+    "lightning/*/*/export-hf": "a LightningModule has no Hugging Face config: export-fp32 writes the masters",
+    "peft-trainer*/*/*/export-hf": "an adapter checkpoint is not a full model; merge the adapters and export "
+                                   "the merged model",
+    "peft-trainer*/*/*/export-fp32": "an adapter checkpoint holds only the adapters: PEFT's adapter_model."
+                                     "safetensors is the export",
+    "peft-trainer*/*/*/inspect": "as export-fp32",
+    "lightning/*/*/export-fp32": "a Lightning .ckpt is one pickle of Lightning's own layout, which flashdist's "
+                                 "readers do not take; save with flashdist.checkpoint.save for export",
+    "lightning/*/*/inspect": "as export-fp32",
+    "lightning/*/*/save": "as export-fp32 (no reader of a Lightning .ckpt's masters; resume-same checks the load)",
+    **{f"{path}/*/noop-option": "an option's effect does not depend on the client or engine: checked in "
+                                "plain/one-process and trainer/one-process"
+       for path in ("plain/ddp", "plain/fsdp2", "peft-trainer*/*", "accelerate/*", "lightning/*", "torchtitan/*")},
+}
+
+XFAIL: dict[str, str] = {
+    "*/*/*/first-step-memory": "issue 38 item 2: state is made at construction, before the first step",
+    **{f"{client}/*/*/outside-write": "issue 38 item 4: a weight written outside the optimizer keeps its stale rho"
+       for client in ("plain", "trainer", "peft-trainer-bf16", "accelerate", "lightning", "torchtitan")},
+    "*/*/*/noop-option": "issue 38 item 3: graphed=True where no graph can be made (CPU) is ignored silently",
+    "plain/one-process/*/save": "issue 38 item 1: a torch.save checkpoint's state is keyed by index; "
+                                "master_weights looks rho up by name",
+    "plain/one-process/*/export-fp32": "issue 38 item 1: export of a torch.save checkpoint looks rho up by name",
+    "plain/ddp/*/save": "issue 38 item 1: a torch.save checkpoint's state is keyed by index",
+    "plain/ddp/*/export-fp32": "issue 38 item 1: export of a torch.save checkpoint looks rho up by name",
+    "trainer/*/*/save": "issue 38 item 1: the Trainer's optimizer.pt is keyed by index",
+    "trainer/*/*/export-*": "issue 38 item 1: the CLI does not read a Trainer checkpoint-N folder",
+    "trainer/*/*/inspect": "issue 38 item 1: the CLI does not read a Trainer checkpoint-N folder",
+    "accelerate/*/*/save": "issue 38 item 1: flashdist's readers do not take an Accelerate save_state folder",
+    "accelerate/*/*/export-*": "issue 38 item 1 (as the Trainer's checkpoint-N): the CLI does not read an "
+                               "Accelerate save_state folder (model.safetensors + optimizer.bin)",
+    "accelerate/*/*/inspect": "issue 38 item 1 (as the Trainer's checkpoint-N): the CLI does not read an "
+                              "Accelerate save_state folder",
+    "torchtitan/*/*/save": "found by this matrix (beyond issue 38's list): flashdist's DCP reader expects "
+                           "'model.*' keys; torchtitan saves the weights at the top level and the optimizer flat",
+    "torchtitan/*/*/export-fp32": "found by this matrix: export of a torchtitan DCP checkpoint says 'no model weights'",
+    "torchtitan/*/*/inspect": "found by this matrix: inspect of a torchtitan DCP checkpoint reports 0 parameters "
+                              "and no optimizer, exit 0",
+    "lightning/*/*/inspect": "found by this matrix: inspect of a Lightning .ckpt reports 0 parameters, exit 0, "
+                             "where export refuses it in one line",
+    "peft-trainer*/*/*/save": "issue 38 item 1: the Trainer's optimizer.pt is keyed by index",
+    "peft-trainer-bf16/*/*/resume-same": "issue 38 item 5: PEFT's load_adapter upcasts the bf16 adapters to "
+                                         "fp32 and the saved rho is refused (exact master into fp32 needed)",
+}
+
+
+def cell_id(client: str, engine: str, optimizer: str, stage: str) -> str:
+    return f"{client}/{engine}/{optimizer}/{stage}"
+
+
+def _first(table: dict[str, str], cell: str) -> str | None:
+    return next((reason for pattern, reason in table.items() if fnmatch.fnmatchcase(cell, pattern)), None)
+
+
+def refused(cell: str) -> str | None:
+    """The reason this cell is refused, or None."""
+    return _first(REFUSED, cell)
+
+
+def expected_failure(cell: str) -> str | None:
+    """The issue item whose fix this cell waits for, or None."""
+    return _first(XFAIL, cell)
+
+
+CELLS: list[tuple[str, str, str, str]] = [(c, e, o, s) for c, engines in PATHS.items() for e in engines
+                                          for o in OPTIMIZERS for s in STAGES]
