@@ -1,0 +1,131 @@
+"""Whole matrices for an update that needs them (Muon's Newton-Schulz), from DTensor shards: gathered to one
+owner rank, computed there, and the result sent back in shards.
+
+Newton-Schulz mixes every value of a matrix, so a rank cannot orthogonalize its own rows. For each sharded
+matrix (any ``Shard`` / ``_StridedShard`` / ``Replicate`` placements, uneven shards included: FSDP2's
+``Shard(0)``, tensor parallelism's ``Shard(0)`` / ``Shard(1)``, FSDP x TP, HSDP), every rank of the
+parameter's mesh sends its local part of the update to the matrix's owner (``torch.distributed.gather``),
+the owner assembles the whole matrix at the global indices each rank holds (the inverse of
+``placements.local_part``), runs the computation, and sends every rank its part of the result
+(``torch.distributed.scatter``). The owners go round-robin over the mesh's ranks by the matrix's position
+in the list, the same on every rank, so the matmul work divides over the ranks. The owner computes on the
+exact whole matrix of a one-process run with the same (deterministic) function, so every rank ends with
+the one-process bits, at any world size and on any mesh.
+
+Communication per step: each rank sends its shard of the update (bf16: 2 bytes per value) and receives its
+shard of the result (2 bytes): 4 bytes per parameter per step on every rank (the owner's own part does not
+travel), against 2 x 2 x (world - 1) of an all-gather to every rank followed by local slicing. Each shard
+is padded to the largest shard of its matrix (uneven FSDP2 shards: at most one row per rank). Two
+collectives per matrix: a bucketed all-to-all is the faster form of the same exchange.
+
+Like the rest of ``flashdist.distributed``, this module imports no other flashdist module.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import placements as P
+
+
+def _index_grid(shape, mesh_shape, coordinate, placements) -> tuple:
+    """Broadcastable per-dim global indices of the part of a tensor of ``shape`` held at ``coordinate``
+    (``full[grid]`` is ``placements.local_part(full, ...)``)."""
+    grid = []
+    for d, size in enumerate(shape):
+        shardings = P.shardings_of(d, len(shape), mesh_shape, placements)
+        index = P.dim_indices(size, shardings, coordinate) if shardings else torch.arange(size)
+        grid.append(index.view([-1 if k == d else 1 for k in range(len(shape))]))
+    return tuple(grid)
+
+
+def _mesh_group(mesh):
+    """A process group over every rank of ``mesh``, and the mesh coordinate of each of its group ranks."""
+    if mesh.ndim == 1:
+        group = mesh.get_group(0)
+    elif mesh.size() == dist.get_world_size():
+        group = dist.group.WORLD
+    else:
+        raise ValueError(f"flashdist: orthogonalizing a matrix sharded on the {mesh.ndim}-D mesh {mesh}, which "
+                         f"covers {mesh.size()} of {dist.get_world_size()} ranks, is not supported: use a mesh "
+                         "over every rank (or a 1-D mesh)")
+    ranks = mesh.mesh
+    coordinates = {}
+    for coordinate in itertools.product(*(range(n) for n in ranks.shape)):
+        coordinates[dist.get_group_rank(group, int(ranks[coordinate]))] = coordinate
+    return group, [coordinates[r] for r in range(len(coordinates))]
+
+
+class OwnerOrthogonalize:
+    """``orthogonalize=`` of ``flashdist.functional.flash_muon`` for the parameters ``params`` (DTensors or
+    plain tensors, the tensors whose local parts the step's lists hold, in the same order on every rank):
+    plain tensors are computed where they are, DTensor ones through their owner (the module docstring).
+    ``first``: the round-robin position of ``params[0]`` (a caller with several lists continues the count)."""
+
+    def __init__(self, params: Sequence[torch.Tensor], first: int = 0):
+        self.params = list(params)
+        self.first = first
+
+    def __call__(self, updates: Sequence[torch.Tensor], whole: Callable[[int, torch.Tensor], torch.Tensor]) -> list:
+        out = []
+        for i, (p, u) in enumerate(zip(self.params, updates)):
+            if not hasattr(p, "device_mesh"):
+                out.append(whole(i, u))
+                continue
+            out.append(self._through_owner(i, p, u, whole))
+        return out
+
+    def _through_owner(self, i, p, update, whole):
+        shape = tuple(p.shape)
+        mesh_shape = tuple(p.device_mesh.shape)
+        placements = tuple(p.placements)
+        group, coordinates = _mesh_group(p.device_mesh)
+        size = len(coordinates)
+        if size == 1:
+            return whole(i, update)
+        owner = (self.first + i) % size
+        me = dist.get_rank(group)
+        grids = [_index_grid(shape, mesh_shape, c, placements) for c in coordinates]
+        numels = [math.prod(len(g.view(-1)) for g in grid) for grid in grids]
+        pad = max(numels)
+        # gloo has no 16-bit gather: bf16 values travel as their bits in int32 there (NCCL sends them as they are)
+        wire = torch.int32 if dist.get_backend(group) == "gloo" else update.dtype
+        sent = torch.zeros(pad, dtype=wire, device=update.device)
+        sent[: update.numel()] = _to_wire(update.reshape(-1), wire)
+        received = [torch.empty_like(sent) for _ in range(size)] if me == owner else None
+        dist.gather(sent, received, group=group, group_dst=owner)
+        parts = None
+        if me == owner:
+            full = torch.empty(shape, dtype=update.dtype, device=update.device)
+            for grid, n, got in zip(grids, numels, received):
+                local_shape = [len(g.view(-1)) for g in grid]
+                full[grid] = _from_wire(got[:n], update.dtype).view(local_shape)
+            result = whole(i, full)
+            parts = []
+            for grid, n in zip(grids, numels):
+                part = torch.zeros(pad, dtype=wire, device=update.device)
+                part[:n] = _to_wire(result[grid].reshape(-1), wire)
+                parts.append(part)
+            out_dtype = result.dtype
+        else:
+            out_dtype = update.dtype
+        back = torch.empty_like(sent)
+        dist.scatter(back, parts, group=group, group_src=owner)
+        return _from_wire(back[: update.numel()], out_dtype).view(update.shape)
+
+
+def _to_wire(t: torch.Tensor, wire: torch.dtype) -> torch.Tensor:
+    if t.dtype == wire:
+        return t
+    return t.view(torch.int16).to(torch.int32)  # bf16 bits, sign-extended
+
+
+def _from_wire(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if t.dtype == dtype:
+        return t
+    return t.to(torch.int16).view(dtype)

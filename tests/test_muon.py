@@ -1,0 +1,192 @@
+"""FlashMuon against torch.optim.Muon (bit for bit where the arithmetic is the same), its AdamW groups against
+FlashAdamW, its 8-bit momentum against torch's fp32 one step by step, and its param groups and refusals.
+Sharded runs against one process: tests/distributed/test_muon_sharded.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashdist
+from flashdist import FlashAdamW, FlashMuon, muon_param_groups
+
+SHAPES = [(16, 40), (40, 16), (33, 33)]  # wide, tall (Newton-Schulz on the transpose), odd square
+
+
+def _weights(dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=gen).to(dtype) for s in SHAPES]
+
+
+def _grads(steps, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return [[torch.randn(s, generator=gen) * 10.0 ** torch.randint(-3, 2, (s[0], 1), generator=gen) for s in SHAPES]
+            for _ in range(steps)]
+
+
+OPTIONS = {
+    "default": {},
+    "plain-momentum": dict(nesterov=False),
+    "match-rms-adamw": dict(adjust_lr_fn="match_rms_adamw", weight_decay=0.01),
+    "original-ns3": dict(adjust_lr_fn="original", ns_steps=3, momentum=0.9, eps=1e-5),
+}
+
+
+@pytest.mark.parametrize("options", OPTIONS.values(), ids=OPTIONS.keys())
+@pytest.mark.parametrize("dtype, bits", [(torch.float32, None), (torch.bfloat16, 32)], ids=["fp32", "bf16-32bit"])
+def test_matches_torch_muon_bitwise(options, dtype, bits):
+    """fp32 momentum and a master weight that holds any fp32 value: torch.optim.Muon's bits, step by step
+    (torch's run on fp32 weights that start at the bf16 values, with the bf16 gradients as fp32)."""
+    params = [torch.nn.Parameter(w) for w in _weights(dtype)]
+    ref = [torch.nn.Parameter(p.detach().float().clone()) for p in params]
+    flash = FlashMuon(params, lr=0.02, quantize_states=False, master_weight_bits=bits, **options)
+    torch_muon = torch.optim.Muon(ref, lr=0.02, **options)
+    for grads in _grads(4):
+        for p, r, g in zip(params, ref, grads):
+            p.grad = g.to(dtype)
+            r.grad = p.grad.float()
+        flash.step()
+        torch_muon.step()
+        for p, r in zip(params, ref):
+            assert torch.equal(flash.master_weight(p), r.detach())
+            assert torch.equal(flash.state[p]["momentum_buffer"], torch_muon.state[r]["momentum_buffer"])
+
+
+@pytest.mark.parametrize("bits", [32, 24])
+def test_quantized_momentum_step_by_step(bits):
+    """8-bit momentum: each step from the same state (torch's buffer set to the dequantized codes, its weight to
+    the master weight) gives torch.optim.Muon's weight: bit for bit with 32-bit masters (the update is computed
+    from the fp32 buffer before it is stored as codes), within half a rho step (2^-8 of half a bf16 ulp) with
+    24-bit ones. The stored buffer differs from torch's fp32 one by at most half a code step in the companded
+    domain (1/254), times softsign's inverse slope (at most 2), plus the bf16 rounding of the scale (2^-8
+    relative): (2/254 + 2^-8) of the group absmax."""
+    params = [torch.nn.Parameter(w) for w in _weights(torch.bfloat16)]
+    flash = FlashMuon(params, lr=0.02, master_weight_bits=bits, state_dict_format="portable")
+    ref = [torch.nn.Parameter(p.detach().float().clone()) for p in params]
+    torch_muon = torch.optim.Muon(ref, lr=0.02)
+    for grads in _grads(4):
+        portable = flash.state_dict()["state"]
+        for i, (p, r, g) in enumerate(zip(params, ref, grads)):
+            p.grad = g.bfloat16()
+            r.grad = p.grad.float()
+            with torch.no_grad():
+                r.copy_(flash.master_weight(p))
+            if i in portable:
+                torch_muon.state[r]["momentum_buffer"] = portable[i]["momentum_buffer"].clone()
+        flash.step()
+        torch_muon.step()
+        stored = flash.state_dict()["state"]
+        for i, (p, r) in enumerate(zip(params, ref)):
+            master, want = flash.master_weight(p), r.detach()
+            if bits == 32:
+                assert torch.equal(master, want)
+            else:
+                half_rho_step = want.abs().clamp(min=2.0**-126) * 2.0**-8 / 2.0**8
+                assert ((master - want).abs() <= half_rho_step).all()
+            buf, want_buf = stored[i]["momentum_buffer"], torch_muon.state[r]["momentum_buffer"]
+            rows = want_buf.reshape(want_buf.shape[0], -1)
+            cols = rows.shape[1]
+            pad = (-cols) % 32
+            groups = torch.nn.functional.pad(rows.abs(), (0, pad)).view(rows.shape[0], -1, 32).amax(-1)
+            bound = groups.repeat_interleave(32, dim=1)[:, :cols] * (2 / 254 + 2.0**-8)
+            assert ((buf - want_buf).abs().reshape(rows.shape) <= bound).all()
+
+
+def test_adamw_groups_are_flash_adamw_bitwise():
+    """A use_muon=False group takes FlashAdamW's update: the same bits, parameters and state."""
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(8, 64), (64,), (5, 7)]
+    a = [torch.nn.Parameter(torch.randn(s, generator=gen).bfloat16()) for s in shapes]
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    muon = FlashMuon([{"params": a, "use_muon": False, "lr": 3e-3, "weight_decay": 0.05}],
+                     adamw_betas=(0.9, 0.95), adamw_eps=1e-10)
+    adamw = FlashAdamW(b, lr=3e-3, weight_decay=0.05, betas=(0.9, 0.95), eps=1e-10)
+    for _ in range(3):
+        for p, q in zip(a, b):
+            p.grad = torch.randn(p.shape, generator=gen).bfloat16()
+            q.grad = p.grad.clone()
+        muon.step()
+        adamw.step()
+    for p, q in zip(a, b):
+        assert torch.equal(p, q)
+        assert muon.state[p].keys() == adamw.state[q].keys()
+        assert all(torch.equal(muon.state[p][k], adamw.state[q][k]) for k in muon.state[p])
+
+
+def test_conv_weight_is_its_matrix():
+    """A weight of more than two dims is orthogonalized as (shape[0], prod(shape[1:])): the bits of the same
+    values as a matrix."""
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(6, 3, 2, 4, generator=gen).bfloat16()
+    conv, flat = torch.nn.Parameter(w.clone()), torch.nn.Parameter(w.reshape(6, 24).clone())
+    a, b = FlashMuon([conv], lr=0.02), FlashMuon([flat], lr=0.02)
+    for _ in range(2):
+        g = torch.randn(6, 24, generator=gen).bfloat16()
+        conv.grad, flat.grad = g.reshape(w.shape).clone(), g.clone()
+        a.step()
+        b.step()
+    assert torch.equal(conv.detach().reshape(6, 24), flat.detach())
+    assert torch.equal(a.master_weight(conv).reshape(6, 24), b.master_weight(flat))
+
+
+def test_nonfinite_gradient_keeps_the_matrix():
+    gen = torch.Generator().manual_seed(5)
+    p = torch.nn.Parameter(torch.randn(8, 64, generator=gen).bfloat16())
+    opt = FlashMuon([p], lr=0.02)
+    p.grad = torch.randn(8, 64, generator=gen).bfloat16()
+    opt.step()
+    before = {k: v.clone() for k, v in opt.state[p].items() if k != "step"}
+    weight = p.detach().clone()
+    p.grad[3, 5] = float("nan")
+    opt.step()
+    assert torch.equal(p.detach(), weight) and torch.equal(opt.state[p]["rho"], before["rho"])
+    assert int(opt.skipped) == p.numel()
+    changed = opt.state[p]["momentum_buffer_scales"] != before["momentum_buffer_scales"]
+    assert not changed[3, 0]  # the group holding the NaN keeps its momentum; the others moved
+    assert changed.sum() == changed.numel() - 1
+
+
+class _Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 8)
+        self.block = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 8))
+        self.lm_head = torch.nn.Linear(8, 10, bias=False)
+
+
+def test_muon_param_groups():
+    model = _Tiny()
+    groups = muon_param_groups(model, adamw_lr=3e-4, exclude=("block.2.weight",))
+    names = [[n for n, _ in g["params"]] for g in groups]
+    assert names[0] == ["block.0.weight"] and groups[0]["use_muon"]
+    assert set(names[1]) == {"embed.weight", "block.0.bias", "block.1.weight", "block.1.bias", "block.2.weight",
+                             "block.2.bias", "lm_head.weight"}
+    assert groups[1] == {**groups[1], "use_muon": False, "lr": 3e-4}
+    opt = FlashMuon(muon_param_groups(model.bfloat16()), lr=0.02)
+    assert [g["use_muon"] for g in opt.param_groups] == [True, False]
+
+
+def test_refusals():
+    vector = torch.nn.Parameter(torch.zeros(8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="'bias'.*fewer than 2 dims.*use_muon=False"):
+        FlashMuon([("bias", vector)])
+    matrix = torch.nn.Parameter(torch.zeros(4, 4, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="backend='auto' or 'reference'"):
+        FlashMuon([matrix], backend="cpu")
+    with pytest.raises(ValueError, match="adjust_lr_fn"):
+        FlashMuon([matrix], adjust_lr_fn="sqrt")
+    opt = FlashMuon([matrix])
+    opt.param_groups[0]["use_muon"] = False
+    matrix.grad = torch.ones_like(matrix)
+    with pytest.raises(ValueError, match="use_muon of a param group was True"):
+        opt.step()
+
+
+def test_memory():
+    p = torch.nn.Parameter(torch.zeros(64, 256, dtype=torch.bfloat16))
+    opt = FlashMuon([p])
+    p.grad = torch.zeros_like(p)
+    report = flashdist.memory_report(opt)
+    assert report["bytes_per_param"] == pytest.approx(flashdist.bytes_per_param("flash_muon")["total"])
+    assert flashdist.bytes_per_param("flash_muon")["total"] == 6.0625
+    assert flashdist.bytes_per_param("muon")["total"] == 12
