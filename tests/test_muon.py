@@ -4,6 +4,8 @@ Sharded runs against one process: tests/distributed/test_muon_sharded.py."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -190,3 +192,51 @@ def test_memory():
     assert report["bytes_per_param"] == pytest.approx(flashdist.bytes_per_param("flash_muon")["total"])
     assert flashdist.bytes_per_param("flash_muon")["total"] == 6.0625
     assert flashdist.bytes_per_param("muon")["total"] == 12
+
+
+def test_state_dicts_move_to_and_from_torch_muon():
+    """The portable format is torch.optim.Muon's (``momentum_buffer``, plus rho and step): a FlashMuon state
+    loads into torch.optim.Muon and continues with its bits, and torch's state (no step) loads back."""
+    params = [torch.nn.Parameter(w) for w in _weights(torch.float32)]
+    flash = FlashMuon(params, lr=0.02, quantize_states=False, master_weight_bits=None)
+    grads = _grads(3)
+    for p, g in zip(params, grads[0]):
+        p.grad = g
+    flash.step()
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    torch_muon = torch.optim.Muon(ref, lr=0.02)
+    torch_muon.load_state_dict(copy.deepcopy(flash.state_dict()))  # (fp32 buffers are the live tensors)
+    for p, r, g in zip(params, ref, grads[1]):
+        p.grad, r.grad = g, g.clone()
+    flash.step()
+    torch_muon.step()
+    assert all(torch.equal(p, r) for p, r in zip(params, ref))
+    again = FlashMuon([torch.nn.Parameter(r.detach().clone()) for r in ref], lr=0.02, quantize_states=False,
+                      master_weight_bits=None)
+    again.load_state_dict(copy.deepcopy(torch_muon.state_dict()))
+    for p, q in zip(params, again.param_groups[0]["params"]):
+        assert torch.equal(flash.state[p]["momentum_buffer"], again.state[q]["momentum_buffer"])
+
+
+@pytest.mark.parametrize("fmt", ["portable", "compressed"])
+def test_state_dict_round_trip_mid_run(fmt):
+    """Saved after 2 steps and loaded into a fresh optimizer, the third step is the same bits."""
+    params = [torch.nn.Parameter(w) for w in _weights(torch.bfloat16)]
+    copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    a = FlashMuon(params, lr=0.02, state_dict_format=fmt)
+    grads = _grads(3)
+    for step in range(2):
+        for p, g in zip(params, grads[step]):
+            p.grad = g.bfloat16()
+        a.step()
+    with torch.no_grad():
+        for p, q in zip(params, copies):
+            q.copy_(p)
+    b = FlashMuon(copies, lr=0.02, state_dict_format=fmt)
+    b.load_state_dict(a.state_dict())
+    for p, q, g in zip(params, copies, grads[2]):
+        p.grad, q.grad = g.bfloat16(), g.bfloat16()
+    a.step()
+    b.step()
+    for p, q in zip(params, copies):
+        assert torch.equal(p, q) and all(torch.equal(a.state[p][k], b.state[q][k]) for k in a.state[p])
