@@ -93,6 +93,10 @@ def _named_class(type_name: Any) -> type | None:
     explicit = key.startswith(_TYPE_PREFIX)
     key = key[len(_TYPE_PREFIX):] if explicit else key
     classes = optimizer_classes()
+    if key == "flashmuon":
+        raise ValueError("flashdist: the DeepSpeed config asks for FlashMuon, which DeepSpeed cannot run: ZeRO hands "
+                         "the optimizer flat 1-d partitions of many parameters, so no rank holds the whole matrices "
+                         "Newton-Schulz needs; train FlashMuon under FSDP2 (fully_shard), or name DeepSpeed's Muon")
     if key in classes:
         return classes[key]
     if explicit or key.startswith("flash"):
