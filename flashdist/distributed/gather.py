@@ -15,8 +15,9 @@ the one-process bits, at any world size and on any mesh.
 Communication per step: each rank sends its shard of the update (bf16: 2 bytes per value) and receives its
 shard of the result (2 bytes): 4 bytes per parameter per step on every rank (the owner's own part does not
 travel), against 2 x 2 x (world - 1) of an all-gather to every rank followed by local slicing. Each shard
-is padded to the largest shard of its matrix (uneven FSDP2 shards: at most one row per rank). Two
-collectives per matrix: a bucketed all-to-all is the faster form of the same exchange.
+is padded to the largest shard of its matrix (uneven FSDP2 shards: at most one row per rank). The matrices
+go in chunks of one per rank: all gathers of a chunk, then every owner computes at once, then all scatters;
+two collectives per matrix (a bucketed all-to-all is the faster form of the same exchange).
 
 Like the rest of ``flashdist.distributed``, this module imports no other flashdist module.
 """
@@ -65,58 +66,90 @@ class OwnerOrthogonalize:
     """``orthogonalize=`` of ``flashdist.functional.flash_muon`` for the parameters ``params`` (DTensors or
     plain tensors, the tensors whose local parts the step's lists hold, in the same order on every rank):
     plain tensors are computed where they are, DTensor ones through their owner (the module docstring).
-    ``first``: the round-robin position of ``params[0]`` (a caller with several lists continues the count)."""
+    ``first``: the round-robin position of ``params[0]`` (a caller with several lists continues the count).
+
+    A call takes a chunk of matrices (``chunk``, the largest mesh size among ``params``: one matrix per
+    owner): it gathers all of them, then each owner computes its own while the others compute theirs, then
+    it sends all the results back."""
 
     def __init__(self, params: Sequence[torch.Tensor], first: int = 0):
         self.params = list(params)
         self.first = first
+        self.chunk = max([p.device_mesh.size() for p in self.params if hasattr(p, "device_mesh")] or [1])
 
-    def __call__(self, updates: Sequence[torch.Tensor], whole: Callable[[int, torch.Tensor], torch.Tensor]) -> list:
-        out = []
-        for i, (p, u) in enumerate(zip(self.params, updates)):
+    def __call__(self, indices: Sequence[int], updates: Sequence[torch.Tensor],
+                 whole: Callable[[int, torch.Tensor], torch.Tensor]) -> list:
+        out: list = [None] * len(updates)
+        exchanges = []
+        for k, (i, u) in enumerate(zip(indices, updates)):
+            p = self.params[i]
             if not hasattr(p, "device_mesh"):
-                out.append(whole(i, u))
+                out[k] = whole(i, u)
                 continue
-            out.append(self._through_owner(i, p, u, whole))
+            exchange = _Exchange(p, u, self.first + i)
+            if exchange.size == 1:
+                out[k] = whole(i, u)
+                continue
+            exchange.gather()
+            exchanges.append((k, i, exchange))
+        for k, i, exchange in exchanges:  # every owner computes its matrices before any result is sent
+            exchange.compute(lambda full, i=i: whole(i, full))
+        for k, i, exchange in exchanges:
+            out[k] = exchange.scatter()
         return out
 
-    def _through_owner(self, i, p, update, whole):
-        shape = tuple(p.shape)
-        mesh_shape = tuple(p.device_mesh.shape)
-        placements = tuple(p.placements)
-        group, coordinates = _mesh_group(p.device_mesh)
-        size = len(coordinates)
-        if size == 1:
-            return whole(i, update)
-        owner = (self.first + i) % size
-        me = dist.get_rank(group)
-        grids = [_index_grid(shape, mesh_shape, c, placements) for c in coordinates]
-        numels = [math.prod(len(g.view(-1)) for g in grid) for grid in grids]
-        pad = max(numels)
+
+class _Exchange:
+    """One matrix's trip to its owner and back: ``gather`` (every rank), ``compute`` (runs on the owner
+    only), ``scatter`` (every rank: returns this rank's part of the result)."""
+
+    def __init__(self, p: torch.Tensor, update: torch.Tensor, position: int):
+        self.shape = tuple(p.shape)
+        self.update = update
+        self.group, coordinates = _mesh_group(p.device_mesh)
+        self.size = len(coordinates)
+        self.owner = position % self.size
+        self.me = dist.get_rank(self.group)
+        self.grids = [_index_grid(self.shape, tuple(p.device_mesh.shape), c, tuple(p.placements))
+                      for c in coordinates]
+        self.numels = [math.prod(len(g.view(-1)) for g in grid) for grid in self.grids]
+        self.pad = max(self.numels)
         # gloo has no 16-bit gather: bf16 values travel as their bits in int32 there (NCCL sends them as they are)
-        wire = torch.int32 if dist.get_backend(group) == "gloo" else update.dtype
-        sent = torch.zeros(pad, dtype=wire, device=update.device)
-        sent[: update.numel()] = _to_wire(update.reshape(-1), wire)
-        received = [torch.empty_like(sent) for _ in range(size)] if me == owner else None
-        dist.gather(sent, received, group=group, group_dst=owner)
-        parts = None
-        if me == owner:
-            full = torch.empty(shape, dtype=update.dtype, device=update.device)
-            for grid, n, got in zip(grids, numels, received):
-                local_shape = [len(g.view(-1)) for g in grid]
-                full[grid] = _from_wire(got[:n], update.dtype).view(local_shape)
-            result = whole(i, full)
-            parts = []
-            for grid, n in zip(grids, numels):
-                part = torch.zeros(pad, dtype=wire, device=update.device)
-                part[:n] = _to_wire(result[grid].reshape(-1), wire)
-                parts.append(part)
-            out_dtype = result.dtype
-        else:
-            out_dtype = update.dtype
-        back = torch.empty_like(sent)
-        dist.scatter(back, parts, group=group, group_src=owner)
-        return _from_wire(back[: update.numel()], out_dtype).view(update.shape)
+        self.wire = torch.int32 if dist.get_backend(self.group) == "gloo" else update.dtype
+        self.received = None
+        self.parts = None
+        self.result_dtype = update.dtype
+
+    def gather(self) -> None:
+        u = self.update
+        sent = torch.zeros(self.pad, dtype=self.wire, device=u.device)
+        sent[: u.numel()] = _to_wire(u.reshape(-1), self.wire)
+        self.received = [torch.empty_like(sent) for _ in range(self.size)] if self.me == self.owner else None
+        dist.gather(sent, self.received, group=self.group, group_dst=self.owner)
+
+    def compute(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        if self.me != self.owner:
+            return
+        u = self.update
+        full = torch.empty(self.shape, dtype=u.dtype, device=u.device)
+        for grid, n, got in zip(self.grids, self.numels, self.received):
+            full[grid] = _from_wire(got[:n], u.dtype).view([len(g.view(-1)) for g in grid])
+        self.received = None
+        result = fn(full)
+        del full
+        self.result_dtype = result.dtype
+        self.parts = []
+        for grid, n in zip(self.grids, self.numels):
+            part = torch.zeros(self.pad, dtype=self.wire, device=u.device)
+            part[:n] = _to_wire(result[grid].reshape(-1), self.wire)
+            self.parts.append(part)
+
+    def scatter(self) -> torch.Tensor:
+        u = self.update
+        back = torch.empty(self.pad, dtype=self.wire, device=u.device)
+        dist.scatter(back, self.parts, group=self.group, group_src=self.owner)
+        self.parts = None
+        return _from_wire(back[: u.numel()], self.result_dtype).view(u.shape)
 
 
 def _to_wire(t: torch.Tensor, wire: torch.dtype) -> torch.Tensor:

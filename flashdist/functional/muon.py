@@ -11,7 +11,7 @@ from ..kernels import reference
 from ..kernels.scalars import MuonScalars, muon_lr_ratio
 from .backend import BACKENDS, host_number
 
-Orthogonalize = Callable[[Sequence[torch.Tensor], Callable[[int, torch.Tensor], torch.Tensor]], list]
+Orthogonalize = Callable[[Sequence[int], Sequence[torch.Tensor], Callable[[int, torch.Tensor], torch.Tensor]], list]
 
 
 def matrix_shape(shape) -> tuple[int, int]:
@@ -24,9 +24,10 @@ def matrix_shape(shape) -> tuple[int, int]:
     return shape[0], math.prod(shape[1:])
 
 
-def local_orthogonalize(updates: Sequence[torch.Tensor], whole: Callable[[int, torch.Tensor], torch.Tensor]) -> list:
+def local_orthogonalize(indices: Sequence[int], updates: Sequence[torch.Tensor],
+                        whole: Callable[[int, torch.Tensor], torch.Tensor]) -> list:
     """Orthogonalize unsharded updates where they are: ``whole(i, update)`` of each (one process, DDP)."""
-    return [whole(i, u) for i, u in enumerate(updates)]
+    return [whole(i, u) for i, u in zip(indices, updates)]
 
 
 def flash_muon(
@@ -57,10 +58,12 @@ def flash_muon(
     with bf16 ``momentum_scales`` of shape (rows, ceil(cols/32)), or fp32 ``momentum_buffers`` when
     ``momentum_scales`` is None), and the update ``U = lerp(g, buf, momentum)`` (Nesterov) or ``buf``.
     2: Newton-Schulz on each WHOLE matrix (``shapes[i]``, the parameter's global shape, viewed as
-    ``matrix_shape``): ``orthogonalize(local updates, whole)`` returns each tensor's local part of
+    ``matrix_shape``): ``orthogonalize(indices, local updates, whole)`` returns each tensor's local part of
     ``whole(i, full update i)``; the default takes the local tensors to be whole (one process), and
     ``flashdist.distributed.gather.OwnerOrthogonalize`` gathers each to one owner rank and sends the result
-    back. Newton-Schulz starts by rounding the update to bf16, so that is what travels. 3: on each local
+    back. Newton-Schulz starts by rounding the update to bf16, so that is what travels. The three phases run
+    on ``orthogonalize.chunk`` matrices at a time (its attribute; 1 by default): the owners of a chunk's
+    matrices compute at the same time, and only a chunk's updates are held (bf16) beside the state. 3: on each local
     tensor, ``theta = theta * (1 - lr * weight_decay) - adjusted_lr * O`` on the master weight ``param + rho``
     (``rhos`` None: the parameter itself), ``adjusted_lr`` from ``adjust_lr_fn`` and the global shape.
 
@@ -78,13 +81,6 @@ def flash_muon(
     lr = host_number(lr)
     scalars = [MuonScalars.make(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                                 lr_ratio=muon_lr_ratio(adjust_lr_fn, *matrix_shape(shape))) for shape in shapes]
-    updates = [
-        reference.muon_momentum_(grads[i], momentum_buffers[i],
-                                 momentum_scales[i] if momentum_scales is not None else None,
-                                 cols=cols[i] if cols is not None else None, scalars=scalars[i], companded=companded)
-        .bfloat16()
-        for i in range(len(params))
-    ]
 
     def whole(i: int, update: torch.Tensor) -> torch.Tensor:
         matrix = update.reshape(matrix_shape(shapes[i]))
@@ -92,13 +88,24 @@ def flash_muon(
         return out.reshape(update.shape)
 
     if orthogonalize is None:
-        for i, (u, shape) in enumerate(zip(updates, shapes)):
-            if tuple(u.shape) != tuple(shape):
-                raise ValueError(f"flashdist: flash_muon got a local tensor of shape {tuple(u.shape)} for a matrix "
+        for p, shape in zip(params, shapes):
+            if tuple(p.shape) != tuple(shape):
+                raise ValueError(f"flashdist: flash_muon got a local tensor of shape {tuple(p.shape)} for a matrix "
                                  f"of shape {tuple(shape)}; a sharded matrix needs an orthogonalize= that gathers "
                                  "it (flashdist.distributed.gather.OwnerOrthogonalize)")
         orthogonalize = local_orthogonalize
-    orthos = orthogonalize(updates, whole)
-    for i, p in enumerate(params):
-        reference.muon_apply_(p, rhos[i] if rhos is not None else None, orthos[i], scalars=scalars[i],
-                              skipped=skipped)
+    chunk = max(1, getattr(orthogonalize, "chunk", 1))
+    for start in range(0, len(params), chunk):
+        indices = range(start, min(start + chunk, len(params)))
+        updates = [
+            reference.muon_momentum_(grads[i], momentum_buffers[i],
+                                     momentum_scales[i] if momentum_scales is not None else None,
+                                     cols=cols[i] if cols is not None else None, scalars=scalars[i],
+                                     companded=companded).bfloat16()
+            for i in indices
+        ]
+        orthos = orthogonalize(indices, updates, whole)
+        del updates
+        for i, ortho in zip(indices, orthos):
+            reference.muon_apply_(params[i], rhos[i] if rhos is not None else None, ortho, scalars=scalars[i],
+                                  skipped=skipped)
