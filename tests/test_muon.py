@@ -240,3 +240,28 @@ def test_state_dict_round_trip_mid_run(fmt):
     b.step()
     for p, q in zip(params, copies):
         assert torch.equal(p, q) and all(torch.equal(a.state[p][k], b.state[q][k]) for k in a.state[p])
+
+
+def test_checkpoint_inspect_and_fp32_export(tmp_path):
+    """A FlashMuon DCP checkpoint: `flashdist inspect` reads it and `flashdist export` writes the master
+    weights (parameter + rho) bit for bit."""
+    from safetensors.torch import load_file
+
+    from _cli import run_cli
+    from flashdist import checkpoint
+
+    model = _Tiny().bfloat16()
+    opt = FlashMuon(muon_param_groups(model), lr=0.02, state_dict_format="compressed")
+    gen = torch.Generator().manual_seed(6)
+    for _ in range(2):
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=gen).bfloat16()
+        opt.step()
+    checkpoint.save(str(tmp_path / "ck"), model, opt)
+    rc, out, err = run_cli("inspect", tmp_path / "ck")
+    assert rc == 0 and "compressed" in out, err
+    rc, out, err = run_cli("export", tmp_path / "ck", tmp_path / "w.safetensors")
+    assert rc == 0, err
+    exported = load_file(str(tmp_path / "w.safetensors"))
+    for name, p in model.named_parameters():
+        assert torch.equal(exported[name], opt.master_weight(p)), name
