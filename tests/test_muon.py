@@ -173,7 +173,7 @@ def test_refusals():
     with pytest.raises(ValueError, match="'bias'.*fewer than 2 dims.*use_muon=False"):
         FlashMuon([("bias", vector)])
     matrix = torch.nn.Parameter(torch.zeros(4, 4, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match="backend='auto' or 'reference'"):
+    with pytest.raises(ValueError, match="backend='auto', 'triton' or 'reference'"):
         FlashMuon([matrix], backend="cpu")
     with pytest.raises(ValueError, match="adjust_lr_fn"):
         FlashMuon([matrix], adjust_lr_fn="sqrt")

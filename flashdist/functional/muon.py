@@ -9,7 +9,7 @@ import torch
 
 from ..kernels import reference
 from ..kernels.scalars import MuonScalars, muon_lr_ratio
-from .backend import BACKENDS, host_number
+from .backend import BACKENDS, host_number, resolve_backend
 
 Orthogonalize = Callable[[Sequence[int], Sequence[torch.Tensor], Callable[[int, torch.Tensor], torch.Tensor]], list]
 
@@ -67,17 +67,26 @@ def flash_muon(
     tensor, ``theta = theta * (1 - lr * weight_decay) - adjusted_lr * O`` on the master weight ``param + rho``
     (``rhos`` None: the parameter itself), ``adjusted_lr`` from ``adjust_lr_fn`` and the global shape.
 
-    ``backend``: "auto" and "reference" run the eager reference (on the tensors' device); the fused kernels
-    of phases 1 and 3 do not exist yet, so "triton" and "cpu" are refused. ``skipped`` counts the values of
+    ``backend``: "auto" (the Triton kernels of phases 1 and 3 on CUDA, ``kernels/triton/muon.py``; the eager
+    reference elsewhere), "triton" or "reference", the same bits; there is no fused CPU step yet, so "cpu" is
+    refused. ``skipped`` counts the values of
     matrices left unchanged because their update was not finite (``reference.muon_apply_``).
     """
     if backend not in BACKENDS:
         raise ValueError(f"flashdist: backend must be one of {BACKENDS}, got {backend!r}")
-    if backend in ("triton", "cpu"):
-        raise ValueError(f"flashdist: FlashMuon has no fused {backend} step yet; use backend='auto' (the eager "
-                         "reference, on any device)")
+    if backend == "cpu":
+        raise ValueError("flashdist: FlashMuon has no fused CPU step yet; use backend='auto' (the eager reference "
+                         "on the CPU, the Triton kernels on CUDA)")
     if not params:
         return
+    chosen = resolve_backend(backend, params[0].device)
+    if chosen == "triton":
+        from ..kernels.triton.muon import muon_apply as apply_, muon_momentum as momentum_
+    else:  # (auto on the CPU: the eager reference)
+        apply_ = reference.muon_apply_
+
+        def momentum_(*args, **kwargs):
+            return reference.muon_momentum_(*args, **kwargs).bfloat16()
     lr = host_number(lr)
     scalars = [MuonScalars.make(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                                 lr_ratio=muon_lr_ratio(adjust_lr_fn, *matrix_shape(shape))) for shape in shapes]
@@ -98,14 +107,11 @@ def flash_muon(
     for start in range(0, len(params), chunk):
         indices = range(start, min(start + chunk, len(params)))
         updates = [
-            reference.muon_momentum_(grads[i], momentum_buffers[i],
-                                     momentum_scales[i] if momentum_scales is not None else None,
-                                     cols=cols[i] if cols is not None else None, scalars=scalars[i],
-                                     companded=companded).bfloat16()
+            momentum_(grads[i], momentum_buffers[i], momentum_scales[i] if momentum_scales is not None else None,
+                      cols=cols[i] if cols is not None else None, scalars=scalars[i], companded=companded)
             for i in indices
         ]
         orthos = orthogonalize(indices, updates, whole)
         del updates
         for i, ortho in zip(indices, orthos):
-            reference.muon_apply_(params[i], rhos[i] if rhos is not None else None, ortho, scalars=scalars[i],
-                                  skipped=skipped)
+            apply_(params[i], rhos[i] if rhos is not None else None, ortho, scalars=scalars[i], skipped=skipped)

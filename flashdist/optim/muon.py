@@ -55,9 +55,9 @@ class FlashMuon(FlashOptimizer):
         master_weight_bits, quantize_states, companded, state_dict_format: as :class:`flashdist.FlashAdamW`;
             the portable state dict holds fp32 ``momentum_buffer`` (torch.optim.Muon's name) plus ``rho`` and
             ``step`` for Muon matrices, ``exp_avg`` / ``exp_avg_sq`` for AdamW groups.
-        backend: "auto" (default) or "reference". Muon groups run the eager reference on the parameters'
-            device (the fused kernel of the elementwise phases is not written yet); AdamW groups run
-            FlashAdamW's fused step under "auto".
+        backend: "auto" (default), "triton" or "reference". Under "auto" the Muon groups' elementwise phases
+            run as Triton kernels on CUDA and as the eager reference on the CPU (no fused CPU step yet), the
+            AdamW groups FlashAdamW's fused steps; the same bits either way.
 
     Caveats: ``use_muon`` decides a group's state and is fixed once the optimizer is built. A matrix whose
     gradient holds a NaN or an Inf keeps its weight for that step (Newton-Schulz spreads the value over the
@@ -75,9 +75,9 @@ class FlashMuon(FlashOptimizer):
                  master_weight_bits: int | None = 24, quantize_states: bool = True, companded: bool = True,
                  backend: str = "auto", state_dict_format: str = "portable", capturable: bool = False,
                  graphed: bool = False):
-        if backend not in ("auto", "reference"):
-            raise ValueError(f"flashdist: FlashMuon takes backend='auto' or 'reference', got {backend!r} (its "
-                             "Muon update has no fused kernel yet; 'auto' gives the AdamW groups theirs)")
+        if backend not in ("auto", "triton", "reference"):
+            raise ValueError(f"flashdist: FlashMuon takes backend='auto', 'triton' or 'reference', got {backend!r} "
+                             "(its Muon update has no fused CPU step yet; 'auto' gives the AdamW groups theirs)")
         if capturable or graphed:
             raise ValueError("flashdist: FlashMuon cannot be captured in a CUDA graph yet (its Newton-Schulz "
                              "step gathers matrices between ranks); build it with capturable=False, graphed=False")
