@@ -62,7 +62,8 @@ class FlashMuon(FlashOptimizer):
     Caveats: ``use_muon`` decides a group's state and is fixed once the optimizer is built. A matrix whose
     gradient holds a NaN or an Inf keeps its weight for that step (Newton-Schulz spreads the value over the
     whole matrix) and the groups of 32 momentum values holding it keep theirs; ``optimizer.skipped`` counts
-    the values left unchanged. Not yet: ``capturable`` / ``graphed`` steps, DeepSpeed's flat partitions.
+    the values left unchanged. Not yet: a fused CPU step, ``capturable`` / ``graphed`` steps, DeepSpeed's flat
+    partitions.
     """
 
     _moments = ("momentum_buffer",)
