@@ -1,6 +1,6 @@
 """FlashMuon's sharding promise: each matrix is orthogonalized whole on one owner rank, so a step under FSDP2
-(1, 2, 3 ranks, uneven and empty shards) and under FSDP2 x tensor parallelism on a (2, 2) mesh is bit-identical
-to one process: parameters, master weights, rho, momentum codes and scales, and the AdamW groups' state. A DCP
+(1, 2, 3 ranks, uneven and empty shards), HSDP on a (2, 2) mesh and FSDP2 x tensor parallelism on (2, 2) and
+(1, 4) meshes is bit-identical to one process: parameters, master weights, rho, momentum codes and scales, and the AdamW groups' state. A DCP
 checkpoint saved on 2 ranks resumes on 3 (and the other way) in both state-dict formats, bit for bit."""
 
 from __future__ import annotations
@@ -161,10 +161,29 @@ def _tp_run(rank, world_size, mesh_shape):
     return out if rank == 0 else None
 
 
-@pytest.mark.parametrize("mesh_shape", [(2, 2)], ids=lambda m: "x".join(map(str, m)))
+@pytest.mark.parametrize("mesh_shape", [(2, 2), (1, 4)], ids=lambda m: "x".join(map(str, m)))
 def test_fsdp2_x_tp_step_is_bit_identical(mesh_shape):
     got, skipped, placements = run_ranks(_tp_run, 4, mesh_shape, timeout=180)[0]
-    assert {"_StridedShard(0)", "Shard(0)", "Shard(1)"} <= placements, placements
+    assert {"Shard(0)", "Shard(1)"} <= placements, placements
     want, want_skipped = tp_single_process()
     assert_bitwise_equal(got, want, f"FlashMuon step under FSDP2 x TP at {mesh_shape}")
     assert skipped == want_skipped > 0, (skipped, want_skipped)
+
+
+def _hsdp_run(rank, world_size):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = shard_tiny_lm(make_tiny_lm(), mesh)
+    optimizer = make_optimizer(model)
+    train(model, optimizer, STEPS)
+    skipped = optimizer.skipped.clone()
+    dist.all_reduce(skipped, group=mesh.get_group("shard"))  # (the replicas count the same values)
+    return snapshot(model, optimizer), int(skipped)  # (each rank's view: its replica's shards)
+
+
+def test_hsdp_2x2_step_is_bit_identical():
+    """(Replicate, Shard(0)): every rank of both replicas ends with the one-process bits."""
+    for rank, result in enumerate(run_ranks(_hsdp_run, 4, timeout=180)):
+        _check({"step": result}, f"HSDP 2x2, rank {rank}")
