@@ -1,8 +1,8 @@
 """FlashMuon's elementwise phases as Triton kernels: the momentum update (phase 1) and the weight update
 (phase 3) of ``reference.muon_momentum_`` and ``reference.muon_apply_``, operation by operation, so that they
 give the reference's bits (under ``TRITON_INTERPRET=1`` on CPU, and on CUDA: every operation is IEEE
-round-to-nearest, the lerps and the step are ``tl.fma``, the companding division is ``div_normalized`` as in
-the fused step). Phase 2, Newton-Schulz, is torch's matmuls on the whole matrix (``reference.newton_schulz``).
+round-to-nearest, the lerps and the step are explicit ``tl.fma`` and nothing else is contracted into one
+(``enable_fp_fusion=False``, as the fused step), the companding division is ``div_normalized`` as there). Phase 2, Newton-Schulz, is torch's matmuls on the whole matrix (``reference.newton_schulz``).
 
 One launch per tensor and phase (the multi-tensor work tables of ``fused.py`` are not used yet). A block is
 ``GROUPS`` groups of 32 slots, laid out as in ``step.step_block``: group space with 8-bit momentum, element
@@ -179,7 +179,7 @@ def muon_momentum(grad: torch.Tensor, momentum_buffer: torch.Tensor, momentum_sc
         sc.buffer_weight if buf_small else sc.buffer_weight - 1.0, sc.momentum if nest_small else sc.momentum - 1.0,
         G_KIND=_KINDS[grad.dtype], QUANTIZED=quantized, COMPANDED=companded,
         ALIGNED=quantized and cols % Q.GROUP == 0, BUF_SMALL=buf_small, NESTEROV=sc.nesterov,
-        NEST_SMALL=nest_small, COMPILED=_compiled(grad), GROUPS=GROUPS)
+        NEST_SMALL=nest_small, COMPILED=_compiled(grad), GROUPS=GROUPS, enable_fp_fusion=False)
     return update
 
 
@@ -194,4 +194,4 @@ def muon_apply(param: torch.Tensor, rho: torch.Tensor | None, ortho: torch.Tenso
         _bits(param), rho if rho is not None else param, ortho.contiguous().view(torch.int16),
         skipped if skipped is not None else param, numel, scalars.decay, scalars.alpha,
         P_KIND=_KINDS[param.dtype], RHO_KIND=rho_kind, RHO_LOG2=rho_log2, COUNT=skipped is not None,
-        COMPILED=_compiled(param), GROUPS=GROUPS)
+        COMPILED=_compiled(param), GROUPS=GROUPS, enable_fp_fusion=False)
