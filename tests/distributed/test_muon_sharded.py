@@ -187,3 +187,34 @@ def test_hsdp_2x2_step_is_bit_identical():
     """(Replicate, Shard(0)): every rank of both replicas ends with the one-process bits."""
     for rank, result in enumerate(run_ranks(_hsdp_run, 4, timeout=180)):
         _check({"step": result}, f"HSDP 2x2, rank {rank}")
+
+
+# ----- gradient release -------------------------------------------------------------------------------------
+
+
+def _release_run(rank, world_size):
+    """Release steps each FSDP2 group's matrices inside backward, as soon as their gradients are reduced: each
+    rank makes the same step_parameters calls in the same order, so the owners' exchanges line up."""
+    from sharding_cases import lm_batch, lm_loss
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from flashdist import enable_gradient_release
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    model, ref = shard_tiny_lm(make_tiny_lm(), mesh), shard_tiny_lm(make_tiny_lm(), mesh)
+    optimizer, ref_optimizer = make_optimizer(model), make_optimizer(ref)
+    handle = enable_gradient_release(model, optimizer, bucket_mb=0)
+    for step in range(STEPS):
+        tokens = lm_batch(step * world_size + rank, 4)
+        for m, opt in ((model, optimizer), (ref, ref_optimizer)):
+            lm_loss(m, tokens).backward()
+            opt.step()
+            opt.zero_grad()
+        assert all(p.grad is None for p in model.parameters())
+    handle.remove()
+    got, want = snapshot(model, optimizer), snapshot(ref, ref_optimizer)
+    assert_bitwise_equal(got, want, f"FlashMuon with gradient release on {world_size} ranks")
+
+
+def test_fsdp2_gradient_release_matches_the_ordinary_step():
+    run_ranks(_release_run, 2, timeout=180)
