@@ -80,7 +80,8 @@ def optimizer_classes() -> dict[str, type]:
     classes = {}
     for name in optim.__all__:
         cls = getattr(optim, name)
-        if isinstance(cls, type) and issubclass(cls, optim.FlashOptimizer) and cls is not optim.FlashOptimizer:
+        if (isinstance(cls, type) and issubclass(cls, optim.FlashOptimizer)
+                and cls not in (optim.FlashOptimizer, optim.FlashMuon)):  # (FlashMuon: refused, _named_class)
             classes[name.lower()] = cls
     return classes
 
