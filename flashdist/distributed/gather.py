@@ -12,10 +12,13 @@ in the list, the same on every rank, so the matmul work divides over the ranks. 
 exact whole matrix of a one-process run with the same (deterministic) function, so every rank ends with
 the one-process bits, at any world size and on any mesh.
 
-Communication per step: each rank sends its shard of the update (bf16: 2 bytes per value) and receives its
-shard of the result (2 bytes): 4 bytes per parameter per step on every rank (the owner's own part does not
-travel), against 2 x 2 x (world - 1) of an all-gather to every rank followed by local slicing. Each shard
-is padded to the largest shard of its matrix (uneven FSDP2 shards: at most one row per rank). The matrices
+Communication per step: every part of the update that is not on its owner travels there once (bf16, 2 bytes
+per value) and its result comes back once (2 bytes): 4 (world - 1) / world bytes per parameter per step, or
+about 2 bytes sent and 2 received per local parameter on each rank (the owners' work and traffic going
+round-robin), against 2 (world - 1) bytes per local parameter received by every rank of an all-gather to
+every rank (and every rank computing every matrix). Each shard
+is padded to the largest shard of its matrix (uneven FSDP2 shards: at most one row per rank), plus one
+value to an even length. ``TRAFFIC`` counts the bytes a process sent and received (tested against this). The matrices
 go in chunks of one per rank: all gathers of a chunk, then every owner computes at once, then all scatters;
 two collectives per matrix (a bucketed all-to-all is the faster form of the same exchange).
 
@@ -101,7 +104,9 @@ class OwnerOrthogonalize:
 
 class _Exchange:
     """One matrix's trip to its owner and back: ``gather`` (every rank), ``compute`` (runs on the owner
-    only), ``scatter`` (every rank: returns this rank's part of the result)."""
+    only), ``scatter`` (every rank: returns this rank's part of the result). Values travel as bf16 in
+    buffers of an even length padded to the largest part; gloo has no 16-bit collectives, so there a buffer
+    travels as the int32 view of its bf16 pairs (the same bytes)."""
 
     def __init__(self, p: torch.Tensor, update: torch.Tensor, position: int):
         self.shape = tuple(p.shape)
@@ -113,19 +118,29 @@ class _Exchange:
         self.grids = [_index_grid(self.shape, tuple(p.device_mesh.shape), c, tuple(p.placements))
                       for c in coordinates]
         self.numels = [math.prod(len(g.view(-1)) for g in grid) for grid in self.grids]
-        self.pad = max(self.numels)
-        # gloo has no 16-bit gather: bf16 values travel as their bits in int32 there (NCCL sends them as they are)
-        self.wire = torch.int32 if dist.get_backend(self.group) == "gloo" else update.dtype
+        self.pad = max(self.numels) + max(self.numels) % 2
+        self.gloo = dist.get_backend(self.group) == "gloo"
         self.received = None
         self.parts = None
         self.result_dtype = update.dtype
 
+    def _wire(self, buffer: torch.Tensor) -> torch.Tensor:
+        return buffer.view(torch.int32) if self.gloo else buffer
+
+    def _count(self, sent: int, received: int) -> None:
+        wire_bytes = self.pad * self.update.element_size()
+        TRAFFIC["sent"] += sent * wire_bytes
+        TRAFFIC["received"] += received * wire_bytes
+
     def gather(self) -> None:
         u = self.update
-        sent = torch.zeros(self.pad, dtype=self.wire, device=u.device)
-        sent[: u.numel()] = _to_wire(u.reshape(-1), self.wire)
-        self.received = [torch.empty_like(sent) for _ in range(self.size)] if self.me == self.owner else None
-        dist.gather(sent, self.received, group=self.group, group_dst=self.owner)
+        sent = torch.zeros(self.pad, dtype=u.dtype, device=u.device)
+        sent[: u.numel()] = u.reshape(-1)
+        owner = self.me == self.owner
+        self.received = [torch.empty_like(sent) for _ in range(self.size)] if owner else None
+        dist.gather(self._wire(sent), [self._wire(r) for r in self.received] if owner else None, group=self.group,
+                    group_dst=self.owner)
+        self._count(0 if owner else 1, self.size - 1 if owner else 0)
 
     def compute(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         if self.me != self.owner:
@@ -133,32 +148,29 @@ class _Exchange:
         u = self.update
         full = torch.empty(self.shape, dtype=u.dtype, device=u.device)
         for grid, n, got in zip(self.grids, self.numels, self.received):
-            full[grid] = _from_wire(got[:n], u.dtype).view([len(g.view(-1)) for g in grid])
+            full[grid] = got[:n].view([len(g.view(-1)) for g in grid])
         self.received = None
         result = fn(full)
         del full
         self.result_dtype = result.dtype
         self.parts = []
         for grid, n in zip(self.grids, self.numels):
-            part = torch.zeros(self.pad, dtype=self.wire, device=u.device)
-            part[:n] = _to_wire(result[grid].reshape(-1), self.wire)
+            part = torch.zeros(self.pad, dtype=result.dtype, device=u.device)
+            part[:n] = result[grid].reshape(-1)
             self.parts.append(part)
 
     def scatter(self) -> torch.Tensor:
         u = self.update
-        back = torch.empty(self.pad, dtype=self.wire, device=u.device)
-        dist.scatter(back, self.parts, group=self.group, group_src=self.owner)
+        owner = self.me == self.owner
+        back = torch.empty(self.pad, dtype=self.result_dtype, device=u.device)
+        dist.scatter(self._wire(back), [self._wire(p) for p in self.parts] if owner else None, group=self.group,
+                     group_src=self.owner)
+        self._count(self.size - 1 if owner else 0, 0 if owner else 1)
         self.parts = None
-        return _from_wire(back[: u.numel()], self.result_dtype).view(u.shape)
+        return back[: u.numel()].view(u.shape)
 
 
-def _to_wire(t: torch.Tensor, wire: torch.dtype) -> torch.Tensor:
-    if t.dtype == wire:
-        return t
-    return t.view(torch.int16).to(torch.int32)  # bf16 bits, sign-extended
-
-
-def _from_wire(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    if t.dtype == dtype:
-        return t
-    return t.to(torch.int16).view(dtype)
+TRAFFIC = {"sent": 0, "received": 0}
+"""Bytes this process has sent and received through the owners' exchanges (the wire's padded buffers, the
+owner's own part not counted), since it started or since ``TRAFFIC.update(sent=0, received=0)``: what the
+module docstring's budget measures."""

@@ -5,6 +5,8 @@ checkpoint saved on 2 ranks resumes on 3 (and the other way) in both state-dict 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from harness import run_ranks
@@ -67,12 +69,18 @@ def _fsdp_run(rank, world_size, folder, save_fmt, load_fmt):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from flashdist.distributed.gather import TRAFFIC
+
     mesh = init_device_mesh("cpu", (world_size,))
     out = {}
     model = shard_tiny_lm(make_tiny_lm(), mesh)
     optimizer = make_optimizer(model)
     check_state_layout(model, optimizer)
+    TRAFFIC.update(sent=0, received=0)
     train(model, optimizer, STEPS)
+    traffic = torch.tensor([TRAFFIC["sent"], TRAFFIC["received"]], dtype=torch.float64)
+    dist.all_reduce(traffic)
+    out["traffic"] = traffic.tolist()
     skipped = optimizer.skipped.clone()
     dist.all_reduce(skipped)
     out["step"] = (snapshot(model, optimizer), int(skipped))
@@ -99,7 +107,17 @@ def _check(result, label):
 
 @pytest.mark.parametrize("world_size", [1, 3], ids=lambda n: f"{n}ranks")
 def test_fsdp2_step_is_bit_identical(world_size):
-    _check(run_ranks(_fsdp_run, world_size, "", (), ())[0], f"{world_size} ranks")
+    result = run_ranks(_fsdp_run, world_size, "", (), ())[0]
+    _check(result, f"{world_size} ranks")
+    # the exchange's bytes (flashdist.distributed.gather): each part of each Muon matrix off its owner goes
+    # there and back once, bf16, padded to the largest part (torch.chunk's) and to an even length
+    sent, received = result["traffic"]
+    muon = [p for group in muon_param_groups(make_tiny_lm()) if group["use_muon"] for _, p in group["params"]]
+    pads = [math.ceil(p.shape[0] / world_size) * math.prod(p.shape[1:]) for p in muon]
+    want = sum(2 * (world_size - 1) * (pad + pad % 2) * 2 for pad in pads) * STEPS
+    assert sent == received == want, (sent, received, want)
+    numel = sum(p.numel() for p in muon)
+    assert want <= 4 * (world_size - 1) / world_size * numel * STEPS * 1.05  # the budget, padding included
 
 
 FORMATS = ("compressed", "portable")
