@@ -89,6 +89,10 @@ class FlashMuon(FlashOptimizer):
                         quantize_states=quantize_states, companded=companded, flat_layout=False)
         super().__init__(params, defaults, backend=backend, state_dict_format=state_dict_format)
 
+    def _reset_caches(self) -> None:
+        super()._reset_caches()
+        self._owner_position = 0  # the round-robin position of the next sharded matrix's owner
+
     def moments_of(self, group: dict) -> tuple[str, ...]:
         return self._moments if group["use_muon"] else ("exp_avg", "exp_avg_sq")
 
@@ -142,13 +146,19 @@ class FlashMuon(FlashOptimizer):
                        eps=float(group["adamw_eps"]), weight_decay=float(group["weight_decay"]), step=step,
                        decoupled=True, companded=group["companded"], skipped=skipped, backend=self.backend)
             return
+        orthogonalize = None
+        if bucket.dtensor:
+            # owners continue round-robin across buckets, groups and steps (the same calls in the same order on
+            # every rank), so small groups do not all land on rank 0; which rank computes changes no bit
+            orthogonalize = OwnerOrthogonalize(bucket.sources, first=self._owner_position)
+            self._owner_position += len(bucket.sources)
         flash_muon(bucket.params, bucket.local_grads(grads), bucket.moments[0], bucket.scales[0], bucket.rhos,
                    cols=bucket.cols, shapes=[tuple(D.global_shape(p)) for p in bucket.sources], lr=group["lr"],
                    weight_decay=float(group["weight_decay"]), momentum=float(group["momentum"]),
                    nesterov=group["nesterov"], ns_coefficients=tuple(map(float, group["ns_coefficients"])),
                    ns_steps=group["ns_steps"], eps=float(group["eps"]), adjust_lr_fn=group["adjust_lr_fn"],
                    companded=group["companded"], skipped=skipped, backend=self.backend,
-                   orthogonalize=OwnerOrthogonalize(bucket.sources) if bucket.dtensor else None)
+                   orthogonalize=orthogonalize)
 
 
 def muon_param_groups(model: torch.nn.Module, *, exclude=(), adamw_lr: float | None = None,
