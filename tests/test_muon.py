@@ -243,8 +243,9 @@ def test_state_dict_round_trip_mid_run(fmt):
 
 
 def test_checkpoint_inspect_and_fp32_export(tmp_path):
-    """A FlashMuon DCP checkpoint: `flashdist inspect` reads it and `flashdist export` writes the master
-    weights (parameter + rho) bit for bit."""
+    """A FlashMuon DCP checkpoint: `flashdist inspect` reads it, `flashdist export` writes the master weights
+    (parameter + rho) bit for bit, and `flashdist convert --format portable` gives a checkpoint that loads
+    back to the same state."""
     from safetensors.torch import load_file
 
     from _cli import run_cli
@@ -265,6 +266,15 @@ def test_checkpoint_inspect_and_fp32_export(tmp_path):
     exported = load_file(str(tmp_path / "w.safetensors"))
     for name, p in model.named_parameters():
         assert torch.equal(exported[name], opt.master_weight(p)), name
+    # converted to the portable format and loaded back: the same codes, scales, rho and weights
+    rc, out, err = run_cli("convert", tmp_path / "ck", tmp_path / "portable", "--to", "dcp", "--format", "portable")
+    assert rc == 0, err
+    fresh = _Tiny().bfloat16()
+    loaded = FlashMuon(muon_param_groups(fresh), lr=0.02, state_dict_format="portable")
+    checkpoint.load(str(tmp_path / "portable"), fresh, loaded)
+    for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
+        assert torch.equal(p, q), name
+        assert all(torch.equal(opt.state[p][k], loaded.state[q][k]) for k in opt.state[p]), name
 
 
 def test_training_tracks_torch_muon_and_rho_matters():
