@@ -131,6 +131,8 @@ class FlashMuon(FlashOptimizer):
             raise ValueError(f"flashdist: ns_steps must be an int in [0, 100) (as torch.optim.Muon), got {steps!r}")
         if group["adjust_lr_fn"] not in ADJUST_LR_FNS:
             raise ValueError(f"flashdist: adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {group['adjust_lr_fn']!r}")
+        if id(group) in self._layouts:  # a live group: its parameters were checked when it was added
+            return
         for i, p in enumerate(group["params"]):
             p = p[1] if isinstance(p, tuple) else p  # (named parameters, before add_param_group unpacks them)
             if isinstance(p, torch.Tensor) and p.ndim < 2:
