@@ -27,6 +27,7 @@ Like the rest of ``flashdist.distributed``, this module imports no other flashdi
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Callable, Sequence
@@ -37,19 +38,35 @@ import torch.distributed as dist
 from . import placements as P
 
 
-def _index_grid(shape, mesh_shape, coordinate, placements) -> tuple:
-    """Broadcastable per-dim global indices of the part of a tensor of ``shape`` held at ``coordinate``
-    (``full[grid]`` is ``placements.local_part(full, ...)``)."""
-    grid = []
-    for d, size in enumerate(shape):
-        shardings = P.shardings_of(d, len(shape), mesh_shape, placements)
-        index = P.dim_indices(size, shardings, coordinate) if shardings else torch.arange(size)
-        grid.append(index.view([-1 if k == d else 1 for k in range(len(shape))]))
-    return tuple(grid)
+@functools.lru_cache(maxsize=4096)
+def _parts(shape: tuple, mesh_shape: tuple, placements: tuple, coordinates: tuple) -> tuple:
+    """Where each rank's part of a tensor of ``shape`` lies (``coordinates``: each group rank's mesh
+    coordinate): per rank, an index (slices where every dim's indices are a range, as for ``Shard``; else
+    broadcastable index tensors, as for some ``_StridedShard``s) with ``full[index]`` the part that
+    ``placements.local_part`` gives, and the part's shape. Cached: the same for every step."""
+    out = []
+    for coordinate in coordinates:
+        dims = []
+        for d, size in enumerate(shape):
+            shardings = P.shardings_of(d, len(shape), mesh_shape, placements)
+            dims.append(P.dim_indices(size, shardings, coordinate) if shardings else torch.arange(size))
+        part_shape = tuple(len(i) for i in dims)
+        if all(len(i) < 2 or bool((i.diff() == 1).all()) for i in dims):
+            index = tuple(slice(int(i[0]), int(i[0]) + len(i)) if len(i) else slice(0, 0) for i in dims)
+        else:
+            index = tuple(i.view([-1 if k == d else 1 for k in range(len(shape))]) for d, i in enumerate(dims))
+        out.append((index, part_shape))
+    return tuple(out)
+
+
+_GROUPS: dict[int, tuple] = {}  # id(mesh) -> (mesh, group, coordinates): _mesh_group's answers
 
 
 def _mesh_group(mesh):
     """A process group over every rank of ``mesh``, and the mesh coordinate of each of its group ranks."""
+    known = _GROUPS.get(id(mesh))
+    if known is not None and known[0] is mesh:
+        return known[1], known[2]
     if mesh.ndim == 1:
         group = mesh.get_group(0)
     elif mesh.size() == dist.get_world_size():
@@ -62,7 +79,9 @@ def _mesh_group(mesh):
     coordinates = {}
     for coordinate in itertools.product(*(range(n) for n in ranks.shape)):
         coordinates[dist.get_group_rank(group, int(ranks[coordinate]))] = coordinate
-    return group, [coordinates[r] for r in range(len(coordinates))]
+    ordered = tuple(coordinates[r] for r in range(len(coordinates)))
+    _GROUPS[id(mesh)] = (mesh, group, ordered)
+    return group, ordered
 
 
 class OwnerOrthogonalize:
@@ -115,10 +134,9 @@ class _Exchange:
         self.size = len(coordinates)
         self.owner = position % self.size
         self.me = dist.get_rank(self.group)
-        self.grids = [_index_grid(self.shape, tuple(p.device_mesh.shape), c, tuple(p.placements))
-                      for c in coordinates]
-        self.numels = [math.prod(len(g.view(-1)) for g in grid) for grid in self.grids]
-        self.pad = max(self.numels) + max(self.numels) % 2
+        self.parts_at = _parts(self.shape, tuple(p.device_mesh.shape), tuple(p.placements), coordinates)
+        largest = max(math.prod(shape) for _, shape in self.parts_at)
+        self.pad = largest + largest % 2
         self.gloo = dist.get_backend(self.group) == "gloo"
         self.received = None
         self.parts = None
@@ -147,16 +165,16 @@ class _Exchange:
             return
         u = self.update
         full = torch.empty(self.shape, dtype=u.dtype, device=u.device)
-        for grid, n, got in zip(self.grids, self.numels, self.received):
-            full[grid] = got[:n].view([len(g.view(-1)) for g in grid])
+        for (index, shape), got in zip(self.parts_at, self.received):
+            full[index] = got[:math.prod(shape)].view(shape)
         self.received = None
         result = fn(full)
         del full
         self.result_dtype = result.dtype
         self.parts = []
-        for grid, n in zip(self.grids, self.numels):
+        for index, shape in self.parts_at:
             part = torch.zeros(self.pad, dtype=result.dtype, device=u.device)
-            part[:n] = result[grid].reshape(-1)
+            part[:math.prod(shape)] = result[index].reshape(-1)
             self.parts.append(part)
 
     def scatter(self) -> torch.Tensor:
