@@ -14,8 +14,10 @@ import torch
 from flashdist import FlashMuon
 from tests.cases import DTYPES, MOMENTS
 
-CASES = [(d, b, m, n) for d, b, m, n in itertools.product(DTYPES, (24, 32, None), MOMENTS, (True, False))
-         if d != "fp32" or b is None]
+# every dtype x master-weight width x momentum storage with Nesterov; plain momentum (the other lerp branch of
+# the update) once per momentum storage
+CASES = ([(d, b, m, True) for d, b, m in itertools.product(DTYPES, (24, 32, None), MOMENTS) if d != "fp32" or b is None]
+         + [("bf16", 24, m, False) for m in MOMENTS])
 
 
 def _ids(case):
