@@ -18,6 +18,8 @@ _KINDS = {
     "flash_sgd": (2, 1, 2, (1 + SCALE_BYTES,)),
     "lion": (4, 0, 4, (4,)),
     "flash_lion": (2, 1, 2, (1 + SCALE_BYTES,)),
+    "muon": (4, 0, 4, (4,)),  # torch.optim.Muon: fp32 weights, gradients and momentum (matrices)
+    "flash_muon": (2, 1, 2, (1 + SCALE_BYTES,)),  # FlashMuon's matrices (its AdamW groups: flash_adamw)
 }
 _ALIASES = {"adamw_ref": "adamw", "sgd_ref": "sgd", "adam": "adamw", "flash_adam": "flash_adamw", "sgdw": "sgd",
             "flash_sgdw": "flash_sgd"}
@@ -25,8 +27,9 @@ _ALIASES = {"adamw_ref": "adamw", "sgd_ref": "sgd", "adam": "adamw", "flash_adam
 
 def bytes_per_param(kind: str, gradient_release: bool = False) -> dict[str, float]:
     """Analytic bytes per parameter held by training with ``kind`` (adamw, flash_adamw, sgd, flash_sgd, lion,
-    flash_lion; adam, flash_adam, sgdw and flash_sgdw are accepted too): master weight, rho ("ecc"), gradient
-    (0 with gradient release), each moment ("m", and "v" for Adam), total. SGD counts a momentum buffer."""
+    flash_lion, muon, flash_muon; adam, flash_adam, sgdw and flash_sgdw are accepted too): master weight, rho ("ecc"), gradient
+    (0 with gradient release), each moment ("m", and "v" for Adam), total. SGD counts a momentum buffer; Muon counts its matrices (their transient
+    update being orthogonalized not included; FlashMuon's AdamW groups hold flash_adamw's budget)."""
     key = _ALIASES.get(kind, kind)
     if key not in _KINDS:
         raise ValueError(f"flashdist: unknown optimizer kind {kind!r}; expected one of {sorted(_KINDS)}")

@@ -30,14 +30,15 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property, partial
 
 import torch
 
-from flashdist import FlashAdam, FlashAdamW, FlashLion, FlashSGD, FlashSGDW
-from flashdist.functional import flash_adam, flash_lion, flash_sgd
+from flashdist import FlashAdam, FlashAdamW, FlashLion, FlashMuon, FlashSGD, FlashSGDW
+from flashdist.functional import flash_adam, flash_lion, flash_muon, flash_sgd
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MANTISSA = {"bf16": 8, "fp16": 11}  # significant bits: half an ulp at |w| in [2^e, 2^e+1) is 2^(e - MANTISSA)
@@ -74,6 +75,57 @@ class SGDW64:
         self.sgd.step()
 
 
+class Muon64:
+    """torch.optim.Muon's update in float64, Newton-Schulz included, for a matrix (a parameter of two or more
+    dims, as ``(shape[0], prod(shape[1:]))``); torch.optim.AdamW in float64 for the rest (FlashMuon's
+    ``use_muon=False`` groups, as ``muon_groups`` makes them)."""
+
+    def __init__(self, p, lr, weight_decay=0.1, momentum=0.95, nesterov=True, ns_steps=5, eps=1e-7,
+                 adjust_lr_fn=None, adamw_betas=(0.9, 0.999), adamw_eps=1e-8):
+        self.p, self.lr, self.wd, self.mu, self.nesterov = p, lr, weight_decay, momentum, nesterov
+        self.ns_steps, self.eps, self.adjust_lr_fn = ns_steps, eps, adjust_lr_fn
+        self.adamw = None if p.ndim >= 2 else torch.optim.AdamW(
+            [p], lr=lr, betas=adamw_betas, eps=adamw_eps, weight_decay=weight_decay, foreach=False)
+        self.buf = torch.zeros_like(p)
+
+    @torch.no_grad()
+    def step(self):
+        if self.adamw is not None:
+            self.adamw.step()
+            return
+        from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, _adjust_lr
+
+        g = self.p.grad
+        self.buf.lerp_(g, 1 - self.mu)
+        u = g.lerp(self.buf, self.mu) if self.nesterov else self.buf
+        x = u.reshape(u.shape[0], math.prod(u.shape[1:]))
+        rows, cols = x.shape
+        x = x.T if rows > cols else x
+        x = x / x.norm().clamp(min=self.eps)
+        for _ in range(self.ns_steps):
+            gram = x @ x.T
+            x = DEFAULT_A * x + (DEFAULT_B * gram + DEFAULT_C * gram @ gram) @ x
+        x = x.T if rows > cols else x
+        self.p.mul_(1 - self.lr * self.wd)
+        self.p.add_(x.reshape(self.p.shape), alpha=-_adjust_lr(self.lr, self.adjust_lr_fn, (rows, cols)))
+
+
+def muon_groups(params) -> list[dict]:
+    """FlashMuon's param groups for parameters given as any torch optimizer takes them (tensors, named
+    tensors, group dicts): each group split into its matrices (``use_muon=True``) and the rest (False)."""
+    params = list(params)
+    groups = params if params and isinstance(params[0], dict) else [{"params": params}]
+    out = []
+    for group in groups:
+        entries = list(group["params"])
+        matrix = [(e[1] if isinstance(e, tuple) else e).ndim >= 2 for e in entries]
+        for use_muon in (True, False):
+            part = [e for e, m in zip(entries, matrix) if m == use_muon]
+            if part:
+                out.append({**group, "params": part, "use_muon": use_muon})
+    return out
+
+
 def _torch(cls):
     return lambda p, **kw: cls([p], foreach=False, **kw)
 
@@ -98,11 +150,16 @@ class Optimizer:
     arith: float  # error of fp32 arithmetic per step, in units of the update
     quant: dict  # moment storage -> its error per step, in units of the update; storages absent are not run
     max_flipped: float | None = None  # sign updates: the fraction of coordinates allowed to end > lr apart
+    groups: Callable | None = None  # params -> the param groups the optimizer is built with (default: as given)
+    elementwise: bool = True  # each value's step reads its own group only (FlashMuon's reads its whole matrix)
+    backends: tuple = ("cpu", "triton")  # fused backends it has besides the eager reference
     dtypes: tuple = tuple(DTYPES)  # parameter dtypes it runs with
     bits: tuple = (24, 32, None)  # master_weight_bits it runs with (bf16 and fp16 parameters)
 
     def make(self, params, *, bits=24, moments="q-comp", lr=None, **options):
         quantize, companded = MOMENTS[moments]
+        if self.groups is not None:
+            params = self.groups(params)
         return self.cls(params, lr=self.lr if lr is None else lr, master_weight_bits=bits,
                         quantize_states=quantize, companded=companded, **self.kwargs, **options)
 
@@ -147,6 +204,13 @@ class Optimizer:
 # momentum 0.9, so a few percent of it is 0.15 of a gradient
 ADAM_QUANT = {"q-comp": 0.1, "q-linear": 5.0, "fp32m": 0.0}
 SGD_QUANT = {"q-comp": 0.15, "fp32m": 0.0}
+# Muon's update is adjusted_lr * O: |O| <= 1.5 (the quintic's singular values end in [0.5, 1.5]) times the lr
+# ratio, 1 for the (16, 96) trajectories and at most sqrt(5) for the odd shapes; bf16 Newton-Schulz rounds
+# O's inputs and each of its 2 * ns_steps + 1 products to 8 bits (2^-9 relative each): 0.023 of |O|, so
+# 0.023 * 1.5 * sqrt(5) = 0.08 of lr. 8-bit momentum perturbs U by (2/254 + 2^-8) of each group's absmax,
+# which Newton-Schulz passes on with a gain of a few units
+MUON_ARITH = 0.1
+MUON_QUANT = {"q-comp": 0.1, "q-linear": 0.2, "fp32m": 0.0}
 _SGD = dict(cls=FlashSGD, step=partial(flash_sgd, decoupled=False), reference=_torch(torch.optim.SGD), lr=1e-2,
             update="gradient", arith=1e-3, quant=SGD_QUANT)
 
@@ -168,6 +232,11 @@ OPTIMIZERS = {o.name: o for o in [
     # 8-bit momentum a flipped sign costs 2 lr at that step; max_flipped keeps that rare
     Optimizer("lion", FlashLion, dict(betas=(0.9, 0.99), weight_decay=0.1), flash_lion, Lion64, lr=1e-2,
               update="unit", arith=1e-3, quant={"q-comp": 2.0, "fp32m": 0.0}, max_flipped=0.05, bits=(24, 32)),
+    # Matrices: Newton-Schulz runs in bf16 (as torch.optim.Muon's), against float64 here: MUON_ARITH. 1-d and
+    # 0-d parameters take the AdamW groups' update (muon_groups). Bitwise against torch.optim.Muon:
+    # tests/test_muon.py
+    Optimizer("muon", FlashMuon, dict(weight_decay=0.1), flash_muon, Muon64, lr=1e-2, update="unit",
+              arith=MUON_ARITH, quant=MUON_QUANT, groups=muon_groups, elementwise=False, backends=("triton",)),
 ]}
 
 

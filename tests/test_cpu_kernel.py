@@ -119,6 +119,8 @@ def _cases():
             continue  # the group layout only matters to 8-bit moments
         if not OPTIMIZERS[opt].moments and moments != "fp32m":
             continue  # no momentum: no moments
+        if "cpu" not in OPTIMIZERS[opt].backends:
+            continue  # no fused CPU step (FlashMuon's Muon update)
         yield Case(opt, dtype, bits, moments, flat)
 
 

@@ -200,6 +200,7 @@ BAD_CONFIGS = {
     "bf16-masters-without-states": (dict(bf16={"enabled": True, "bf16_master_weights_and_grads": True}),
                                     "bf16_optimizer_states: true"),
     "untested-off": (dict(zero_allow_untested_optimizer=False), "zero_allow_untested_optimizer"),
+    "muon": (dict(optimizer={"type": "FlashMuon", "params": {"lr": 0.02}}), "no rank holds the whole matrices"),
 }
 
 

@@ -80,7 +80,8 @@ def optimizer_classes() -> dict[str, type]:
     classes = {}
     for name in optim.__all__:
         cls = getattr(optim, name)
-        if isinstance(cls, type) and issubclass(cls, optim.FlashOptimizer) and cls is not optim.FlashOptimizer:
+        if (isinstance(cls, type) and issubclass(cls, optim.FlashOptimizer)
+                and cls not in (optim.FlashOptimizer, optim.FlashMuon)):  # (FlashMuon: refused, _named_class)
             classes[name.lower()] = cls
     return classes
 
@@ -93,6 +94,10 @@ def _named_class(type_name: Any) -> type | None:
     explicit = key.startswith(_TYPE_PREFIX)
     key = key[len(_TYPE_PREFIX):] if explicit else key
     classes = optimizer_classes()
+    if key == "flashmuon":
+        raise ValueError("flashdist: the DeepSpeed config asks for FlashMuon, which DeepSpeed cannot run: ZeRO hands "
+                         "the optimizer flat 1-d partitions of many parameters, so no rank holds the whole matrices "
+                         "Newton-Schulz needs; train FlashMuon under FSDP2 (fully_shard), or name DeepSpeed's Muon")
     if key in classes:
         return classes[key]
     if explicit or key.startswith("flash"):

@@ -23,8 +23,9 @@ or, for several groups (first matching pattern wins, as in torchtitan)::
     ]),
 
 :class:`FlashOptimizersContainer` is torchtitan's ``OptimizersContainer`` that also knows the names
-``FlashAdamW``, ``FlashAdam``, ``FlashSGD``, ``FlashSGDW`` and ``FlashLion`` (torchtitan's own names still
-work, so one container may mix them). ``optimizer_kwargs`` are the optimizer's per-group options (``lr``,
+``FlashAdamW``, ``FlashAdam``, ``FlashSGD``, ``FlashSGDW``, ``FlashLion`` and ``FlashMuon`` (torchtitan's own
+names still work, so one container may mix them; FlashMuon's non-matrix groups take ``"use_muon": False`` in
+their ``optimizer_kwargs``). ``optimizer_kwargs`` are the optimizer's per-group options (``lr``,
 ``betas``, ``master_weight_bits``, ``quantize_states``, ``companded``, ...); the container-wide
 ``state_dict_format`` and ``backend`` fields reach every flashdist optimizer it builds
 (``optimizer_factory_kwargs_by_name={"FlashAdamW": {...}}`` overrides them per name). torchtitan's
@@ -65,11 +66,11 @@ from torchtitan.components.optimizer.utils import init_optim_state, load_flat_op
 
 from ..checkpoint.state import FORMATS
 from ..functional.backend import BACKENDS
-from ..optim import FlashAdam, FlashAdamW, FlashLion, FlashOptimizer, FlashSGD, FlashSGDW
+from ..optim import FlashAdam, FlashAdamW, FlashLion, FlashMuon, FlashOptimizer, FlashSGD, FlashSGDW
 
 FLASH_OPTIMIZERS: dict[str, type[FlashOptimizer]] = {
     "FlashAdamW": FlashAdamW, "FlashAdam": FlashAdam, "FlashSGD": FlashSGD, "FlashSGDW": FlashSGDW,
-    "FlashLion": FlashLion,
+    "FlashLion": FlashLion, "FlashMuon": FlashMuon,
 }
 # Group keys torchtitan adds for torch's fused/foreach kernels: not options of a flashdist optimizer.
 _TORCH_IMPL_KEYS = ("fused", "foreach")

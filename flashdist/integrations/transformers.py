@@ -5,7 +5,10 @@
     args = TrainingArguments(optim="flash_adamw", optim_args="master_weight_bits=24", bf16=True, ...)
     Trainer(model=model.to(torch.bfloat16), args=args, ...).train()
 
-Names: ``flash_adamw``, ``flash_adam``, ``flash_sgd``, ``flash_sgdw``, ``flash_lion`` (see :data:`OPTIMIZERS`).
+Names: ``flash_adamw``, ``flash_adam``, ``flash_sgd``, ``flash_sgdw``, ``flash_lion``, ``flash_muon`` (see
+:data:`OPTIMIZERS`). ``flash_muon`` builds its param groups from the model (``flashdist.muon_param_groups``:
+matrices take Muon, embeddings, the output head, norms and biases AdamW with ``adam_beta1/2`` and
+``adam_epsilon``), in place of the Trainer's decay / no-decay groups.
 The Trainer's arguments map as for its own optimizers: ``learning_rate`` -> ``lr``, ``adam_beta1/2`` ->
 ``betas`` (Adam and Lion), ``adam_epsilon`` -> ``eps`` (Adam), ``weight_decay`` per param group (the Trainer's
 decay / no-decay groups). ``optim_args`` is the Trainer's ``"key=value,key=value"`` string; each key is a keyword
@@ -43,12 +46,13 @@ SUPPORTED_TRANSFORMERS = ">=5.24,<6"
 """Transformers versions :func:`register` was tested with (the enum and handler table it extends)."""
 
 OPTIMIZERS = {"flash_adamw": "FlashAdamW", "flash_adam": "FlashAdam", "flash_sgd": "FlashSGD",
-              "flash_sgdw": "FlashSGDW", "flash_lion": "FlashLion"}
+              "flash_sgdw": "FlashSGDW", "flash_lion": "FlashLion", "flash_muon": "FlashMuon"}
 """``TrainingArguments.optim`` names and the flashdist.optim class each builds."""
 
 # Which TrainingArguments each class takes: (betas from adam_beta1/2, eps from adam_epsilon)
 _ADAM_ARGS = {"FlashAdamW": (True, True), "FlashAdam": (True, True), "FlashLion": (True, False),
-              "FlashSGD": (False, False), "FlashSGDW": (False, False)}
+              "FlashSGD": (False, False), "FlashSGDW": (False, False), "FlashMuon": (True, True)}
+_ARG_PREFIX = {"FlashMuon": "adamw_"}  # FlashMuon's AdamW groups take adamw_betas, adamw_eps
 
 
 def _optimizer_class(name: str) -> type:
@@ -126,11 +130,13 @@ def uses_deepspeed(args) -> bool:
     return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").strip().lower() in ("1", "true", "yes")
 
 
-def optimizer_cls_and_kwargs(name: str, args=None, optim_args: str | dict | None = None) -> tuple[type, dict]:
+def optimizer_cls_and_kwargs(name: str, args=None, optim_args: str | dict | None = None,
+                             model: torch.nn.Module | None = None) -> tuple[type, dict]:
     """``(class, kwargs)`` for the Trainer's public ``optimizer_cls_and_kwargs=`` argument, from a flashdist
     name (:data:`OPTIMIZERS`) and the TrainingArguments, mapped as ``optim=`` maps them (module docstring).
     ``optim_args`` defaults to ``args.optim_args``. Works on any Transformers whose Trainer takes
-    ``optimizer_cls_and_kwargs``; ``register()`` is not needed for it.
+    ``optimizer_cls_and_kwargs``; ``register()`` is not needed for it. ``flash_muon`` needs ``model``: its
+    param groups (``kwargs["params"]``, which the Trainer uses in place of its own) come from it.
 
         Trainer(model, args, optimizer_cls_and_kwargs=fd_hf.optimizer_cls_and_kwargs("flash_adamw", args))"""
     name = str(getattr(name, "value", name))  # TrainingArguments hold an OptimizerNames member
@@ -139,10 +145,11 @@ def optimizer_cls_and_kwargs(name: str, args=None, optim_args: str | dict | None
     if args is not None:
         kwargs["lr"] = args.learning_rate
         betas, eps = _ADAM_ARGS[cls.__name__]
+        prefix = _ARG_PREFIX.get(cls.__name__, "")
         if betas:
-            kwargs["betas"] = (args.adam_beta1, args.adam_beta2)
+            kwargs[prefix + "betas"] = (args.adam_beta1, args.adam_beta2)
         if eps:
-            kwargs["eps"] = args.adam_epsilon
+            kwargs[prefix + "eps"] = args.adam_epsilon
         if optim_args is None:
             optim_args = args.optim_args
     kwargs.update(parse_optim_args(optim_args, cls))
@@ -150,12 +157,22 @@ def optimizer_cls_and_kwargs(name: str, args=None, optim_args: str | dict | None
     if "flat_layout" in kwargs and bool(kwargs["flat_layout"]) != deepspeed:
         raise ValueError(f"flashdist: optim_args sets flat_layout={kwargs['flat_layout']!r}; it follows the launcher "
                          "(True under DeepSpeed ZeRO, False otherwise): remove it")
+    if deepspeed and cls.__name__ == "FlashMuon":
+        raise ValueError("flashdist: optim='flash_muon' cannot run under DeepSpeed ZeRO (its flat partitions hold no "
+                         "whole matrices for Newton-Schulz); train it with FSDP2 or in one process")
     if deepspeed:
         kwargs["flat_layout"] = True  # ZeRO's flat partitions keep 8-bit moments only in the flat layout
     try:  # every check the class makes, now rather than at the Trainer's first step
-        cls([torch.zeros(1, dtype=torch.bfloat16, requires_grad=True)], **kwargs)
+        cls([torch.zeros(1, 1, dtype=torch.bfloat16, requires_grad=True)], **kwargs)
     except (TypeError, ValueError) as e:
         raise ValueError(f"flashdist: {cls.__name__} from optim={name!r}, optim_args={optim_args!r}: {e}") from e
+    if cls.__name__ == "FlashMuon":
+        if model is None:
+            raise ValueError("flashdist: optim='flash_muon' builds its param groups from the model: pass model= to "
+                             "optimizer_cls_and_kwargs (the Trainer's handler does, after register())")
+        from ..optim.muon import muon_param_groups
+
+        kwargs["params"] = muon_param_groups(model)  # the Trainer takes kwargs["params"] as the groups
     return cls, kwargs
 
 
@@ -189,7 +206,7 @@ def _check_version():
 
 def _handler(ctx) -> tuple[type, dict]:
     """The Trainer's handler for a flashdist name: ``ctx`` is transformers' OptimizerContext."""
-    return optimizer_cls_and_kwargs(ctx.args.optim, ctx.args, ctx.optim_args)
+    return optimizer_cls_and_kwargs(ctx.args.optim, ctx.args, ctx.optim_args, ctx.model)
 
 
 def _add_member(enum_cls: type, value: str) -> None:

@@ -1,5 +1,5 @@
-"""Eager torch implementation of the fused steps (FlashAdam(W), FlashSGD(W), FlashLion): the CPU path and
-the test oracle.
+"""Eager torch implementation of the fused steps (FlashAdam(W), FlashSGD(W), FlashLion, and FlashMuon's
+elementwise phases and Newton-Schulz): the CPU path and the test oracle.
 
 It defines the arithmetic, operation by operation, that the Triton kernel reproduces (bitwise under
 ``TRITON_INTERPRET=1``, and on CUDA with ``FLASHDIST_EXACT=1``, the default): every scalar is fp32
@@ -15,7 +15,7 @@ import torch
 
 from ..quant import codes as Q
 from ..quant import rho as R
-from .scalars import AdamScalars, LionScalars, SGDScalars
+from .scalars import AdamScalars, LionScalars, MuonScalars, SGDScalars
 
 
 def _group_mask_to_elements(bad_groups: torch.Tensor, cols: int, shape) -> torch.Tensor:
@@ -227,3 +227,119 @@ def lion_step_(
     m = m * sc.beta2 + g * sc.one_minus_beta2
     _store_(param, grad, rho, theta, [(exp_avg, exp_avg_scales, m, False)], cols=cols, companded=companded,
             skipped=skipped)
+
+
+# ----- Muon ------------------------------------------------------------------------------------------------
+
+
+def fma_rn(a: torch.Tensor, b: torch.Tensor | float, c: torch.Tensor) -> torch.Tensor:
+    """``a * b + c`` of fp32 values rounded once to fp32 (a fused multiply-add), as torch's CPU kernels
+    compute ``lerp`` and ``add(alpha=)`` (``vec::fmadd``) and as a GPU's FMA does. In float64: ``a * b`` is
+    exact (24 + 24 bits), the sum is rounded to odd (its TwoSum error moves an even result one float64 ulp
+    toward the exact sum), and rounding that to fp32 is then the correct rounding of the exact sum."""
+    ab = a.double() * b
+    c64 = c.double()
+    s = ab + c64
+    bb = s - ab
+    err = (ab - (s - bb)) + (c64 - bb)  # TwoSum: s + err is exactly ab + c
+    even = (s.view(torch.int64) & 1) == 0
+    odd = torch.where((err != 0) & even, torch.nextafter(s, torch.where(err > 0, torch.inf, -torch.inf)), s)
+    return torch.where(torch.isfinite(s), odd, s).float()
+
+
+def lerp_(start: torch.Tensor, end: torch.Tensor, weight: float) -> torch.Tensor:
+    """``torch.lerp(start, end, weight)`` of fp32 tensors, as torch computes it: ``start + w (end - start)``
+    for ``w < 0.5``, else ``end + (w - 1)(end - start)``, each one fused multiply-add (``fma_rn``), so the
+    result does not depend on where a value sits in a tensor (a shard gives the whole tensor's bits)."""
+    diff = end - start
+    if weight < 0.5:
+        return fma_rn(diff, weight, start)
+    return fma_rn(diff, weight - 1.0, end)  # (w - 1 is exact in fp32 for w in [0.5, 1])
+
+
+@torch.no_grad()
+def muon_momentum_(
+    grad: torch.Tensor,
+    momentum_buffer: torch.Tensor,
+    momentum_scales: torch.Tensor | None,
+    *,
+    cols: int | None,
+    scalars: MuonScalars,
+    companded: bool,
+) -> torch.Tensor:
+    """Muon's phase 1 on one local tensor: ``buf = lerp(buf, g, 1 - momentum)`` stored back (int8 codes with
+    bf16 ``momentum_scales``, or an fp32 buffer when ``momentum_scales`` is None) and the update it returns,
+    fp32: ``lerp(g, buf, momentum)`` with Nesterov, else ``buf``. A group whose new buffer is not finite (a
+    NaN or Inf gradient) keeps its stored buffer; its update is returned as it is (not finite), and phase 3
+    then leaves the whole matrix's weight unchanged."""
+    sc = scalars
+    g = grad.float()
+    if momentum_scales is not None:
+        buf = Q.dequantize_exp_avg(momentum_buffer, momentum_scales, cols, companded)
+    else:
+        buf = momentum_buffer
+    buf = lerp_(buf, g, sc.buffer_weight)
+    update = lerp_(g, buf, sc.momentum) if sc.nesterov else buf
+    if momentum_scales is None:
+        momentum_buffer.copy_(torch.where(torch.isfinite(buf), buf, momentum_buffer))
+        return update
+    if buf.numel():
+        bad_groups = ~Q.scale_fits(Q.group_absmax(Q.grouped(buf, cols)).squeeze(-1), False)
+        codes, scales = Q.quantize_exp_avg(buf, cols, companded)
+        bad = _group_mask_to_elements(bad_groups, cols, buf.shape)
+        momentum_buffer.copy_(torch.where(bad, momentum_buffer, codes))
+        momentum_scales.copy_(torch.where(bad_groups, momentum_scales, scales))
+    return update
+
+
+@torch.no_grad()
+def newton_schulz(update: torch.Tensor, *, coefficients: tuple[float, float, float], steps: int,
+                  eps: float) -> torch.Tensor:
+    """Muon's phase 2 on one WHOLE matrix (2-D): torch.optim.Muon's quintic Newton-Schulz iteration, the
+    same operations in the same order (bf16, the transpose of a tall matrix, the Frobenius normalisation
+    clamped at ``eps``), so that it gives torch's bits on the same device. Returns bf16. Deterministic on
+    one device: a given matrix gives the same bits wherever and whenever it is computed there."""
+    a, b, c = coefficients
+    x = update.bfloat16()
+    tall = update.size(0) > update.size(1)
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.T
+        gram_update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, gram_update, x, beta=a)
+    return x.T if tall else x
+
+
+@torch.no_grad()
+def muon_apply_(
+    param: torch.Tensor,
+    rho: torch.Tensor | None,
+    ortho: torch.Tensor,
+    *,
+    scalars: MuonScalars,
+    skipped: torch.Tensor | None,
+) -> None:
+    """Muon's phase 3 on one local tensor: ``theta = theta * (1 - lr wd)``, then ``theta += -adjusted_lr * O``
+    (one fused multiply-add, as torch's ``add_(O, alpha=)``), on the master weight ``param + rho`` split
+    back into the parameter and rho. ``ortho``: this tensor's rows of the orthogonalized update (bf16). A
+    matrix whose update is not finite (a non-finite gradient: Newton-Schulz spreads it over the whole
+    matrix) is left as it was, and its values are counted in ``skipped`` (each its own group here)."""
+    if param.numel() == 0:
+        return
+    sc = scalars
+    o = ortho.float()
+    bad = ~torch.isfinite(o)
+    if bool(bad.any()):
+        if skipped is not None:
+            skipped.add_(torch.tensor(int(bad.sum()), dtype=skipped.dtype, device=skipped.device))
+        o = torch.where(bad, torch.zeros_like(o), o)
+    theta = R.merge(param, rho) if rho is not None else param.float()
+    theta = fma_rn(o, sc.alpha, theta * sc.decay)
+    if rho is not None:
+        low, new_rho = R.split(theta, param.dtype, rho.dtype)
+        rho.copy_(torch.where(bad, rho, new_rho))
+    else:
+        low = theta.to(param.dtype)
+    param.copy_(torch.where(bad, param, low))

@@ -169,3 +169,35 @@ class DeviceScalars:
     nesterov: bool = False
     eps: float = 0.0
     inv_bias_correction2_sqrt: float = 0.0
+
+
+@dataclass(frozen=True)
+class MuonScalars:
+    """Muon (torch.optim.Muon's update) on one matrix: the momentum ``buf.lerp_(g, 1 - momentum)``, the
+    Nesterov look-ahead ``g.lerp(buf, momentum)``, the decoupled decay ``1 - lr * weight_decay`` and the
+    step ``-adjusted_lr``, each rounded to fp32 as torch's CPU and CUDA kernels take a Python scalar
+    (``lr * weight_decay`` and the adjustment in float64 first, as torch computes them in Python)."""
+
+    buffer_weight: float  # 1 - momentum: the lerp weight of the gradient into the buffer
+    momentum: float  # Nesterov's lerp weight of the buffer
+    decay: float  # 1 - lr * weight_decay
+    alpha: float  # -adjusted_lr of this matrix
+    nesterov: bool
+
+    @classmethod
+    @_cached
+    def make(cls, *, lr: float, weight_decay: float, momentum: float, nesterov: bool,
+             lr_ratio: float) -> "MuonScalars":
+        return cls(buffer_weight=f32(1.0 - momentum), momentum=f32(momentum), decay=f32(1.0 - lr * weight_decay),
+                   alpha=f32(-(lr * lr_ratio)), nesterov=nesterov)
+
+
+def muon_lr_ratio(adjust_lr_fn: str | None, rows: int, cols: int) -> float:
+    """torch.optim.Muon's learning-rate adjustment of a (rows, cols) matrix: ``"original"`` (None)
+    ``sqrt(max(1, rows / cols))`` (Keller Jordan's), ``"match_rms_adamw"`` ``0.2 * sqrt(max(rows, cols))``
+    (Moonshot's: reuse AdamW's lr and weight decay)."""
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        return math.sqrt(max(1, rows / cols))
+    if adjust_lr_fn == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    raise ValueError(f"flashdist: adjust_lr_fn must be None, 'original' or 'match_rms_adamw', got {adjust_lr_fn!r}")

@@ -20,6 +20,7 @@ class Bucket:
         self.index = index
         states = [opt.state[p] for p in params]
         self.device = D.local(params[0]).device
+        self.sources = list(params)  # the parameters themselves (DTensors where sharded)
         self.params = [D.local(p) for p in params]
         names = opt.moments_of(group)
         self.quantized = bool(names) and QuantizedMoment.held_in(states[0], names[0])
@@ -40,6 +41,7 @@ class Bucket:
         out.__dict__.update(self.__dict__)
         out.index = index
         out.params = [self.params[k] for k in keep]
+        out.sources = [self.sources[k] for k in keep]
         out.moments = [[m[k] for k in keep] for m in self.moments]
         out.scales = [[s[k] for k in keep] if s is not None else None for s in self.scales]
         out.rhos = [self.rhos[k] for k in keep] if self.rhos is not None else None

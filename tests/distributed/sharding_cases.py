@@ -83,6 +83,7 @@ CONFIGS = {case.id: case for case in [
     Case(OPTIMIZERS["sgd-nesterov"], backend="reference"),
     Case(OPTIMIZERS["sgdw"], moments="q-linear", backend="reference"),
     Case(OPTIMIZERS["lion"], backend="reference"),
+    Case(OPTIMIZERS["muon"], backend="reference"),  # its step gathers each matrix to one rank (collectives)
 ]}
 ADAMW = Case(OPTIMIZERS["adamw"], backend="reference").id  # FlashAdamW as a user gets it: 24 bits, companded
 

@@ -2,7 +2,8 @@
 ``prepare`` shards the model and swaps the optimizer's ``param_groups`` entries for the sharded DTensors
 (accelerate.utils.fsdp_utils.fsdp2_switch_optimizer_parameters); the optimizer's state must follow. On 2
 gloo ranks it trains, saves (``save_state``: DCP through ``save_fsdp_optimizer``) and resumes
-(``load_state``) bit-identically to one process running flashdist on the unsharded model."""
+(``load_state``) bit-identically to one process running flashdist on the unsharded model: FlashAdamW, and
+FlashMuon, whose groups (``muon_param_groups``) are built before ``prepare`` too."""
 
 from __future__ import annotations
 
@@ -37,11 +38,18 @@ def _train_step(model, optimizer, step: int, backward=None) -> None:
     optimizer.zero_grad()
 
 
-def _single_process(steps: int) -> dict[str, torch.Tensor]:
+def _optimizer(model, name: str):
+    """FlashAdamW over every parameter, or FlashMuon over flashdist.muon_param_groups (its matrices Muon)."""
     import flashdist
 
+    if name == "FlashMuon":
+        return flashdist.FlashMuon(flashdist.muon_param_groups(model, adamw_lr=LR), lr=LR)
+    return flashdist.FlashAdamW(model.parameters(), lr=LR)
+
+
+def _single_process(steps: int, name: str = "FlashAdamW") -> dict[str, torch.Tensor]:
     model = _model()
-    optimizer = flashdist.FlashAdamW(model.parameters(), lr=LR)
+    optimizer = _optimizer(model, name)
     for step in range(steps):
         _train_step(model, optimizer, step)
     return {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -95,16 +103,15 @@ def _check_state_follows(model, optimizer) -> None:
     assert report["rho"] == sum(p.to_local().numel() for p in trainable)  # int8 rho of bf16 parameters
 
 
-def _ranks(rank: int, world_size: int, folder: str, steps: int) -> dict:
+def _ranks(rank: int, world_size: int, folder: str, steps: int, name: str) -> dict:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
-    import flashdist
 
     # run 1: optimizer built on the unsharded model, then prepare; save before the first step (state for
     # every trainable parameter must exist on every rank for DCP) and halfway
     accelerator = _accelerator()
     model = _model()
-    optimizer = flashdist.FlashAdamW(model.parameters(), lr=LR)
+    optimizer = _optimizer(model, name)
     model, optimizer = accelerator.prepare(model, optimizer)
     _check_state_follows(model, optimizer.optimizer)
     accelerator.save_state(os.path.join(folder, "before-first-step"))
@@ -116,7 +123,7 @@ def _ranks(rank: int, world_size: int, folder: str, steps: int) -> dict:
     # run 2: a fresh job resumes from the halfway checkpoint
     accelerator = _accelerator()
     model = _model()
-    optimizer = flashdist.FlashAdamW(model.parameters(), lr=LR)
+    optimizer = _optimizer(model, name)
     model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.load_state(os.path.join(folder, "halfway"))
     steps_done = {float(s["step"]) for s in optimizer.optimizer.state.values()}
@@ -126,12 +133,13 @@ def _ranks(rank: int, world_size: int, folder: str, steps: int) -> dict:
     return {"straight": straight, "resumed": resumed, "steps_done": steps_done}
 
 
-def test_accelerate_fsdp2_trains_saves_and_resumes_exactly():
+@pytest.mark.parametrize("name", ["FlashAdamW", "FlashMuon"])
+def test_accelerate_fsdp2_trains_saves_and_resumes_exactly(name):
     pytest.importorskip("accelerate")
     steps = 4
     with tempfile.TemporaryDirectory(prefix="flashdist-accelerate-") as folder:
-        results = run_ranks(_ranks, 2, folder, steps, timeout=180.0)
-    want = _single_process(steps)
+        results = run_ranks(_ranks, 2, folder, steps, name, timeout=180.0)
+    want = _single_process(steps, name)
     for rank, got in enumerate(results):
         assert got["steps_done"] == {steps // 2}, f"rank {rank}: resumed at steps {got['steps_done']}"
         for run in ("straight", "resumed"):

@@ -145,9 +145,10 @@ def test_load_in_the_saved_format_leaves_the_optimizers_format_alone(tmp_path):
 
 
 @pytest.mark.parametrize("fmt", ["compressed", "portable"])
-@pytest.mark.parametrize("name", ["sgd-nesterov", "lion"])
+@pytest.mark.parametrize("name", ["sgd-nesterov", "lion", "muon"])
 def test_family_reshard_is_exact(tmp_path, fmt, name):
-    """FlashSGD and FlashLion checkpoints: 3 ranks -> 2 ranks and -> one process without a process group."""
+    """FlashSGD, FlashLion and FlashMuon checkpoints: 3 ranks -> 2 ranks and -> one process without a process
+    group."""
     path = str(tmp_path / "ck")
     saved = _run(_save_job, 3, path, fmt, name)
     final = _uninterrupted(name)

@@ -1,0 +1,117 @@
+"""Functional FlashMuon step on lists of plain local tensors: the layer under the optimizer class."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ..kernels import reference
+from ..kernels.scalars import MuonScalars, muon_lr_ratio
+from .backend import BACKENDS, host_number, resolve_backend
+
+Orthogonalize = Callable[[Sequence[int], Sequence[torch.Tensor], Callable[[int, torch.Tensor], torch.Tensor]], list]
+
+
+def matrix_shape(shape) -> tuple[int, int]:
+    """The matrix Muon orthogonalizes for a parameter of GLOBAL ``shape`` (two or more dims): ``(shape[0],
+    prod(shape[1:]))``, rows as flashdist's quantization layout takes them (a conv weight ``(out, in, kh,
+    kw)`` is ``(out, in * kh * kw)``, as Keller Jordan's Muon reshapes it)."""
+    if len(shape) < 2:
+        raise ValueError(f"flashdist: Muon orthogonalizes matrices; a parameter of shape {tuple(shape)} has fewer "
+                         "than 2 dims (give it use_muon=False: flashdist.muon_param_groups does)")
+    return shape[0], math.prod(shape[1:])
+
+
+def local_orthogonalize(indices: Sequence[int], updates: Sequence[torch.Tensor],
+                        whole: Callable[[int, torch.Tensor], torch.Tensor]) -> list:
+    """Orthogonalize unsharded updates where they are: ``whole(i, update)`` of each (one process, DDP)."""
+    return [whole(i, u) for i, u in zip(indices, updates)]
+
+
+def flash_muon(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    momentum_buffers: Sequence[torch.Tensor],
+    momentum_scales: Sequence[torch.Tensor] | None,
+    rhos: Sequence[torch.Tensor] | None,
+    *,
+    cols: Sequence[int] | None,
+    shapes: Sequence[tuple[int, ...]],
+    lr: float | torch.Tensor,
+    weight_decay: float,
+    momentum: float,
+    nesterov: bool,
+    ns_coefficients: tuple[float, float, float],
+    ns_steps: int,
+    eps: float,
+    adjust_lr_fn: str | None,
+    companded: bool = True,
+    skipped: torch.Tensor | None = None,
+    backend: str = "auto",
+    orthogonalize: Orthogonalize | None = None,
+) -> None:
+    """One Muon step (torch.optim.Muon's update, decoupled weight decay), in place, on local tensors.
+
+    Three phases. 1: on each local tensor, ``buf = lerp(buf, g, 1 - momentum)``, re-quantized (int8 codes
+    with bf16 ``momentum_scales`` of shape (rows, ceil(cols/32)), or fp32 ``momentum_buffers`` when
+    ``momentum_scales`` is None), and the update ``U = lerp(g, buf, momentum)`` (Nesterov) or ``buf``.
+    2: Newton-Schulz on each WHOLE matrix (``shapes[i]``, the parameter's global shape, viewed as
+    ``matrix_shape``): ``orthogonalize(indices, local updates, whole)`` returns each tensor's local part of
+    ``whole(i, full update i)``; the default takes the local tensors to be whole (one process), and
+    ``flashdist.distributed.gather.OwnerOrthogonalize`` gathers each to one owner rank and sends the result
+    back. Newton-Schulz starts by rounding the update to bf16, so that is what travels. The three phases run
+    on ``orthogonalize.chunk`` matrices at a time (its attribute; 1 by default): the owners of a chunk's
+    matrices compute at the same time, and only a chunk's updates are held (bf16) beside the state. 3: on each local
+    tensor, ``theta = theta * (1 - lr * weight_decay) - adjusted_lr * O`` on the master weight ``param + rho``
+    (``rhos`` None: the parameter itself), ``adjusted_lr`` from ``adjust_lr_fn`` and the global shape.
+
+    ``backend``: "auto" (the Triton kernels of phases 1 and 3 on CUDA, ``kernels/triton/muon.py``; the eager
+    reference elsewhere), "triton" or "reference", the same bits; there is no fused CPU step yet, so "cpu" is
+    refused. ``skipped`` counts the values of
+    matrices left unchanged because their update was not finite (``reference.muon_apply_``).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"flashdist: backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "cpu":
+        raise ValueError("flashdist: FlashMuon has no fused CPU step yet; use backend='auto' (the eager reference "
+                         "on the CPU, the Triton kernels on CUDA)")
+    if not params:
+        return
+    chosen = resolve_backend(backend, params[0].device)
+    if chosen == "triton":
+        from ..kernels.triton.muon import muon_apply as apply_, muon_momentum as momentum_
+    else:  # (auto on the CPU: the eager reference)
+        apply_ = reference.muon_apply_
+
+        def momentum_(*args, **kwargs):
+            return reference.muon_momentum_(*args, **kwargs).bfloat16()
+    lr = host_number(lr)
+    scalars = [MuonScalars.make(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                                lr_ratio=muon_lr_ratio(adjust_lr_fn, *matrix_shape(shape))) for shape in shapes]
+
+    def whole(i: int, update: torch.Tensor) -> torch.Tensor:
+        matrix = update.reshape(matrix_shape(shapes[i]))
+        out = reference.newton_schulz(matrix, coefficients=ns_coefficients, steps=ns_steps, eps=eps)
+        return out.reshape(update.shape)
+
+    if orthogonalize is None:
+        for p, shape in zip(params, shapes):
+            if tuple(p.shape) != tuple(shape):
+                raise ValueError(f"flashdist: flash_muon got a local tensor of shape {tuple(p.shape)} for a matrix "
+                                 f"of shape {tuple(shape)}; a sharded matrix needs an orthogonalize= that gathers "
+                                 "it (flashdist.distributed.gather.OwnerOrthogonalize)")
+        orthogonalize = local_orthogonalize
+    chunk = max(1, getattr(orthogonalize, "chunk", 1))
+    for start in range(0, len(params), chunk):
+        indices = range(start, min(start + chunk, len(params)))
+        updates = [
+            momentum_(grads[i], momentum_buffers[i], momentum_scales[i] if momentum_scales is not None else None,
+                      cols=cols[i] if cols is not None else None, scalars=scalars[i], companded=companded)
+            for i in indices
+        ]
+        orthos = orthogonalize(indices, updates, whole)
+        del updates
+        for i, ortho in zip(indices, orthos):
+            apply_(params[i], rhos[i] if rhos is not None else None, ortho, scalars=scalars[i], skipped=skipped)

@@ -1,0 +1,197 @@
+"""FlashMuon's elementwise phases as Triton kernels: the momentum update (phase 1) and the weight update
+(phase 3) of ``reference.muon_momentum_`` and ``reference.muon_apply_``, operation by operation, so that they
+give the reference's bits (under ``TRITON_INTERPRET=1`` on CPU, and on CUDA: every operation is IEEE
+round-to-nearest, the lerps and the step are explicit ``tl.fma`` and nothing else is contracted into one
+(``enable_fp_fusion=False``, as the fused step), the companding division is ``div_normalized`` as there). Phase 2, Newton-Schulz, is torch's matmuls on the whole matrix (``reference.newton_schulz``).
+
+One launch per tensor and phase (the multi-tensor work tables of ``fused.py`` are not used yet). A block is
+``GROUPS`` groups of 32 slots, laid out as in ``step.step_block``: group space with 8-bit momentum, element
+space with fp32 momentum and in phase 3.
+
+Phase 1 reads the gradient and the momentum codes (or the fp32 buffer) and writes the new codes and scales
+and the update ``U`` as bf16 (what Newton-Schulz starts from): 2 + 1.0625 read, 1.0625 + 2 written per value
+of a bf16 gradient. Phase 3 reads ``O`` (bf16), the parameter and rho and writes the parameter and rho:
+2 + 3 read, 3 written.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...quant import codes as Q
+from ..scalars import MuonScalars
+from .bits import (FP32_EXP_MASK, FP32_MAX, GROUP, INV127, LIFT, SCALE_MAX, SIGNED_CODE_MAGIC, TINY, bf16_value,
+                   code_bits, div_normalized, f32_to_bf16_bits, gather, group_normalizer)
+from .rho_bits import merge_bf16, merge_fp16, new_param
+
+_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+_RHO = {None: (0, 7), torch.int8: (1, 7), torch.int16: (2, 15)}  # rho dtype -> (RHO_KIND, RHO_LOG2)
+GROUPS = 16  # groups of 32 values per block
+
+
+@triton.jit
+def _momentum_kernel(
+    g_ptr, m_ptr, ms_ptr, u_ptr,  # gradient (bf16 as int16 bits, fp16, fp32); codes or fp32 buffer; scales; U
+    table_ptr,  # fp32 codes.EXP_AVG_TABLE (companded codes only)
+    numel, ngroups, cols, gpr,  # elements; groups; row length; groups per row (8-bit momentum)
+    buf_coef, nest_coef,  # lerp coefficients: w (small weight) or w - 1 (MuonScalars)
+    G_KIND: tl.constexpr, QUANTIZED: tl.constexpr, COMPANDED: tl.constexpr, ALIGNED: tl.constexpr,
+    BUF_SMALL: tl.constexpr, NESTEROV: tl.constexpr, NEST_SMALL: tl.constexpr, COMPILED: tl.constexpr,
+    GROUPS: tl.constexpr,
+):
+    buf_c: tl.float32 = buf_coef  # (annotated: the interpreter keeps a host float as it keeps the arguments)
+    nest_c: tl.float32 = nest_coef
+    blk = tl.program_id(0)
+    gid = blk * GROUPS + tl.arange(0, GROUPS)
+    lane = tl.arange(0, GROUP)
+    if QUANTIZED:
+        gvalid = gid < ngroups
+        if ALIGNED:
+            offs = gid[:, None] * GROUP + lane[None, :]
+            mask = gvalid[:, None] & (lane[None, :] < GROUP)
+        else:
+            row = gid // gpr
+            col = (gid - row * gpr)[:, None] * GROUP + lane[None, :]
+            offs = row[:, None] * cols + col
+            mask = gvalid[:, None] & (col < cols)
+    else:
+        offs = gid[:, None] * GROUP + lane[None, :]
+        mask = offs < numel
+    if G_KIND == 0:
+        g = bf16_value(tl.load(g_ptr + offs, mask=mask, other=0), COMPILED)
+    else:
+        g = tl.load(g_ptr + offs, mask=mask, other=0).to(tl.float32)
+    if QUANTIZED:  # codes.dequantize_exp_avg with factor 1
+        scale = (tl.load(ms_ptr + gid, mask=gvalid, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        code = tl.load(m_ptr + offs, mask=mask, other=0).to(tl.int32)
+        if COMPANDED:
+            buf = gather(table_ptr + code, COMPILED) * scale[:, None]
+        else:
+            buf = code.to(tl.float32) * (scale * INV127)[:, None]
+    else:
+        buf = tl.load(m_ptr + offs, mask=mask, other=0.0)
+    # reference.lerp_: one fused multiply-add each
+    if BUF_SMALL:
+        buf = tl.fma(g - buf, buf_c, buf)
+    else:
+        buf = tl.fma(g - buf, buf_c, g)
+    if NESTEROV:
+        if NEST_SMALL:
+            u = tl.fma(buf - g, nest_c, g)
+        else:
+            u = tl.fma(buf - g, nest_c, buf)
+    else:
+        u = buf
+    tl.store(u_ptr + offs, f32_to_bf16_bits(u).to(tl.int16), mask=mask)
+    if QUANTIZED:  # codes.quantize_exp_avg, where the new buffer fits its scale (as step.step_block)
+        absmax, a, e, s = group_normalizer(buf, COMPILED)
+        bad_group = ~(absmax <= SCALE_MAX)
+        keep = mask & ~bad_group[:, None]
+        if COMPANDED:
+            n = buf * (254.0 * s)[:, None]
+            d = tl.fma(tl.abs(buf), s[:, None], (a * s)[:, None])
+            q = div_normalized(n, d, COMPILED)
+        else:
+            lift = tl.where(a < TINY, LIFT, 1.0)
+            q = (buf * lift[:, None]) * tl.div_rn(tl.full(a.shape, 127.0, tl.float32), a * lift)[:, None]
+        tl.store(m_ptr + offs, code_bits(q, SIGNED_CODE_MAGIC).to(tl.int8), mask=keep)
+        tl.store(ms_ptr + gid, f32_to_bf16_bits(absmax).to(tl.int16), mask=gvalid & ~bad_group)
+    else:
+        tl.store(m_ptr + offs, buf, mask=mask & (tl.abs(buf) <= FP32_MAX))
+
+
+@triton.jit
+def _apply_kernel(
+    p_ptr, rho_ptr, o_ptr, skipped_ptr,  # parameter (bf16 as int16 bits, fp16, fp32); rho; O (bf16 bits); count
+    numel, decay, alpha,  # 1 - lr * wd; -adjusted_lr
+    P_KIND: tl.constexpr, RHO_KIND: tl.constexpr, RHO_LOG2: tl.constexpr, COUNT: tl.constexpr,
+    COMPILED: tl.constexpr, GROUPS: tl.constexpr,
+):
+    decay_c: tl.float32 = decay
+    alpha_c: tl.float32 = alpha
+    blk = tl.program_id(0)
+    offs = (blk * GROUPS + tl.arange(0, GROUPS))[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    mask = offs < numel
+    o = bf16_value(tl.load(o_ptr + offs, mask=mask, other=0), COMPILED)
+    bad = ((o.to(tl.int32, bitcast=True) & FP32_EXP_MASK) == FP32_EXP_MASK) & mask
+    o = tl.where(bad, 0.0, o)
+    if P_KIND == 0:
+        p16 = tl.load(p_ptr + offs, mask=mask, other=0)
+        if RHO_KIND != 0:
+            theta = merge_bf16(p16, tl.load(rho_ptr + offs, mask=mask, other=0), RHO_LOG2, COMPILED)
+        else:
+            theta = bf16_value(p16, COMPILED)
+    else:
+        theta = tl.load(p_ptr + offs, mask=mask, other=0).to(tl.float32)
+        if RHO_KIND != 0:
+            theta = merge_fp16(theta, tl.load(rho_ptr + offs, mask=mask, other=0).to(tl.int32), RHO_LOG2)
+    theta = tl.fma(o, alpha_c, theta * decay_c)
+    p_out, r, theta = new_param(theta, theta, P_KIND, RHO_KIND, RHO_LOG2, False, COMPILED)
+    keep = mask & ~bad
+    if P_KIND == 0:
+        tl.store(p_ptr + offs, p_out.to(tl.int16), mask=keep)
+    elif P_KIND == 1:
+        tl.store(p_ptr + offs, p_out.to(tl.float16), mask=keep)
+    else:
+        tl.store(p_ptr + offs, p_out, mask=keep)
+    if RHO_KIND == 1:
+        tl.store(rho_ptr + offs, r.to(tl.int8), mask=keep)
+    elif RHO_KIND == 2:
+        tl.store(rho_ptr + offs, r.to(tl.int16), mask=keep)
+    if COUNT:
+        tl.atomic_add(skipped_ptr, tl.sum(tl.sum(bad.to(tl.int32), axis=1), axis=0))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """bf16 data as its int16 bits (the kernels move bf16 as integers)."""
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+def _compiled(t: torch.Tensor) -> bool:
+    return t.device.type == "cuda"
+
+
+def muon_momentum(grad: torch.Tensor, momentum_buffer: torch.Tensor, momentum_scales: torch.Tensor | None, *,
+                  cols: int | None, scalars: MuonScalars, companded: bool) -> torch.Tensor:
+    """``reference.muon_momentum_`` in one launch: updates the codes and scales (or the fp32 buffer) in place
+    and returns ``U`` as bf16 (the reference's fp32 update rounded to bf16, as ``flash_muon`` sends it)."""
+    update = torch.empty(grad.shape, dtype=torch.bfloat16, device=grad.device)
+    numel = grad.numel()
+    if numel == 0:
+        return update
+    quantized = momentum_scales is not None
+    if quantized:
+        rows = numel // cols
+        gpr = (cols + Q.GROUP - 1) // Q.GROUP
+        ngroups = rows * gpr
+    else:
+        gpr = ngroups = 0
+        cols = numel
+    units = ngroups if quantized else (numel + Q.GROUP - 1) // Q.GROUP
+    sc = scalars
+    buf_small, nest_small = sc.buffer_weight < 0.5, sc.momentum < 0.5
+    codes = momentum_buffer.view(torch.uint8) if quantized and companded else momentum_buffer
+    _momentum_kernel[(triton.cdiv(units, GROUPS),)](
+        _bits(grad), codes, momentum_scales.view(torch.int16) if quantized else momentum_buffer,
+        update.view(torch.int16), Q.exp_avg_table(grad.device), numel, ngroups, cols, gpr,
+        sc.buffer_weight if buf_small else sc.buffer_weight - 1.0, sc.momentum if nest_small else sc.momentum - 1.0,
+        G_KIND=_KINDS[grad.dtype], QUANTIZED=quantized, COMPANDED=companded,
+        ALIGNED=quantized and cols % Q.GROUP == 0, BUF_SMALL=buf_small, NESTEROV=sc.nesterov,
+        NEST_SMALL=nest_small, COMPILED=_compiled(grad), GROUPS=GROUPS, enable_fp_fusion=False)
+    return update
+
+
+def muon_apply(param: torch.Tensor, rho: torch.Tensor | None, ortho: torch.Tensor, *, scalars: MuonScalars,
+               skipped: torch.Tensor | None) -> None:
+    """``reference.muon_apply_`` in one launch, in place; ``ortho`` bf16 of the parameter's shape."""
+    numel = param.numel()
+    if numel == 0:
+        return
+    rho_kind, rho_log2 = _RHO[rho.dtype if rho is not None else None]
+    _apply_kernel[(triton.cdiv(triton.cdiv(numel, Q.GROUP), GROUPS),)](
+        _bits(param), rho if rho is not None else param, ortho.contiguous().view(torch.int16),
+        skipped if skipped is not None else param, numel, scalars.decay, scalars.alpha,
+        P_KIND=_KINDS[param.dtype], RHO_KIND=rho_kind, RHO_LOG2=rho_log2, COUNT=skipped is not None,
+        COMPILED=_compiled(param), GROUPS=GROUPS, enable_fp_fusion=False)

@@ -1,0 +1,194 @@
+"""FlashMuon, and the param groups it wants (``muon_param_groups``)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import distributed as D
+from ..distributed.gather import OwnerOrthogonalize
+from ..functional.adam import flash_adam
+from ..functional.muon import flash_muon
+from .base import FlashOptimizer
+from .params import check_betas, check_number, param_name
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's (Keller Jordan's) quintic coefficients
+ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+HEAD_NAMES = ("lm_head", "output", "head", "classifier", "score")  # output layers muon_param_groups leaves to AdamW
+
+
+class FlashMuon(FlashOptimizer):
+    """Muon (Keller Jordan, 2024; ``torch.optim.Muon``) with 24-bit master weights and an 8-bit companded
+    momentum, for matrices; FlashAdamW's update for the other parameters of the same optimizer.
+
+    Per matrix (a parameter of two or more dims, viewed as ``(shape[0], prod(shape[1:]))``), as
+    torch.optim.Muon: ``buf = lerp(buf, g, 1 - momentum)``; ``U = lerp(g, buf, momentum)`` (Nesterov) or
+    ``buf``; ``O = NewtonSchulz(U)`` (bf16, ``ns_steps`` quintic iterations with ``ns_coefficients`` after a
+    Frobenius normalisation clamped at ``eps``); ``theta = theta * (1 - lr * weight_decay) - adjusted_lr * O``
+    with ``adjusted_lr = lr * sqrt(max(1, rows / cols))`` (``adjust_lr_fn`` None or "original") or
+    ``lr * 0.2 * sqrt(max(rows, cols))`` ("match_rms_adamw"). The momentum update and the weight update are
+    elementwise and run on each rank's local shard; Newton-Schulz needs the whole matrix: under FSDP2 or
+    tensor parallelism each matrix's update is gathered (bf16) to one owner rank, orthogonalized there and
+    sent back (``flashdist.distributed.gather``, 4 bytes per parameter per step on each rank), so every rank
+    gets the one-process bits at any world size and mesh. Param groups with ``use_muon=False`` (embeddings,
+    the output head, norms, biases: ``flashdist.muon_param_groups(model)`` builds the groups) take
+    FlashAdamW's update with ``lr``, ``weight_decay``, ``adamw_betas`` and ``adamw_eps`` of their group.
+
+    Bytes per parameter held (bf16 parameters) for Muon matrices: the parameter (2) + rho (1, int8) + the
+    bf16 gradient (2) + the momentum buffer (int8 code 1 + a bf16 scale per 32 values 1/16) = 6.0625, plus
+    the transient update of the matrices being orthogonalized; torch.optim.Muon with fp32 master weights
+    holds 12. AdamW groups: 7.125, as FlashAdamW.
+
+    With ``quantize_states=False`` and fp32 parameters (or bf16 parameters with ``master_weight_bits=32``,
+    whose master weight is any fp32 value) the Muon update is torch.optim.Muon's bit for bit on the same
+    device, and the AdamW groups are FlashAdamW's bit for bit.
+
+    Args:
+        params: parameters or param groups, as for any torch optimizer (``named_parameters()`` gives error
+            messages with names); a group with ``use_muon=True`` (the default) holds only parameters of two
+            or more dims. bf16/fp16/fp32, plain tensors or FSDP2 / tensor-parallel DTensors.
+        lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn: as
+            ``torch.optim.Muon`` (defaults 1e-3, 0.1, 0.95, True, (3.4445, -4.775, 2.0315), 1e-7, 5, None);
+            ``lr`` and ``weight_decay`` are those of AdamW in ``use_muon=False`` groups.
+        adamw_betas, adamw_eps: AdamW's betas and eps in ``use_muon=False`` groups ((0.9, 0.999), 1e-8).
+        master_weight_bits, quantize_states, companded, state_dict_format: as :class:`flashdist.FlashAdamW`;
+            the portable state dict holds fp32 ``momentum_buffer`` (torch.optim.Muon's name) plus ``rho`` and
+            ``step`` for Muon matrices, ``exp_avg`` / ``exp_avg_sq`` for AdamW groups.
+        backend: "auto" (default), "triton" or "reference". Under "auto" the Muon groups' elementwise phases
+            run as Triton kernels on CUDA and as the eager reference on the CPU (no fused CPU step yet), the
+            AdamW groups FlashAdamW's fused steps; the same bits either way.
+
+    Caveats: ``use_muon`` decides a group's state and is fixed once the optimizer is built. A matrix whose
+    gradient holds a NaN or an Inf keeps its weight for that step (Newton-Schulz spreads the value over the
+    whole matrix) and the groups of 32 momentum values holding it keep theirs; ``optimizer.skipped`` counts
+    the values left unchanged. Not yet: a fused CPU step, ``capturable`` / ``graphed`` steps, DeepSpeed's flat
+    partitions.
+    """
+
+    _moments = ("momentum_buffer",)
+    keeps_step_count = False  # torch.optim.Muon keeps no step count
+
+    def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
+                 nesterov: bool = True, ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+                 eps: float = 1e-7, ns_steps: int = 5, adjust_lr_fn: str | None = None, *,
+                 adamw_betas: tuple[float, float] = (0.9, 0.999), adamw_eps: float = 1e-8,
+                 master_weight_bits: int | None = 24, quantize_states: bool = True, companded: bool = True,
+                 backend: str = "auto", state_dict_format: str = "portable", capturable: bool = False,
+                 graphed: bool = False):
+        if backend not in ("auto", "triton", "reference"):
+            raise ValueError(f"flashdist: FlashMuon takes backend='auto', 'triton' or 'reference', got {backend!r} "
+                             "(its Muon update has no fused CPU step yet; 'auto' gives the AdamW groups theirs)")
+        if capturable or graphed:
+            raise ValueError("flashdist: FlashMuon cannot be captured in a CUDA graph yet (its Newton-Schulz "
+                             "step gathers matrices between ranks); build it with capturable=False, graphed=False")
+        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                        ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
+                        adjust_lr_fn=adjust_lr_fn, use_muon=True, adamw_betas=tuple(adamw_betas),
+                        adamw_eps=adamw_eps, master_weight_bits=master_weight_bits,
+                        quantize_states=quantize_states, companded=companded, flat_layout=False)
+        super().__init__(params, defaults, backend=backend, state_dict_format=state_dict_format)
+
+    def _reset_caches(self) -> None:
+        super()._reset_caches()
+        self._owner_position = 0  # the round-robin position of the next sharded matrix's owner
+
+    def moments_of(self, group: dict) -> tuple[str, ...]:
+        return self._moments if group["use_muon"] else ("exp_avg", "exp_avg_sq")
+
+    def _check_hyperparameters(self, group: dict) -> None:
+        use_muon = group["use_muon"]
+        if not isinstance(use_muon, bool):
+            raise ValueError(f"flashdist: use_muon must be True or False, got {use_muon!r}")
+        check_number("lr", group["lr"], low=0.0)
+        check_number("weight_decay", group["weight_decay"], low=0.0)
+        if group.get("flat_layout", False):
+            raise ValueError("flashdist: FlashMuon does not take flat_layout groups (DeepSpeed's flat "
+                             "partitions hold no whole matrices to orthogonalize)")
+        state = next((self.state[p] for p in group["params"] if p in self.state), None)
+        if state:
+            was_muon = any(key.startswith("momentum_buffer") for key in state)
+            if was_muon != use_muon:
+                raise ValueError(f"flashdist: use_muon of a param group was {was_muon} when its state was made and "
+                                 f"is now {use_muon}; it decides the state and is fixed: build a new optimizer")
+        if not use_muon:
+            check_betas(group["adamw_betas"], high_open=True)
+            check_number("adamw_eps", group["adamw_eps"], low=0.0)
+            if group["adamw_eps"] == 0:
+                raise ValueError("flashdist: adamw_eps must be > 0, got 0 (as FlashAdamW's eps: 8-bit second "
+                                 "moments can be exactly 0)")
+            return
+        check_number("momentum", group["momentum"], low=0.0, high=1.0)
+        check_number("eps", group["eps"], low=0.0)
+        if not isinstance(group["nesterov"], bool):
+            raise ValueError(f"flashdist: nesterov must be True or False, got {group['nesterov']!r}")
+        coefficients = group["ns_coefficients"]
+        if (not isinstance(coefficients, (tuple, list)) or len(coefficients) != 3
+                or not all(isinstance(c, (int, float)) and math.isfinite(c) for c in coefficients)):
+            raise ValueError(f"flashdist: ns_coefficients must be three finite numbers (a, b, c), got {coefficients!r}")
+        steps = group["ns_steps"]
+        if not isinstance(steps, int) or isinstance(steps, bool) or not 0 <= steps < 100:
+            raise ValueError(f"flashdist: ns_steps must be an int in [0, 100) (as torch.optim.Muon), got {steps!r}")
+        if group["adjust_lr_fn"] not in ADJUST_LR_FNS:
+            raise ValueError(f"flashdist: adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {group['adjust_lr_fn']!r}")
+        if id(group) in self._layouts:  # a live group: its parameters were checked when it was added
+            return
+        for i, p in enumerate(group["params"]):
+            p = p[1] if isinstance(p, tuple) else p  # (named parameters, before add_param_group unpacks them)
+            if isinstance(p, torch.Tensor) and p.ndim < 2:
+                raise ValueError(f"flashdist: {param_name(group, i, p)} is in a Muon param group but has fewer than "
+                                 "2 dims; put it in a group with use_muon=False (flashdist.muon_param_groups(model) "
+                                 "builds both groups)")
+
+    def _step_bucket(self, group, bucket, grads, step, skipped):
+        if not group["use_muon"]:
+            beta1, beta2 = group["adamw_betas"]
+            flash_adam(bucket.params, bucket.local_grads(grads), *bucket.moments, *bucket.scales, bucket.rhos,
+                       cols=bucket.cols, lr=group["lr"], beta1=float(beta1), beta2=float(beta2),
+                       eps=float(group["adamw_eps"]), weight_decay=float(group["weight_decay"]), step=step,
+                       decoupled=True, companded=group["companded"], skipped=skipped, backend=self.backend)
+            return
+        orthogonalize = None
+        if bucket.dtensor:
+            # owners continue round-robin across buckets, groups and steps (the same calls in the same order on
+            # every rank), so small groups do not all land on rank 0; which rank computes changes no bit
+            orthogonalize = OwnerOrthogonalize(bucket.sources, first=self._owner_position)
+            self._owner_position += len(bucket.sources)
+        flash_muon(bucket.params, bucket.local_grads(grads), bucket.moments[0], bucket.scales[0], bucket.rhos,
+                   cols=bucket.cols, shapes=[tuple(D.global_shape(p)) for p in bucket.sources], lr=group["lr"],
+                   weight_decay=float(group["weight_decay"]), momentum=float(group["momentum"]),
+                   nesterov=group["nesterov"], ns_coefficients=tuple(map(float, group["ns_coefficients"])),
+                   ns_steps=group["ns_steps"], eps=float(group["eps"]), adjust_lr_fn=group["adjust_lr_fn"],
+                   companded=group["companded"], skipped=skipped, backend=self.backend,
+                   orthogonalize=orthogonalize)
+
+
+def muon_param_groups(model: torch.nn.Module, *, exclude=(), adamw_lr: float | None = None,
+                      adamw_weight_decay: float | None = None) -> list[dict]:
+    """Param groups for :class:`FlashMuon`: ``[{"params": matrices, "use_muon": True}, {"params": the rest,
+    "use_muon": False}]``, each as ``(name, parameter)`` pairs of ``model.named_parameters()`` with
+    ``requires_grad`` (a group that would be empty is left out).
+
+    Muon takes every parameter of two or more dims except: the weights of ``nn.Embedding`` modules, those of
+    output layers (a module whose own name is one of ``HEAD_NAMES``: ``lm_head``, ``output``, ``head``,
+    ``classifier``, ``score``), parameters tied to either (the same tensor), and the names in ``exclude``
+    (full names, or a callable ``(name, parameter) -> bool``). Biases, norm weights and the excluded take
+    AdamW; ``adamw_lr`` / ``adamw_weight_decay`` set that group's ``lr`` / ``weight_decay`` (the optimizer's
+    defaults otherwise). Edit the returned dicts for anything else: ``use_muon`` is a group key."""
+    leave = set()
+    for module_name, module in model.named_modules():
+        if isinstance(module, torch.nn.Embedding) or module_name.rsplit(".", 1)[-1] in HEAD_NAMES:
+            leave.update(id(p) for p in module.parameters(recurse=False))
+    muon, other = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        excluded = exclude(name, p) if callable(exclude) else name in exclude
+        (other if p.ndim < 2 or id(p) in leave or excluded else muon).append((name, p))
+    adamw = {"use_muon": False}
+    if adamw_lr is not None:
+        adamw["lr"] = adamw_lr
+    if adamw_weight_decay is not None:
+        adamw["weight_decay"] = adamw_weight_decay
+    groups = [{"params": muon, "use_muon": True}] if muon else []
+    return groups + ([{"params": other, **adamw}] if other else [])

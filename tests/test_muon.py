@@ -1,0 +1,314 @@
+"""FlashMuon against torch.optim.Muon (bit for bit where the arithmetic is the same), its AdamW groups against
+FlashAdamW, its 8-bit momentum against torch's fp32 one step by step, and its param groups and refusals.
+Sharded runs against one process: tests/distributed/test_muon_sharded.py."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import flashdist
+from flashdist import FlashAdamW, FlashMuon, muon_param_groups
+
+SHAPES = [(16, 40), (40, 16), (33, 33)]  # wide, tall (Newton-Schulz on the transpose), odd square
+
+
+def _weights(dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=gen).to(dtype) for s in SHAPES]
+
+
+def _grads(steps, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return [[torch.randn(s, generator=gen) * 10.0 ** torch.randint(-3, 2, (s[0], 1), generator=gen) for s in SHAPES]
+            for _ in range(steps)]
+
+
+OPTIONS = {
+    "default": {},
+    "plain-momentum": dict(nesterov=False),
+    "match-rms-adamw": dict(adjust_lr_fn="match_rms_adamw", weight_decay=0.01),
+    "original-ns3": dict(adjust_lr_fn="original", ns_steps=3, momentum=0.9, eps=1e-5),
+}
+
+
+@pytest.mark.parametrize("options", OPTIONS.values(), ids=OPTIONS.keys())
+@pytest.mark.parametrize("dtype, bits", [(torch.float32, None), (torch.bfloat16, 32)], ids=["fp32", "bf16-32bit"])
+def test_matches_torch_muon_bitwise(options, dtype, bits):
+    """fp32 momentum and a master weight that holds any fp32 value: torch.optim.Muon's bits, step by step
+    (torch's run on fp32 weights that start at the bf16 values, with the bf16 gradients as fp32)."""
+    params = [torch.nn.Parameter(w) for w in _weights(dtype)]
+    ref = [torch.nn.Parameter(p.detach().float().clone()) for p in params]
+    flash = FlashMuon(params, lr=0.02, quantize_states=False, master_weight_bits=bits, **options)
+    torch_muon = torch.optim.Muon(ref, lr=0.02, **options)
+    for grads in _grads(4):
+        for p, r, g in zip(params, ref, grads):
+            p.grad = g.to(dtype)
+            r.grad = p.grad.float()
+        flash.step()
+        torch_muon.step()
+        for p, r in zip(params, ref):
+            assert torch.equal(flash.master_weight(p), r.detach())
+            assert torch.equal(flash.state[p]["momentum_buffer"], torch_muon.state[r]["momentum_buffer"])
+
+
+@pytest.mark.parametrize("bits", [32, 24])
+def test_quantized_momentum_step_by_step(bits):
+    """8-bit momentum: each step from the same state (torch's buffer set to the dequantized codes, its weight to
+    the master weight) gives torch.optim.Muon's weight: bit for bit with 32-bit masters (the update is computed
+    from the fp32 buffer before it is stored as codes), within half a rho step (2^-8 of half a bf16 ulp) with
+    24-bit ones. The stored buffer differs from torch's fp32 one by at most half a code step in the companded
+    domain (1/254), times softsign's inverse slope (at most 2), plus the bf16 rounding of the scale (2^-8
+    relative): (2/254 + 2^-8) of the group absmax."""
+    params = [torch.nn.Parameter(w) for w in _weights(torch.bfloat16)]
+    flash = FlashMuon(params, lr=0.02, master_weight_bits=bits, state_dict_format="portable")
+    ref = [torch.nn.Parameter(p.detach().float().clone()) for p in params]
+    torch_muon = torch.optim.Muon(ref, lr=0.02)
+    for grads in _grads(4):
+        portable = flash.state_dict()["state"]
+        for i, (p, r, g) in enumerate(zip(params, ref, grads)):
+            p.grad = g.bfloat16()
+            r.grad = p.grad.float()
+            with torch.no_grad():
+                r.copy_(flash.master_weight(p))
+            if i in portable:
+                torch_muon.state[r]["momentum_buffer"] = portable[i]["momentum_buffer"].clone()
+        flash.step()
+        torch_muon.step()
+        stored = flash.state_dict()["state"]
+        for i, (p, r) in enumerate(zip(params, ref)):
+            master, want = flash.master_weight(p), r.detach()
+            if bits == 32:
+                assert torch.equal(master, want)
+            else:
+                half_rho_step = want.abs().clamp(min=2.0**-126) * 2.0**-8 / 2.0**8
+                assert ((master - want).abs() <= half_rho_step).all()
+            buf, want_buf = stored[i]["momentum_buffer"], torch_muon.state[r]["momentum_buffer"]
+            rows = want_buf.reshape(want_buf.shape[0], -1)
+            cols = rows.shape[1]
+            pad = (-cols) % 32
+            groups = torch.nn.functional.pad(rows.abs(), (0, pad)).view(rows.shape[0], -1, 32).amax(-1)
+            bound = groups.repeat_interleave(32, dim=1)[:, :cols] * (2 / 254 + 2.0**-8)
+            assert ((buf - want_buf).abs().reshape(rows.shape) <= bound).all()
+
+
+def test_adamw_groups_are_flash_adamw_bitwise():
+    """A use_muon=False group takes FlashAdamW's update: the same bits, parameters and state."""
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(8, 64), (64,), (5, 7)]
+    a = [torch.nn.Parameter(torch.randn(s, generator=gen).bfloat16()) for s in shapes]
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    muon = FlashMuon([{"params": a, "use_muon": False, "lr": 3e-3, "weight_decay": 0.05}],
+                     adamw_betas=(0.9, 0.95), adamw_eps=1e-10)
+    adamw = FlashAdamW(b, lr=3e-3, weight_decay=0.05, betas=(0.9, 0.95), eps=1e-10)
+    for _ in range(3):
+        for p, q in zip(a, b):
+            p.grad = torch.randn(p.shape, generator=gen).bfloat16()
+            q.grad = p.grad.clone()
+        muon.step()
+        adamw.step()
+    for p, q in zip(a, b):
+        assert torch.equal(p, q)
+        assert muon.state[p].keys() == adamw.state[q].keys()
+        assert all(torch.equal(muon.state[p][k], adamw.state[q][k]) for k in muon.state[p])
+
+
+def test_conv_weight_is_its_matrix():
+    """A weight of more than two dims is orthogonalized as (shape[0], prod(shape[1:])): the bits of the same
+    values as a matrix."""
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(6, 3, 2, 4, generator=gen).bfloat16()
+    conv, flat = torch.nn.Parameter(w.clone()), torch.nn.Parameter(w.reshape(6, 24).clone())
+    a, b = FlashMuon([conv], lr=0.02), FlashMuon([flat], lr=0.02)
+    for _ in range(2):
+        g = torch.randn(6, 24, generator=gen).bfloat16()
+        conv.grad, flat.grad = g.reshape(w.shape).clone(), g.clone()
+        a.step()
+        b.step()
+    assert torch.equal(conv.detach().reshape(6, 24), flat.detach())
+    assert torch.equal(a.master_weight(conv).reshape(6, 24), b.master_weight(flat))
+
+
+def test_nonfinite_gradient_keeps_the_matrix():
+    gen = torch.Generator().manual_seed(5)
+    p = torch.nn.Parameter(torch.randn(8, 64, generator=gen).bfloat16())
+    opt = FlashMuon([p], lr=0.02)
+    p.grad = torch.randn(8, 64, generator=gen).bfloat16()
+    opt.step()
+    before = {k: v.clone() for k, v in opt.state[p].items() if k != "step"}
+    weight = p.detach().clone()
+    p.grad[3, 5] = float("nan")
+    opt.step()
+    assert torch.equal(p.detach(), weight) and torch.equal(opt.state[p]["rho"], before["rho"])
+    assert int(opt.skipped) == p.numel()
+    changed = opt.state[p]["momentum_buffer_scales"] != before["momentum_buffer_scales"]
+    assert not changed[3, 0]  # the group holding the NaN keeps its momentum; the others moved
+    assert changed.sum() == changed.numel() - 1
+
+
+class _Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 8)
+        self.block = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 8))
+        self.lm_head = torch.nn.Linear(8, 10, bias=False)
+
+
+def test_muon_param_groups():
+    model = _Tiny()
+    groups = muon_param_groups(model, adamw_lr=3e-4, exclude=("block.2.weight",))
+    names = [[n for n, _ in g["params"]] for g in groups]
+    assert names[0] == ["block.0.weight"] and groups[0]["use_muon"]
+    assert set(names[1]) == {"embed.weight", "block.0.bias", "block.1.weight", "block.1.bias", "block.2.weight",
+                             "block.2.bias", "lm_head.weight"}
+    assert groups[1] == {**groups[1], "use_muon": False, "lr": 3e-4}
+    opt = FlashMuon(muon_param_groups(model.bfloat16()), lr=0.02)
+    assert [g["use_muon"] for g in opt.param_groups] == [True, False]
+
+
+def test_refusals():
+    vector = torch.nn.Parameter(torch.zeros(8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="'bias'.*fewer than 2 dims.*use_muon=False"):
+        FlashMuon([("bias", vector)])
+    matrix = torch.nn.Parameter(torch.zeros(4, 4, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="backend='auto', 'triton' or 'reference'"):
+        FlashMuon([matrix], backend="cpu")
+    with pytest.raises(ValueError, match="adjust_lr_fn"):
+        FlashMuon([matrix], adjust_lr_fn="sqrt")
+    opt = FlashMuon([matrix])
+    opt.param_groups[0]["use_muon"] = False
+    matrix.grad = torch.ones_like(matrix)
+    with pytest.raises(ValueError, match="use_muon of a param group was True"):
+        opt.step()
+
+
+def test_memory():
+    p = torch.nn.Parameter(torch.zeros(64, 256, dtype=torch.bfloat16))
+    opt = FlashMuon([p])
+    p.grad = torch.zeros_like(p)
+    report = flashdist.memory_report(opt)
+    assert report["bytes_per_param"] == pytest.approx(flashdist.bytes_per_param("flash_muon")["total"])
+    assert flashdist.bytes_per_param("flash_muon")["total"] == 6.0625
+    assert flashdist.bytes_per_param("muon")["total"] == 12
+
+
+def test_state_dicts_move_to_and_from_torch_muon():
+    """The portable format is torch.optim.Muon's (``momentum_buffer``, plus rho and step): a FlashMuon state
+    loads into torch.optim.Muon and continues with its bits, and torch's state (no step) loads back."""
+    params = [torch.nn.Parameter(w) for w in _weights(torch.float32)]
+    flash = FlashMuon(params, lr=0.02, quantize_states=False, master_weight_bits=None)
+    grads = _grads(3)
+    for p, g in zip(params, grads[0]):
+        p.grad = g
+    flash.step()
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    torch_muon = torch.optim.Muon(ref, lr=0.02)
+    torch_muon.load_state_dict(copy.deepcopy(flash.state_dict()))  # (fp32 buffers are the live tensors)
+    for p, r, g in zip(params, ref, grads[1]):
+        p.grad, r.grad = g, g.clone()
+    flash.step()
+    torch_muon.step()
+    assert all(torch.equal(p, r) for p, r in zip(params, ref))
+    again = FlashMuon([torch.nn.Parameter(r.detach().clone()) for r in ref], lr=0.02, quantize_states=False,
+                      master_weight_bits=None)
+    again.load_state_dict(copy.deepcopy(torch_muon.state_dict()))
+    for p, q in zip(params, again.param_groups[0]["params"]):
+        assert torch.equal(flash.state[p]["momentum_buffer"], again.state[q]["momentum_buffer"])
+
+
+@pytest.mark.parametrize("fmt", ["portable", "compressed"])
+def test_state_dict_round_trip_mid_run(fmt):
+    """Saved after 2 steps and loaded into a fresh optimizer, the third step is the same bits."""
+    params = [torch.nn.Parameter(w) for w in _weights(torch.bfloat16)]
+    copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    a = FlashMuon(params, lr=0.02, state_dict_format=fmt)
+    grads = _grads(3)
+    for step in range(2):
+        for p, g in zip(params, grads[step]):
+            p.grad = g.bfloat16()
+        a.step()
+    with torch.no_grad():
+        for p, q in zip(params, copies):
+            q.copy_(p)
+    b = FlashMuon(copies, lr=0.02, state_dict_format=fmt)
+    b.load_state_dict(a.state_dict())
+    for p, q, g in zip(params, copies, grads[2]):
+        p.grad, q.grad = g.bfloat16(), g.bfloat16()
+    a.step()
+    b.step()
+    for p, q in zip(params, copies):
+        assert torch.equal(p, q) and all(torch.equal(a.state[p][k], b.state[q][k]) for k in a.state[p])
+
+
+def test_checkpoint_inspect_and_fp32_export(tmp_path):
+    """A FlashMuon DCP checkpoint: `flashdist inspect` reads it, `flashdist export` writes the master weights
+    (parameter + rho) bit for bit, and `flashdist convert --format portable` gives a checkpoint that loads
+    back to the same state."""
+    from safetensors.torch import load_file
+
+    from _cli import run_cli
+    from flashdist import checkpoint
+
+    model = _Tiny().bfloat16()
+    opt = FlashMuon(muon_param_groups(model), lr=0.02, state_dict_format="compressed")
+    gen = torch.Generator().manual_seed(6)
+    for _ in range(2):
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=gen).bfloat16()
+        opt.step()
+    checkpoint.save(str(tmp_path / "ck"), model, opt)
+    rc, out, err = run_cli("inspect", tmp_path / "ck")
+    assert rc == 0 and "compressed" in out, err
+    rc, out, err = run_cli("export", tmp_path / "ck", tmp_path / "w.safetensors")
+    assert rc == 0, err
+    exported = load_file(str(tmp_path / "w.safetensors"))
+    for name, p in model.named_parameters():
+        assert torch.equal(exported[name], opt.master_weight(p)), name
+    # converted to the portable format and loaded back: the same codes, scales, rho and weights
+    rc, out, err = run_cli("convert", tmp_path / "ck", tmp_path / "portable", "--to", "dcp", "--format", "portable")
+    assert rc == 0, err
+    fresh = _Tiny().bfloat16()
+    loaded = FlashMuon(muon_param_groups(fresh), lr=0.02, state_dict_format="portable")
+    checkpoint.load(str(tmp_path / "portable"), fresh, loaded)
+    for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
+        assert torch.equal(p, q), name
+        assert all(torch.equal(opt.state[p][k], loaded.state[q][k]) for k in opt.state[p]), name
+
+
+def test_training_tracks_torch_muon_and_rho_matters():
+    """A tiny transformer, 25 steps: FlashMuon (bf16 + 24-bit masters, 8-bit momentum) ends within 1% of the loss
+    of torch.optim.Muon + torch.optim.AdamW on fp32 weights; without rho (pure bf16 weights) it ends visibly
+    higher: Muon's lr-sized steps are below half a bf16 spacing for many weights."""
+    from sharding_cases import lm_batch, lm_loss, make_tiny_lm
+
+    def run(kind: str) -> float:
+        model = make_tiny_lm()
+        if kind == "torch":
+            model = model.float()
+            muon, adamw = muon_param_groups(model)
+            optimizers = [torch.optim.Muon([p for _, p in muon["params"]], lr=0.02),
+                          torch.optim.AdamW([p for _, p in adamw["params"]], lr=3e-3, weight_decay=0.1)]
+        else:
+            optimizers = [FlashMuon(muon_param_groups(model, adamw_lr=3e-3), lr=0.02,
+                                    master_weight_bits=24 if kind == "flash" else None)]
+        losses = []
+        for step in range(25):
+            loss = lm_loss(model, lm_batch(step, 16))
+            loss.backward()
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad()
+            losses.append(loss.item())
+        assert losses[-1] < losses[0] / 3, losses
+        return sum(losses[-5:]) / 5
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: a thread pool on a busy machine only slows them
+    try:
+        reference, flash, no_rho = run("torch"), run("flash"), run("no-rho")
+    finally:
+        torch.set_num_threads(threads)
+    assert abs(flash - reference) < 0.01 * reference, (flash, reference)
+    assert no_rho > 1.05 * flash, (no_rho, flash)
