@@ -207,7 +207,8 @@ def unknown_name_message(name: str) -> str:
 def group_options(cls: type[FlashOptimizer]) -> frozenset[str]:
     """The per-group options of ``cls`` (the keys of its ``defaults``): what a param group may set."""
     if cls not in _GROUP_OPTIONS:
-        probe = cls([torch.zeros(1, dtype=torch.bfloat16, requires_grad=True)])
+        # (1, 1): a matrix, which every class takes (FlashMuon's Muon groups hold matrices only)
+        probe = cls([torch.zeros(1, 1, dtype=torch.bfloat16, requires_grad=True)])
         _GROUP_OPTIONS[cls] = frozenset(probe.defaults)
     return _GROUP_OPTIONS[cls]
 
@@ -280,8 +281,30 @@ def flash_sgdw(lr: float = 1e-2, *, state_dict_format: Literal["compressed", "po
                       {"lr": lr, "momentum": 0.9, "weight_decay": 0.1, **kwargs})
 
 
+def flash_muon(lr: float = 0.02, *, adamw_lr: float = 8e-4,
+               state_dict_format: Literal["compressed", "portable"] = "compressed",
+               backend: Literal["auto", "triton", "reference"] = "auto",
+               **kwargs: Any) -> FlashOptimizersContainer.Config:
+    """FlashMuon in two groups, as :func:`flashdist.muon_param_groups` splits a model: embeddings, norms,
+    biases and the output head (names matching ``NON_MUON_PATTERN``) take FlashAdamW's update
+    (``use_muon=False``, ``adamw_lr``, betas (0.9, 0.95), weight decay 0.1); every other parameter, the
+    matrices, takes Muon's (momentum 0.95, Nesterov, weight decay 0.1). ``kwargs`` are further options of the
+    Muon group."""
+    return FlashOptimizersContainer.Config(
+        state_dict_format=state_dict_format, backend=backend, param_groups=[
+            ParamGroupConfig(pattern=NON_MUON_PATTERN, optimizer_name="FlashMuon", optimizer_kwargs={
+                "lr": adamw_lr, "adamw_betas": (0.9, 0.95), "weight_decay": 0.1, "use_muon": False}),
+            ParamGroupConfig(pattern=r".*", optimizer_name="FlashMuon",
+                             optimizer_kwargs={"lr": lr, "weight_decay": 0.1, **kwargs})])
+
+
+NON_MUON_PATTERN = r"embed|norm|bias|^output\.|lm_head"
+"""Parameter names :func:`flash_muon` gives FlashAdamW's update (torchtitan's ``tok_embeddings``, ``*norm*``,
+``output``; Hugging Face's ``embed_tokens``, ``lm_head``)."""
+
+
 HELPERS: dict[str, Callable[..., FlashOptimizersContainer.Config]] = {
     "FlashAdamW": flash_adamw, "FlashAdam": flash_adam, "FlashLion": flash_lion, "FlashSGD": flash_sgd,
-    "FlashSGDW": flash_sgdw,
+    "FlashSGDW": flash_sgdw, "FlashMuon": flash_muon,
 }
-"""The one-group config helper of each name of :data:`FLASH_OPTIMIZERS`."""
+"""The config helper (one group; two for FlashMuon) of each name of :data:`FLASH_OPTIMIZERS`."""
