@@ -85,15 +85,6 @@ XFAIL: dict[str, str] = {
     "*/*/*/first-step-memory": "issue 38 item 2: state is made at construction, before the first step",
     **{f"{client}/*/*/outside-write": "issue 38 item 4: a weight written outside the optimizer keeps its stale rho"
        for client in ("plain", "trainer", "peft-trainer-bf16", "accelerate", "lightning", "torchtitan")},
-    "*/*/*/noop-option": "issue 38 item 3: graphed=True where no graph can be made (CPU) is ignored silently",
-    "plain/one-process/*/save": "issue 38 item 1: a torch.save checkpoint's state is keyed by index; "
-                                "master_weights looks rho up by name",
-    "plain/one-process/*/export-fp32": "issue 38 item 1: export of a torch.save checkpoint looks rho up by name",
-    "plain/ddp/*/save": "issue 38 item 1: a torch.save checkpoint's state is keyed by index",
-    "plain/ddp/*/export-fp32": "issue 38 item 1: export of a torch.save checkpoint looks rho up by name",
-    "trainer/*/*/save": "issue 38 item 1: the Trainer's optimizer.pt is keyed by index",
-    "trainer/*/*/export-*": "issue 38 item 1: the CLI does not read a Trainer checkpoint-N folder",
-    "trainer/*/*/inspect": "issue 38 item 1: the CLI does not read a Trainer checkpoint-N folder",
     "accelerate/*/*/save": "issue 38 item 1: flashdist's readers do not take an Accelerate save_state folder",
     "accelerate/*/*/export-*": "issue 38 item 1 (as the Trainer's checkpoint-N): the CLI does not read an "
                                "Accelerate save_state folder (model.safetensors + optimizer.bin)",
