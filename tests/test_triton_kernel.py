@@ -429,7 +429,7 @@ def test_register_caps_by_variant_moments_and_layout():
 
 def test_launches_take_the_register_cap_on_the_default_layout_only(kernels, monkeypatch):
     """The launcher asks for ``exact_max_registers`` where the tensors have the default layout (bf16 with int8
-    rho, whole groups, aligned) and for no cap elsewhere (int16 rho here), as launch/kernel_sass.py compiles."""
+    rho, whole groups, aligned) and for no cap elsewhere (int16 rho here), as launch/bench/kernel_sass.py compiles."""
     asked = []
 
     class Recorder:

@@ -2,8 +2,8 @@
 ``flashdist.bytes_per_param``: AdamW with fp32 master weights against FlashAdamW with and without gradient
 release. Activations are not counted (they depend on batch, sequence length and activation checkpointing).
 
-    python launch/memory_budget.py                       # the tables of docs/scaling.md
-    python launch/memory_budget.py --gpus 16 32 --out budget.json
+    python launch/bench/memory_budget.py                       # the tables of docs/scaling.md
+    python launch/bench/memory_budget.py --gpus 16 32 --out budget.json
 
 Per GPU, for P parameters sharded over S ranks (S = every GPU under FSDP2, the GPUs of one node under HSDP):
 - persistent: P / S x bytes per parameter (master weight, rho, gradient, moments);
