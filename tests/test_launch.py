@@ -232,7 +232,8 @@ def test_memory_budget_refuses_gpu_counts_that_are_not_whole_nodes(capsys):
 
 @pytest.mark.parametrize("model", ["8b", "tiny"])
 def test_memory_budget_counts_the_parameters_of_the_benchmark_model(model):
-    """The analytic Llama shape counts what launch/llama.py builds (on the meta device: no memory)."""
+    """The analytic Llama shape (flashdist.plan's) counts what launch/llama.py builds (on the meta device)."""
+    from flashdist.plan import Shape
     from launch.bench import memory_budget
     from launch.llama import Llama, LlamaConfig
 
@@ -241,8 +242,8 @@ def test_memory_budget_counts_the_parameters_of_the_benchmark_model(model):
     c = LlamaConfig.named(model)
     with torch.device("meta"):
         built = sum(p.numel() for p in Llama(c).parameters())
-    shape = memory_budget.Shape(hidden=c.hidden, layers=c.layers, heads=c.heads, kv_heads=c.kv_heads, mlp=c.mlp,
-                                vocab=c.vocab)
+    shape = Shape(hidden=c.hidden, layers=c.layers, heads=c.heads, kv_heads=c.kv_heads, mlp=c.mlp,
+                  vocab=c.vocab)
     assert shape.params() == built
     if model == "8b":
         assert shape == memory_budget.MODELS["Llama-3.1-8B"]
