@@ -116,13 +116,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _add_plan_parser(sub, fmt) -> None:
-    from .plan import MODES, PRESETS
+    from .memory_plan import MODES, PRESETS
 
     p = sub.add_parser(
         "plan", help="will a model fit: per-GPU memory with flashdist and with AdamW", formatter_class=fmt,
         description="Per-GPU memory of each part (weights, gradients, optimizer state, FSDP2 buffers, activations) "
                     "with FlashAdamW and with torch's AdamW (fp32 master), whether it fits, and the largest batch "
-                    "per GPU that would. The formulas: flashdist.plan's docstring (docs/scaling.md).",
+                    "per GPU that would. The formulas: flashdist.memory_plan's docstring (docs/scaling.md).",
         epilog="examples:\n  flashdist plan llama-3.1-8b --gpus 8 --gpu-memory 80\n"
                "  flashdist plan llama-3.1-70b --gpus 64 --mode hsdp --gradient-release --recompute 80\n"
                "  flashdist plan path/to/config.json --gpus 1 --gpu-memory 24 --offload\n"
@@ -142,7 +142,7 @@ def _add_plan_parser(sub, fmt) -> None:
 
 
 def _plan(args) -> int:
-    from .plan import format_plan, plan
+    from .memory_plan import format_plan, plan
 
     if (args.model is None) == (args.params is None):
         print("flashdist plan: give a model (a preset or a config.json) or --params N, not both", file=sys.stderr)

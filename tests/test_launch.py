@@ -232,8 +232,8 @@ def test_memory_budget_refuses_gpu_counts_that_are_not_whole_nodes(capsys):
 
 @pytest.mark.parametrize("model", ["8b", "tiny"])
 def test_memory_budget_counts_the_parameters_of_the_benchmark_model(model):
-    """The analytic Llama shape (flashdist.plan's) counts what launch/llama.py builds (on the meta device)."""
-    from flashdist.plan import Shape
+    """The analytic Llama shape (flashdist.memory_plan's) counts what launch/llama.py builds (on the meta device)."""
+    from flashdist.memory_plan import Shape
     from launch.bench import memory_budget
     from launch.llama import Llama, LlamaConfig
 

@@ -24,7 +24,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from flashdist import bytes_per_param
-from flashdist.plan import PRESETS
+from flashdist.memory_plan import PRESETS
 
 GIB = 2**30
 # the memory the driver reports: H100 80 GB 81,559 MiB; H200 141 GB 143,771 MiB (docs/benchmarks.md's machine)
@@ -37,7 +37,7 @@ OPTIMIZERS = {  # column -> (flashdist.bytes_per_param kind, gradient release)
 PARAM_BYTES, GRAD_REDUCE_BYTES = 2, 4  # FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
 
 
-# the shapes and the buffer formula are flashdist.plan's (``flashdist plan``), which this table is a sweep of
+# the shapes and the buffer formula are flashdist.memory_plan's (``flashdist plan``), which this table is a sweep of
 MODELS = {"Llama-3.1-8B": PRESETS["llama-3.1-8b"], "Llama-3.1-70B": PRESETS["llama-3.1-70b"],
           "Llama-3.1-405B": PRESETS["llama-3.1-405b"]}
 

@@ -1,4 +1,4 @@
-"""flashdist.plan and `flashdist plan`: the per-GPU memory of each part, checked against the peaks measured on
+"""flashdist.memory_plan and `flashdist plan`: the per-GPU memory of each part, checked against the peaks measured on
 one H200 for the Llama-3.1-8B shapes (docs/results/fit-8b-1xh200-2026-12-02.json, docs/benchmarks.md)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from _cli import run_cli
 from flashdist import bytes_per_param
-from flashdist.plan import PRESETS, plan, shape_from_hf_config
+from flashdist.memory_plan import PRESETS, plan, shape_from_hf_config
 
 ROOT = Path(__file__).resolve().parents[1]
 FIT_8B = ROOT / "docs" / "results" / "fit-8b-1xh200-2026-12-02.json"

@@ -1,7 +1,7 @@
 """Will a model fit? Per-GPU memory of training with flashdist's FlashAdamW and with torch's AdamW (fp32 master
 weights), part by part, for a decoder (a preset, a Hugging Face ``config.json``) or a parameter count, a number of
 GPUs and their memory, and a sharding mode; the largest batch that fits. ``flashdist plan`` prints it;
-docs/scaling.md's tables come from it; tests/test_plan.py checks it against the measured 8B peaks
+docs/scaling.md's tables come from it; tests/test_memory_plan.py checks it against the measured 8B peaks
 (docs/results/fit-8b-1xh200-2026-12-02.json: within 10% of every peak, within 1% of the fixed part).
 
 Per GPU, for P parameters (bytes per parameter from :func:`flashdist.bytes_per_param`: weights = master + rho,
