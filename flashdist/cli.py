@@ -131,7 +131,52 @@ def _parser() -> argparse.ArgumentParser:
                                    "anything else is listed as kept, with the reason.")
     p.add_argument("path")
     p.add_argument("--dry-run", action="store_true", help="list only; change nothing")
+    _add_plan_parser(sub, fmt)
     return ap
+
+
+def _add_plan_parser(sub, fmt) -> None:
+    from .memory_plan import MODES, PRESETS
+
+    p = sub.add_parser(
+        "plan", help="will a model fit: per-GPU memory with flashdist and with AdamW", formatter_class=fmt,
+        description="Per-GPU memory of each part (weights, gradients, optimizer state, FSDP2 buffers, activations) "
+                    "with FlashAdamW and with torch's AdamW (fp32 master), whether it fits, and the largest batch "
+                    "per GPU that would. The formulas: flashdist.memory_plan's docstring (docs/scaling.md).",
+        epilog="examples:\n  flashdist plan llama-3.1-8b --gpus 8 --gpu-memory 80\n"
+               "  flashdist plan llama-3.1-70b --gpus 64 --mode hsdp --gradient-release --recompute 80\n"
+               "  flashdist plan path/to/config.json --gpus 1 --gpu-memory 24 --offload\n"
+               "  flashdist plan --params 3e9 --gpus 4 --mode zero2 --json")
+    p.add_argument("model", nargs="?", help=f"a preset ({', '.join(PRESETS)}) or a Hugging Face config.json")
+    p.add_argument("--params", type=float, help="a parameter count instead of a model (no activations then)")
+    p.add_argument("--gpus", type=int, default=1, help="number of GPUs (default 1)")
+    p.add_argument("--gpu-memory", type=float, default=80.0, help="GiB per GPU (default 80)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="HSDP shards over one node's GPUs (default 8)")
+    p.add_argument("--mode", choices=MODES, default="fsdp2", help="how the model is sharded (default fsdp2)")
+    p.add_argument("--offload", action="store_true", help="optimizer state and master weights in host memory")
+    p.add_argument("--gradient-release", action="store_true", help="flashdist steps in backward: no gradients held")
+    p.add_argument("--seq", type=int, default=2048, help="tokens per sequence (default 2048)")
+    p.add_argument("--batch", type=int, default=1, help="sequences per GPU (default 1)")
+    p.add_argument("--recompute", type=int, default=0, help="decoder layers with activation checkpointing")
+    p.add_argument("--json", action="store_true", help="print JSON (for scripts)")
+
+
+def _plan(args) -> int:
+    from .memory_plan import format_plan, plan
+
+    if (args.model is None) == (args.params is None):
+        print("flashdist plan: give a model (a preset or a config.json) or --params N, not both", file=sys.stderr)
+        return 1
+    try:
+        result = plan(model=args.model, params=args.params, gpus=args.gpus, gpu_memory_gib=args.gpu_memory,
+                      mode=args.mode, gpus_per_node=args.gpus_per_node, offload=args.offload,
+                      gradient_release=args.gradient_release, seq=args.seq, batch=args.batch,
+                      recomputed=args.recompute)
+    except ValueError as e:
+        print(f"flashdist plan: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(result, indent=1) if args.json else format_plan(result))
+    return 0
 
 
 def _print_inspect(info: dict) -> None:
@@ -154,6 +199,8 @@ def _print_inspect(info: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "plan":
+        return _plan(args)
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
     from .checkpoint import convert as C
     from .checkpoint.dcp import CheckpointError, error_summary

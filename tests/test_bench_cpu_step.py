@@ -1,4 +1,4 @@
-"""launch/bench_cpu_step.py on tiny rows: both timing modes run and write the rows they promise."""
+"""launch/bench/bench_cpu_step.py on tiny rows: both timing modes run and write the rows they promise."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from flashdist.kernels import cpu
-from launch import bench_cpu_step
+from launch.bench import bench_cpu_step
 
 
 

@@ -1,4 +1,4 @@
-"""launch/bench_fit.py: the search for each optimizer's fastest configuration that fits, on a model of memory
+"""launch/bench/bench_fit.py: the search for each optimizer's fastest configuration that fits, on a model of memory
 and speed where the answer is known, and the benchmark itself on the CPU."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import bench_fit
+from launch.bench import bench_fit
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS, BATCHES, BUDGET, FIXED = 8, [1, 2, 3, 4, 6, 8, 12, 16], 60.0, 20.0
@@ -81,7 +81,7 @@ def test_benchmark_runs_on_the_cpu(tmp_path):
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     out = tmp_path / "fit.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-           str(ROOT / "launch" / "bench_fit.py"), "--model", "tiny", "--cpu", "--seq", "16", "--max-batch", "2",
+           str(ROOT / "launch" / "bench" / "bench_fit.py"), "--model", "tiny", "--cpu", "--seq", "16", "--max-batch", "2",
            "--checkpointed", "1", "0", "--cases", "adamw_fp32_master", "flash_24bit_release", "--out", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

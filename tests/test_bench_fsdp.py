@@ -1,4 +1,4 @@
-"""launch/bench_fsdp.py's rounds: the order of the cases, and each case compared with AdamW of its own round."""
+"""launch/bench/bench_fsdp.py's rounds: the order of the cases, and each case compared with AdamW of its own round."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from launch import bench_fsdp
+from launch.bench import bench_fsdp
 
 
 def _row(case, rnd, ms):
@@ -43,7 +43,7 @@ def test_cpu_rounds_rotate_the_cases(tmp_path):
     out = tmp_path / "fsdp.json"
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "launch" / "bench_fsdp.py"), "--model", "tiny", "--cpu", "--seq", "64", "--warmup", "1",
+           str(ROOT / "launch" / "bench" / "bench_fsdp.py"), "--model", "tiny", "--cpu", "--seq", "64", "--warmup", "1",
            "--steps", "1", "--rounds", "2", "--cases", "adamw_fp32_master", "flash_24bit", "--out", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -232,7 +232,7 @@ def test_convert_and_export_memory_is_bounded_by_the_largest_tensor(tmp_path):
     many tensors none of them large: a whole-checkpoint read would need its full size."""
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     out = tmp_path / "mem.json"
-    subprocess.run([sys.executable, str(ROOT / "launch" / "bench_convert_memory.py"), "--shape", "test",
+    subprocess.run([sys.executable, str(ROOT / "launch" / "bench" / "bench_convert_memory.py"), "--shape", "test",
                     "--ops", "dcp->torch", "export safetensors", "--work", str(tmp_path),
                     "--out", str(out)], env=env, check=True, timeout=600, capture_output=True)
     result = json.loads(out.read_text())

@@ -321,11 +321,11 @@ def _dump_counts():
 
 def test_kernel_keeps_block_values_out_of_shared_memory():
     """With this machine's triton, no value of a block changes layout through shared memory, in any
-    specialisation of launch/kernel_sass.py (triton 3.6 did so for the codes-table lookup's layout until the
+    specialisation of launch/bench/kernel_sass.py (triton 3.6 did so for the codes-table lookup's layout until the
     lookup became ``bits.gather``: 24 shared-memory instructions and two barriers per block, 8% more
     instructions per value)."""
     _kernels()
-    from launch import kernel_sass
+    from launch.bench import kernel_sass
     major, minor = torch.cuda.get_device_capability()
     for name, overrides in kernel_sass.specialisations():
         r = kernel_sass.compile_one(overrides, arch=10 * major + minor)

@@ -2,7 +2,7 @@
 
 The interpreter tests (test_triton_kernel.py) run the kernel as Python, which accepts code the compiler
 rejects (a variable defined under a runtime branch, a non-constexpr condition). This compiles the table
-launch with Triton's own toolchain (launch/kernel_sass.py) and checks what occupancy depends on: no register
+launch with Triton's own toolchain (launch/bench/kernel_sass.py) and checks what occupancy depends on: no register
 spills, and few enough registers for 4 programs of 4 warps per SM; and that no value of a block changes layout
 through shared memory (each costs stores, loads and barriers in every block; tests/test_gpu.py checks the
 same with the GPU machine's triton).
@@ -32,7 +32,7 @@ def test_every_specialisation_compiles_for_sm90(tmp_path):
         pytest.skip(f"this triton build ships no NVIDIA toolchain ({tools} is missing)")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = tmp_path / "sass.json"
-    done = subprocess.run([sys.executable, str(ROOT / "launch" / "kernel_sass.py"), "--json", str(out)], env=env,
+    done = subprocess.run([sys.executable, str(ROOT / "launch" / "bench" / "kernel_sass.py"), "--json", str(out)], env=env,
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = {r["name"]: r for r in json.loads(out.read_text())}

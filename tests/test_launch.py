@@ -70,11 +70,14 @@ def test_flash_sgd_trains(tmp_path):
     assert log[-1]["val_loss"] < log[2]["val_loss"]
 
 
-# every file of launch/ with a command line; summarize.py takes two summary files and has no options
-RECIPES = sorted(f.stem for f in (ROOT / "launch").glob("*.py") if "__main__" in f.read_text() and f.stem != "summarize")
+# every file of launch/ and launch/bench/ with a command line, as a module name under launch; summarize.py
+# takes two summary files and has no options
+RECIPES = sorted(f.relative_to(ROOT / "launch").with_suffix("").as_posix().replace("/", ".")
+                 for f in (*(ROOT / "launch").glob("*.py"), *(ROOT / "launch" / "bench").glob("*.py"))
+                 if "__main__" in f.read_text() and f.stem != "summarize")
 # the recipes import their sibling files one way as a module and another as a file; the other tests run
 # train.py, train_deepspeed.py, bench_fsdp.py, bench_offload.py and bench_scaling.py as files
-AS_FILE_ONLY_HERE = ["bench_deepspeed"]
+AS_FILE_ONLY_HERE = ["bench/bench_deepspeed"]
 # what `python -m launch.NAME --help` does, for all recipes in one process (one torch import, not fourteen)
 RUN_AS_MODULES = """
 import contextlib, io, runpy, sys
@@ -201,8 +204,8 @@ def _benchmark_rows() -> dict[tuple[str, int], float]:
 
 
 def test_memory_budget_reproduces_the_measured_8b_rows(tmp_path):
-    """launch/memory_budget.py's persistent GiB per GPU equal the measured 8B rows of docs/benchmarks.md."""
-    from launch import memory_budget
+    """launch/bench/memory_budget.py's persistent GiB per GPU equal the measured 8B rows of docs/benchmarks.md."""
+    from launch.bench import memory_budget
 
     measured = _benchmark_rows()
     names = {"torch.optim.AdamW, fp32 master weights": "AdamW (fp32 master)", "FlashAdamW 24-bit": "FlashAdamW",
@@ -220,7 +223,7 @@ def test_memory_budget_reproduces_the_measured_8b_rows(tmp_path):
 
 
 def test_memory_budget_refuses_gpu_counts_that_are_not_whole_nodes(capsys):
-    from launch import memory_budget
+    from launch.bench import memory_budget
 
     with pytest.raises(SystemExit):
         memory_budget.main(["--gpus", "12"])
@@ -229,8 +232,9 @@ def test_memory_budget_refuses_gpu_counts_that_are_not_whole_nodes(capsys):
 
 @pytest.mark.parametrize("model", ["8b", "tiny"])
 def test_memory_budget_counts_the_parameters_of_the_benchmark_model(model):
-    """The analytic Llama shape counts what launch/llama.py builds (on the meta device: no memory)."""
-    from launch import memory_budget
+    """The analytic Llama shape (flashdist.memory_plan's) counts what launch/llama.py builds (on the meta device)."""
+    from flashdist.memory_plan import Shape
+    from launch.bench import memory_budget
     from launch.llama import Llama, LlamaConfig
 
     import torch
@@ -238,8 +242,8 @@ def test_memory_budget_counts_the_parameters_of_the_benchmark_model(model):
     c = LlamaConfig.named(model)
     with torch.device("meta"):
         built = sum(p.numel() for p in Llama(c).parameters())
-    shape = memory_budget.Shape(hidden=c.hidden, layers=c.layers, heads=c.heads, kv_heads=c.kv_heads, mlp=c.mlp,
-                                vocab=c.vocab)
+    shape = Shape(hidden=c.hidden, layers=c.layers, heads=c.heads, kv_heads=c.kv_heads, mlp=c.mlp,
+                  vocab=c.vocab)
     assert shape.params() == built
     if model == "8b":
         assert shape == memory_budget.MODELS["Llama-3.1-8B"]
@@ -276,14 +280,14 @@ def test_rdzv_store_refuses_a_taken_port_in_one_line():
 
 
 def test_offload_benchmark_runs_and_measures_host_bytes(tmp_path):
-    """launch/bench_offload.py on the CPU: DeepSpeed ZeRO-Offload with FlashAdamW and FSDP2 CPUOffloadPolicy
+    """launch/bench/bench_offload.py on the CPU: DeepSpeed ZeRO-Offload with FlashAdamW and FSDP2 CPUOffloadPolicy
     with torch's AdamW and FlashAdamW; the host bytes per parameter it measures are the documented ones."""
     pytest.importorskip("deepspeed", reason="DeepSpeed is the [deepspeed] extra; launch/setup.sh installs it")
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
                DS_ACCELERATOR="cpu", DS_BUILD_OPS="0")
     out = tmp_path / "offload.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-           str(ROOT / "launch" / "bench_offload.py"), "--model", "tiny", "--cpu", "--seq", "32", "--batch", "2",
+           str(ROOT / "launch" / "bench" / "bench_offload.py"), "--model", "tiny", "--cpu", "--seq", "32", "--batch", "2",
            "--warmup", "1", "--steps", "1", "--out", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

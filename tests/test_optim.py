@@ -22,6 +22,10 @@ from flashdist import FlashAdamW, FlashLion, FlashSGD, FlashSGDW
 from flashdist.kernels import cpu
 from tests.cases import CASES, DTYPES, OPTIMIZERS, Case, run_pair
 
+# fp32 parameters here are deliberate (their own master weights, compared with torch.optim); the warning that
+# tells a user to cast to bf16 is asserted in tests/test_state_lifecycle.py
+pytestmark = pytest.mark.filterwarnings("ignore:flashdist. .* got fp32 parameters:UserWarning")
+
 # ----- the runner ---------------------------------------------------------------------------------------
 
 
@@ -58,24 +62,24 @@ def _stepped(case: Case, backend: str, steps: int = 2) -> list[torch.Tensor]:
     return [t for p in params for t in (p.detach(), opt.master_weight(p), *opt.state[p].values())]
 
 
-@pytest.mark.parametrize("case", BACKEND_CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.interpreted) if c.backend == "triton" else c
+                                  for c in BACKEND_CASES], ids=lambda c: c.id)
 def test_backend_matches_reference_bitwise(case):
     if case.backend == "cpu" and not cpu.available():
         pytest.skip(f"the fused CPU step is not built here ({cpu.build_error()}): CPU steps run the reference")
-    if case.backend == "triton" and not _interpreter.IN_PROCESS:
-        pytest.skip("triton is not interpreted in this process: test_in_interpreter_process runs this case"
-                    if _interpreter.HAS_TRITON else "triton is not installed")
+    if case.backend == "triton" and not _interpreter.HAS_TRITON:
+        pytest.skip("triton is not installed")
     got, want = _stepped(case, case.backend), _stepped(case, "reference")
     assert len(got) == len(want)
     for i, (a, b) in enumerate(zip(got, want)):
         assert a.dtype == b.dtype and torch.equal(a, b), f"tensor {i} differs from the reference's"
 
 
+@pytest.mark.interpreter_runner
 def test_in_interpreter_process():
+    """The triton cases above, in a child process that interprets triton (tests/_interpreter.py)."""
     if not _interpreter.HAS_TRITON:
         pytest.skip("triton is not installed")
-    if _interpreter.IN_PROCESS:
-        pytest.skip("the interpreter cases run in this process")
     done = _interpreter.run_interpreted(__file__, "-k", "test_backend_matches_reference_bitwise and triton")
     ran = sum(c.backend == "triton" for c in BACKEND_CASES)
     assert done.returncode == 0 and f"{ran} passed" in done.stdout, done.stdout[-6000:] + done.stderr[-3000:]

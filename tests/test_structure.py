@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "flashdist"
 # Top to bottom. A module may import modules of its own layer or of any layer below it, never above.
 LAYERS = [
     ("flashdist", "flashdist.cli", "flashdist.integrations"),
-    ("flashdist.checkpoint", "flashdist.gradient_release", "flashdist.memory"),
+    ("flashdist.checkpoint", "flashdist.gradient_release", "flashdist.memory", "flashdist.memory_plan"),
     ("flashdist.optim",),
     ("flashdist.functional",),
     ("flashdist.kernels",),

@@ -28,6 +28,7 @@ import _interpreter  # first: it decides whether this process interprets triton 
 
 import dataclasses  # noqa: E402
 import itertools  # noqa: E402
+import re  # noqa: E402
 import zlib  # noqa: E402
 
 import torch  # noqa: E402
@@ -52,18 +53,21 @@ from _rho_probe import rho_probe  # noqa: E402
 
 IN_PROCESS = isinstance(triton.language.max, InterpretedFunction) and isinstance(programs.table_kernel,
                                                                                  InterpretedFunction)
-interpreted = pytest.mark.skipif(not IN_PROCESS, reason="triton runs compiled in this process: these tests run "
-                                 "in a child process (test_in_interpreter_process)")
+# where triton runs compiled in this process, these run in a child process (test_in_interpreter_process) and
+# are deselected here (tests/conftest.py)
+interpreted = pytest.mark.interpreted
 # numpy warns about the inf/NaN arithmetic of groups with a non-finite gradient, which are never stored
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning",
                                         "ignore:overflow encountered:RuntimeWarning")
 
 
+@pytest.mark.interpreter_runner
 def test_in_interpreter_process():
-    if IN_PROCESS:
-        pytest.skip("the interpreter tests run in this process")
+    """The ``interpreted`` tests of this module, in children that interpret triton (tests/_interpreter.py)."""
     done = _interpreter.run_interpreted(__file__, shards=4)
-    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+    passed = sum(int(m) for m in re.findall(r"(\d+) passed", done.stdout))
+    assert done.returncode == 0 and passed > 0, done.stdout[-6000:] + done.stderr[-3000:]
+    print(f"{passed} interpreted tests passed in child processes")
 
 
 SHAPES = [(1,), (31,), (33,), (4097,), (3, 5, 7), (7, 33), (64, 64), (5, 1), (0, 4), (0,), (130, 33)]
@@ -429,7 +433,7 @@ def test_register_caps_by_variant_moments_and_layout():
 
 def test_launches_take_the_register_cap_on_the_default_layout_only(kernels, monkeypatch):
     """The launcher asks for ``exact_max_registers`` where the tensors have the default layout (bf16 with int8
-    rho, whole groups, aligned) and for no cap elsewhere (int16 rho here), as launch/kernel_sass.py compiles."""
+    rho, whole groups, aligned) and for no cap elsewhere (int16 rho here), as launch/bench/kernel_sass.py compiles."""
     asked = []
 
     class Recorder:

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-SUPPORTED_TRANSFORMERS = ">=5.24,<6"
+SUPPORTED_TRANSFORMERS = ">=5.17,<6"
 """Transformers versions :func:`register` was tested with (the enum and handler table it extends)."""
 
 OPTIMIZERS = {"flash_adamw": "FlashAdamW", "flash_adam": "FlashAdam", "flash_sgd": "FlashSGD",

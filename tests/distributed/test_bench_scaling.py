@@ -1,4 +1,4 @@
-"""CPU dry run of launch/bench_scaling.py (issue #9): the tiny Llama on 2 gloo ranks through the three cases,
+"""CPU dry run of launch/bench/bench_scaling.py (issue #9): the tiny Llama on 2 gloo ranks through the three cases,
 and the resume check's resharding at small size: save on 4 ranks, resume on 2, every fp32 master weight
 equal (exact checksums) and the same loss on a fixed batch."""
 
@@ -14,7 +14,7 @@ import torch
 from harness import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
-from launch import bench_scaling
+from launch.bench import bench_scaling
 
 TINY = ["--model", "tiny", "--cpu", "--batch", "1", "--seq", "32"]
 
@@ -90,6 +90,6 @@ def test_master_checksums_do_not_depend_on_the_world_size():
 
 
 def test_resume_check_needs_a_phase():
-    proc = subprocess.run([sys.executable, str(ROOT / "launch" / "bench_scaling.py"), "--resume-check", "x"],
+    proc = subprocess.run([sys.executable, str(ROOT / "launch" / "bench" / "bench_scaling.py"), "--resume-check", "x"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--phase" in proc.stderr

@@ -21,7 +21,7 @@ cheaper exact ways where it can (``rho_bits``, ``bits.code_bits``).
 
 Each call makes one launch per bucket (``plans``). The kernel is bound by instruction issue, so its speed
 follows the instructions each value costs: every value of a block stays in the layout of its loads (none
-moves through shared memory; launch/kernel_sass.py counts shared-memory instructions, and tests check it),
+moves through shared memory; launch/bench/kernel_sass.py counts shared-memory instructions, and tests check it),
 rho's split and merge of bf16 parameters are one integer add each, the exact variant's IEEE operations run
 CUDA's fast paths without their per-value range checks, and codes are rounded by one addition. The
 instruction counts, register use and timings are in docs/benchmarks.md.

@@ -3,7 +3,7 @@
 Saves the optimizer state of one model with torch.distributed.checkpoint (one process, CPU), measures the
 bytes written, prints a table and writes JSON.
 
-    python launch/bench_checkpoint_size.py --out runs/checkpoint_size.json
+    python launch/bench/bench_checkpoint_size.py --out runs/checkpoint_size.json
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 ``flashdist.bytes_per_param``: AdamW with fp32 master weights against FlashAdamW with and without gradient
 release. Activations are not counted (they depend on batch, sequence length and activation checkpointing).
 
-    python launch/memory_budget.py                       # the tables of docs/scaling.md
-    python launch/memory_budget.py --gpus 16 32 --out budget.json
+    python launch/bench/memory_budget.py                       # the tables of docs/scaling.md
+    python launch/bench/memory_budget.py --gpus 16 32 --out budget.json
 
 Per GPU, for P parameters sharded over S ranks (S = every GPU under FSDP2, the GPUs of one node under HSDP):
 - persistent: P / S x bytes per parameter (master weight, rho, gradient, moments);
@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 from flashdist import bytes_per_param
+from flashdist.memory_plan import PRESETS
 
 GIB = 2**30
 # the memory the driver reports: H100 80 GB 81,559 MiB; H200 141 GB 143,771 MiB (docs/benchmarks.md's machine)
@@ -36,32 +37,9 @@ OPTIMIZERS = {  # column -> (flashdist.bytes_per_param kind, gradient release)
 PARAM_BYTES, GRAD_REDUCE_BYTES = 2, 4  # FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
 
 
-@dataclass(frozen=True)
-class Shape:
-    """A Llama-3.1 decoder: untied embedding and head, grouped-query attention, SwiGLU MLP, RMSNorm."""
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    mlp: int
-    vocab: int = 128256
-
-    def layer_params(self) -> int:
-        kv = self.kv_heads * (self.hidden // self.heads)
-        return 2 * self.hidden * self.hidden + 2 * self.hidden * kv + 3 * self.hidden * self.mlp + 2 * self.hidden
-
-    def root_params(self) -> int:
-        return 2 * self.vocab * self.hidden + self.hidden  # embedding, head, final norm
-
-    def params(self) -> int:
-        return self.layers * self.layer_params() + self.root_params()
-
-
-MODELS = {
-    "Llama-3.1-8B": Shape(hidden=4096, layers=32, heads=32, kv_heads=8, mlp=14336),
-    "Llama-3.1-70B": Shape(hidden=8192, layers=80, heads=64, kv_heads=8, mlp=28672),
-    "Llama-3.1-405B": Shape(hidden=16384, layers=126, heads=128, kv_heads=8, mlp=53248),
-}
+# the shapes and the buffer formula are flashdist.memory_plan's (``flashdist plan``), which this table is a sweep of
+MODELS = {"Llama-3.1-8B": PRESETS["llama-3.1-8b"], "Llama-3.1-70B": PRESETS["llama-3.1-70b"],
+          "Llama-3.1-405B": PRESETS["llama-3.1-405b"]}
 
 
 def layout(gpus: int, gpus_per_node: int, hsdp: bool) -> tuple[int, int]:
@@ -78,9 +56,7 @@ def budget(model: str, gpus: int, gpus_per_node: int = 8, hsdp: bool = False) ->
     shape = MODELS[model]
     p = shape.params()
     replicas, shards = layout(gpus, gpus_per_node, hsdp)
-    grad_bytes = PARAM_BYTES + GRAD_REDUCE_BYTES
-    transient = shape.root_params() * PARAM_BYTES + max(shape.layer_params() * (2 * PARAM_BYTES + grad_bytes),
-                                                        shape.root_params() * grad_bytes)
+    transient = shape.buffer_bytes()
     ring = (shards - 1) / shards
     all_gather = 2 * PARAM_BYTES * p * ring
     reduce_scatter = GRAD_REDUCE_BYTES * p * ring

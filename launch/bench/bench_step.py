@@ -2,7 +2,7 @@
 
 Run on a GPU machine from the repository root:
 
-    python launch/bench_step.py --out bench_step.json [--sweep]
+    python launch/bench/bench_step.py --out bench_step.json [--sweep]
 
 Workloads: the Llama-3.2-1B parameter shapes (1,236 M parameters, 147 tensors) and 2,000 tensors of
 256 x 256 (131 M parameters). Each row is the median of 20 steps after 5 warm-up steps, timed with CUDA
@@ -29,7 +29,7 @@ register caps, large-tensor threshold. ``--graphed`` sweeps an optimizer class t
 (``--optimizer``), ``--rounds`` times every configuration that many times round by round, and ``--pause`` lets
 the GPU idle before each timing (a card that heats up under a long sweep slows the configurations timed last):
 
-    python launch/bench_step.py --sweep-only --graphed --rounds 5 --pause 1 --workloads llama-3.2-1b \
+    python launch/bench/bench_step.py --sweep-only --graphed --rounds 5 --pause 1 --workloads llama-3.2-1b \
         --variants exact --configs default "8 groups, 1 warp, 32 blocks" "at most 80 registers"
 """
 

@@ -7,8 +7,8 @@ needs little memory), then runs each conversion in a subprocess of its own and r
 (Python, torch, the imports); "growth" is the difference: the memory the conversion's data needs. A streaming
 conversion's growth is about the largest tensor (plus a bounded buffer), not the checkpoint.
 
-    python launch/bench_convert_memory.py                          # small (fits a laptop), prints a table
-    python launch/bench_convert_memory.py --shape llama-3.1-8b --state compressed --work /big/disk \\
+    python launch/bench/bench_convert_memory.py                          # small (fits a laptop), prints a table
+    python launch/bench/bench_convert_memory.py --shape llama-3.1-8b --state compressed --work /big/disk \\
         --out runs/convert_memory_8b.json                            # Llama-3.1-8B shapes (~41 GB on disk)
 """
 
@@ -25,7 +25,7 @@ import tempfile
 import zlib
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 SHAPES = {  # vocab, hidden, intermediate, layers, kv width
     "tiny": (64, 16, 32, 1, 16),

@@ -1,11 +1,11 @@
 """The comparison a user makes before a run: for each optimizer, the fastest configuration that fits the GPUs
 (sequences per rank, and how many decoder layers recompute their activations), searched by this benchmark,
-and its tokens/s against AdamW's best (issue #21). Llama shapes under FSDP2, as launch/bench_scaling.py builds
+and its tokens/s against AdamW's best (issue #21). Llama shapes under FSDP2, as launch/bench/bench_scaling.py builds
 them (``bench_fsdp.build``: bf16 compute, fp32 reduction, one FSDP group per decoder layer).
 
-    torchrun --standalone --nproc_per_node=1 launch/bench_fit.py --model 8b --out runs/fit_w1.json   # one H200
-    torchrun --standalone --nproc_per_node=2 launch/bench_fit.py --model 8b --out runs/fit_w2.json   # two
-    torchrun --standalone --nproc_per_node=1 launch/bench_fit.py --model tiny --cpu --seq 32 --max-batch 4  # smoke
+    torchrun --standalone --nproc_per_node=1 launch/bench/bench_fit.py --model 8b --out runs/fit_w1.json   # one H200
+    torchrun --standalone --nproc_per_node=2 launch/bench/bench_fit.py --model 8b --out runs/fit_w2.json   # two
+    torchrun --standalone --nproc_per_node=1 launch/bench/bench_fit.py --model tiny --cpu --seq 32 --max-batch 4  # smoke
 
 The search (``search``), per optimizer, on one model built once: the count of layers that recompute their
 activations goes from all of them down to none (``--checkpointed``, fractions of the layers), and at each count
@@ -33,17 +33,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-if __package__:  # python -m launch.bench_fit
+if __package__:  # python -m launch.bench.bench_fit
     from . import bench_fsdp, bench_scaling
-    from .benchlib import exit_now, free_memory, in_process_group, rank_and_device, run_meta, timed_steps, write_json
-    from .llama import LlamaConfig
-else:  # run as a file (python or torchrun launch/bench_fit.py): its own folder is on sys.path
+    from ..benchlib import exit_now, free_memory, in_process_group, rank_and_device, run_meta, timed_steps, write_json
+    from ..llama import LlamaConfig
+else:  # run as a file (python or torchrun launch/bench/bench_fit.py): its own folder is on sys.path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # launch/: benchlib, llama
     import bench_fsdp
     import bench_scaling
     from benchlib import exit_now, free_memory, in_process_group, rank_and_device, run_meta, timed_steps, write_json

@@ -1,10 +1,10 @@
 """Time one optimizer step on the CPU: flashdist's fused CPU step next to torch's fused CPU AdamW.
 
-    python launch/bench_cpu_step.py --out runs/cpu_step.json                # all cores torch uses
-    python launch/bench_cpu_step.py --threads 2 --out runs/cpu_step_2.json  # the same on 2 threads
-    python launch/bench_cpu_step.py --scale 0.25                            # a quarter of the rows
-    python launch/bench_cpu_step.py --baseline /tmp/old/step.cpp            # and an earlier step, row by row
-    python launch/bench_cpu_step.py --threads 2 --scale 0.25 --interleave 30 --baseline /tmp/old/step.cpp
+    python launch/bench/bench_cpu_step.py --out runs/cpu_step.json                # all cores torch uses
+    python launch/bench/bench_cpu_step.py --threads 2 --out runs/cpu_step_2.json  # the same on 2 threads
+    python launch/bench/bench_cpu_step.py --scale 0.25                            # a quarter of the rows
+    python launch/bench/bench_cpu_step.py --baseline /tmp/old/step.cpp            # and an earlier step, row by row
+    python launch/bench/bench_cpu_step.py --threads 2 --scale 0.25 --interleave 30 --baseline /tmp/old/step.cpp
 
 Workload: 157 M parameters in Llama-7B-like matrices, four of 4096 x 4096 and two of 4096 x 11008 (``--scale``
 scales the row counts), random non-zero gradients. Each row is the median of ``--steps`` timed steps after

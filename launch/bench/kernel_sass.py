@@ -1,7 +1,7 @@
 """Compile the fused step kernel for an NVIDIA GPU without one, and count what it compiles to.
 
-    python launch/kernel_sass.py                 # a table: instructions and registers per specialisation
-    python launch/kernel_sass.py --arch 90 --json out.json
+    python launch/bench/kernel_sass.py                 # a table: instructions and registers per specialisation
+    python launch/bench/kernel_sass.py --arch 90 --json out.json
 
 Triton compiles for a target given by compute capability, and its wheel ships ptxas and cuobjdump, so the
 table launch of flashdist/kernels/triton/programs.py is compiled here for sm_90 (H100/H200) in every update

@@ -6,7 +6,7 @@ parameters, gradients, rho, 8-bit codes and scales, any fp32 moments. One proces
 DeepSpeed cases run in a one-rank gloo group (DS_ACCELERATOR=cpu, no DeepSpeed op built). Prints a table and
 writes JSON.
 
-    python launch/bench_integrations.py --out runs/integrations_memory.json
+    python launch/bench/bench_integrations.py --out runs/integrations_memory.json
 """
 
 from __future__ import annotations

@@ -4,10 +4,10 @@ whose optimizer state lives in host memory and steps on the CPU, one case per pr
     # one H200, Llama-3.1-8B shapes: run each case in its own process (a case that outgrows host memory is
     # killed by the kernel, and peaks must not carry over)
     for case in ds_cpu_adam ds_flash fsdp2_adamw fsdp2_flash; do
-        torchrun --standalone --nproc_per_node=1 launch/bench_offload.py --model 8b --cases $case \
+        torchrun --standalone --nproc_per_node=1 launch/bench/bench_offload.py --model 8b --cases $case \
             --out runs/offload/$case.json
     done
-    torchrun --standalone --nproc_per_node=1 launch/bench_offload.py --model tiny --cpu   # smoke run, no GPU
+    torchrun --standalone --nproc_per_node=1 launch/bench/bench_offload.py --model tiny --cpu   # smoke run, no GPU
 
 Cases (bf16 compute, ``--batch`` x ``--seq`` tokens per rank):
 
@@ -37,6 +37,7 @@ import datetime
 import gc
 import json
 import os
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -45,10 +46,11 @@ import torch
 import flashdist
 from flashdist import distributed as D
 
-if __package__:  # python -m launch.bench_offload
-    from .benchlib import exit_now, run_or_record, timed_steps
-    from .llama import Llama, LlamaConfig
-else:  # run as a file (python or torchrun launch/bench_offload.py): its own folder is on sys.path
+if __package__:  # python -m launch.bench.bench_offload
+    from ..benchlib import exit_now, run_or_record, timed_steps
+    from ..llama import Llama, LlamaConfig
+else:  # run as a file (python or torchrun launch/bench/bench_offload.py): its own folder is on sys.path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # launch/: benchlib, llama
     from benchlib import exit_now, run_or_record, timed_steps
     from llama import Llama, LlamaConfig
 

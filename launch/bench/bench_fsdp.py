@@ -4,8 +4,8 @@ batched optimizer calls of about 64 MiB of gradient shards, right after their re
 torch.optim.AdamW with fp32 master weights (fp32 parameters + bf16 compute through MixedPrecisionPolicy)
 and, when importable, flashoptim.
 
-    torchrun --standalone --nproc_per_node=2 launch/bench_fsdp.py --model 1b --out runs/fsdp.json
-    torchrun --standalone --nproc_per_node=2 launch/bench_fsdp.py --model tiny --cpu     # smoke run
+    torchrun --standalone --nproc_per_node=2 launch/bench/bench_fsdp.py --model 1b --out runs/fsdp.json
+    torchrun --standalone --nproc_per_node=2 launch/bench/bench_fsdp.py --model tiny --cpu     # smoke run
 
 Persistent bytes per parameter = parameters + gradients + optimizer state held by rank 0, summed from the
 real local tensors right after ``step()`` (flashdist.memory_report), divided by rank 0's parameter count.
@@ -18,6 +18,7 @@ import datetime
 import gc
 import json
 import os
+import sys
 import statistics
 import time
 from pathlib import Path
@@ -27,10 +28,11 @@ import torch.distributed as dist
 
 import flashdist
 
-if __package__:  # python -m launch.bench_fsdp
-    from .benchlib import exit_now, run_or_record
-    from .llama import Llama, LlamaConfig, tensor_parallel
-else:  # run as a file (python or torchrun launch/bench_fsdp.py): its own folder is on sys.path
+if __package__:  # python -m launch.bench.bench_fsdp
+    from ..benchlib import exit_now, run_or_record
+    from ..llama import Llama, LlamaConfig, tensor_parallel
+else:  # run as a file (python or torchrun launch/bench/bench_fsdp.py): its own folder is on sys.path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # launch/: benchlib, llama
     from benchlib import exit_now, run_or_record
     from llama import Llama, LlamaConfig, tensor_parallel
 

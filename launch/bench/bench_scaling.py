@@ -4,14 +4,14 @@ FlashAdamW with gradient release; and a save-at-N / resume-at-M check of flashdi
 checkpoints at that size.
 
     # the table, at each world size (1 if it fits, 2, 4, 8)
-    torchrun --standalone --nproc_per_node=8 launch/bench_scaling.py --model 8b --out runs/scaling_w8.json
+    torchrun --standalone --nproc_per_node=8 launch/bench/bench_scaling.py --model 8b --out runs/scaling_w8.json
     # resharding at 8B size: save on 8 ranks, resume on 4
-    torchrun --standalone --nproc_per_node=8 launch/bench_scaling.py --model 8b --resume-check /tmp/ck --phase save
-    torchrun --standalone --nproc_per_node=4 launch/bench_scaling.py --model 8b --resume-check /tmp/ck --phase resume
+    torchrun --standalone --nproc_per_node=8 launch/bench/bench_scaling.py --model 8b --resume-check /tmp/ck --phase save
+    torchrun --standalone --nproc_per_node=4 launch/bench/bench_scaling.py --model 8b --resume-check /tmp/ck --phase resume
     # tensor parallelism: TP=2 against FSDP2 on 2 GPUs (docs/benchmarks.md)
-    torchrun --standalone --nproc_per_node=2 launch/bench_scaling.py --model 8b --tp 2 --out runs/scaling_tp2.json
+    torchrun --standalone --nproc_per_node=2 launch/bench/bench_scaling.py --model 8b --tp 2 --out runs/scaling_tp2.json
     # CPU smoke run (gloo)
-    torchrun --standalone --nproc_per_node=2 launch/bench_scaling.py --model tiny --cpu --seq 64
+    torchrun --standalone --nproc_per_node=2 launch/bench/bench_scaling.py --model tiny --cpu --seq 64
 
 Every case builds a fresh model (random init, ``launch/llama.py``), checkpoints the activations of each
 decoder layer (``checkpoint_wrapper``, non-reentrant, applied before ``fully_shard``), shards each layer
@@ -43,11 +43,12 @@ import torch.distributed as dist
 import flashdist
 from flashdist import distributed as D
 
-if __package__:  # python -m launch.bench_scaling
+if __package__:  # python -m launch.bench.bench_scaling
     from . import bench_fsdp
-    from .benchlib import exit_now, free_memory, in_process_group, rank_and_device, run_meta, run_or_record, write_json
-    from .llama import LlamaConfig
-else:  # run as a file (python or torchrun launch/bench_scaling.py): its own folder is on sys.path
+    from ..benchlib import exit_now, free_memory, in_process_group, rank_and_device, run_meta, run_or_record, write_json
+    from ..llama import LlamaConfig
+else:  # run as a file (python or torchrun launch/bench/bench_scaling.py): its own folder is on sys.path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # launch/: benchlib, llama
     import bench_fsdp
     from benchlib import exit_now, free_memory, in_process_group, rank_and_device, run_meta, run_or_record, write_json
     from llama import LlamaConfig

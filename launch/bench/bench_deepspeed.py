@@ -2,8 +2,8 @@
 Llama-shaped model (launch/llama.py) with DeepSpeed's own Adam against flashdist's FlashAdamW named in the
 DeepSpeed config, in one run.
 
-    torchrun --standalone --nproc_per_node=2 launch/bench_deepspeed.py --model 1b --out runs/deepspeed.json
-    torchrun --standalone --nproc_per_node=2 launch/bench_deepspeed.py --model tiny --cpu   # smoke run
+    torchrun --standalone --nproc_per_node=2 launch/bench/bench_deepspeed.py --model 1b --out runs/deepspeed.json
+    torchrun --standalone --nproc_per_node=2 launch/bench/bench_deepspeed.py --model tiny --cpu   # smoke run
 
 Cases (ZeRO stage ``--stage``, bf16 model, ``--batch`` x ``--seq`` tokens per rank):
 
@@ -31,6 +31,7 @@ import datetime
 import gc
 import json
 import os
+import sys
 import re
 from pathlib import Path
 
@@ -38,10 +39,11 @@ import torch
 
 from flashdist.integrations import deepspeed as fds
 
-if __package__:  # python -m launch.bench_deepspeed
-    from .benchlib import run_or_record, timed_steps
-    from .llama import Llama, LlamaConfig
-else:  # run as a file (python or torchrun launch/bench_deepspeed.py): its own folder is on sys.path
+if __package__:  # python -m launch.bench.bench_deepspeed
+    from ..benchlib import run_or_record, timed_steps
+    from ..llama import Llama, LlamaConfig
+else:  # run as a file (python or torchrun launch/bench/bench_deepspeed.py): its own folder is on sys.path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # launch/: benchlib, llama
     from benchlib import run_or_record, timed_steps
     from llama import Llama, LlamaConfig
 

@@ -1,0 +1,1 @@
+"""Benchmarks and measurements behind docs/benchmarks.md (``python -m launch.bench.NAME`` or ``python launch/bench/NAME.py``)."""
