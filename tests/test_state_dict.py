@@ -8,7 +8,7 @@ import io
 import pytest
 import torch
 
-from flashdist import FlashAdamW
+from flashdist import FlashAdamW, memory_report
 from flashdist.checkpoint.state import FORMAT_VERSION
 
 
@@ -163,3 +163,23 @@ def test_mismatches_name_the_parameter_and_change_nothing(mutate, match):
     for pid, st in snapshot["state"].items():
         for k, v in st.items():
             assert torch.equal(after["state"][pid][k], v)
+
+
+@pytest.mark.parametrize("shape", [(3, 0), (0, 5), (0,)], ids=["3x0", "0x5", "0"])
+@pytest.mark.parametrize("flat", [False, True], ids=["rows", "flat"])
+def test_an_empty_parameter_steps_saves_and_loads(shape, flat):
+    empty = torch.nn.Parameter(torch.zeros(shape, dtype=torch.bfloat16))
+    weight = torch.nn.Parameter(torch.ones(4, 40, dtype=torch.bfloat16))
+    opt = FlashAdamW([empty, weight], lr=1e-2, flat_layout=flat)
+    empty.grad, weight.grad = torch.zeros_like(empty), torch.ones_like(weight)
+    opt.step()
+    for fmt in ("portable", "compressed"):
+        sd = opt.state_dict(format=fmt)
+        twin_weight = torch.nn.Parameter(weight.detach().clone())
+        twin = FlashAdamW([torch.nn.Parameter(empty.detach().clone()), twin_weight], lr=1e-2, flat_layout=flat)
+        twin.load_state_dict(copy.deepcopy(sd))
+        assert float(twin.state[twin_weight]["step"]) == 1
+        opt.load_state_dict(sd)
+    torch.optim.AdamW([empty, weight]).load_state_dict(opt.state_dict())
+    opt.step()
+    assert float(opt.state[empty]["step"]) == 2 and memory_report(opt)["numel"] == 160

@@ -259,8 +259,7 @@ class FlashOptimizer(torch.optim.Optimizer):
         for group, i, p in new:
             check_param(group, i, p)
             self._check_not_flat_partition(group, i, p)
-        if new:
-            check_overlaps([(g, i, q) for g in self.param_groups for i, q in enumerate(g["params"])])
+        check_overlaps([(g, i, q) for g in self.param_groups for i, q in enumerate(g["params"])])  # (twice, too)
         # a group dict put into param_groups directly is validated here, before anything changes
         layouts = {id(g): self._layouts.get(id(g)) or LayoutOptions.from_group(g) for g in self.param_groups}
         live = {id(p) for group in self.param_groups for p in group["params"]}
