@@ -183,3 +183,41 @@ def test_an_empty_parameter_steps_saves_and_loads(shape, flat):
     torch.optim.AdamW([empty, weight]).load_state_dict(opt.state_dict())
     opt.step()
     assert float(opt.state[empty]["step"]) == 2 and memory_report(opt)["numel"] == 160
+
+
+def _set(key, value, index=0):
+    def mutate(sd):
+        entry = sd["state"][index]
+        entry[key] = value if not callable(value) else value(entry[key])
+    return mutate
+
+
+@pytest.mark.parametrize("fmt, mutate, match", [
+    ("portable", _set("step", torch.tensor(-5.0)), "'step' of '0.weight' .* is -5.0"),
+    ("portable", _set("step", 2.5), "'step' of '0.weight' .* is 2.5"),
+    ("portable", _set("step", float("nan")), "'step' of '0.weight' .* is nan"),
+    ("portable", _set("exp_avg", lambda t: t.index_fill(1, torch.tensor([3]), float("nan"))),
+     "'exp_avg' of '0.weight' .* holds 40 values that are not finite"),
+    ("portable", _set("exp_avg_sq", lambda t: t.index_fill(1, torch.tensor([0]), -1.0)),
+     "'exp_avg_sq' of '0.weight' .* holds 40 values that are not finite and non-negative"),
+    ("portable", _set("exp_avg", lambda t: t.index_fill(0, torch.tensor([0]), float("inf")), index=3),
+     r"'exp_avg' of '2.bias' .* holds 1 values"),
+    ("compressed", _set("exp_avg_sq_scales", lambda t: t.index_fill(0, torch.tensor([0]), float("inf"))),
+     "'exp_avg_sq_scales' of '0.weight'"),
+    ("compressed", _set("exp_avg_scales", lambda t: -t), "'exp_avg_scales' of '0.weight' .* non-negative"),
+], ids=["step-negative", "step-fraction", "step-nan", "exp_avg-nan", "exp_avg_sq-negative", "fp32-moment-inf",
+        "scales-inf", "scales-negative"])
+def test_loaded_state_out_of_range_is_refused_naming_it_and_changes_nothing(fmt, mutate, match):
+    # a step count of -5 made the next step spin forever; NaN, infinite or negative moments made every later
+    # step skip their group
+    model, opt = _trained(fmt)
+    named = FlashAdamW(model.named_parameters(), lr=1e-2, state_dict_format=fmt)
+    named.load_state_dict(opt.state_dict())
+    sd = copy.deepcopy(named.state_dict())
+    snapshot = copy.deepcopy(sd)
+    mutate(sd)
+    with pytest.raises(ValueError, match=match):
+        named.load_state_dict(sd)
+    after = named.state_dict()
+    for pid, st in snapshot["state"].items():
+        assert all(torch.equal(after["state"][pid][k], v) for k, v in st.items())

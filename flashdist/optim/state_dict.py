@@ -15,10 +15,12 @@ Each param group of a saved state dict carries ``flashdist_format`` and ``flashd
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .. import distributed as D
-from ..quant.moment import QuantizedMoment, dequantize_moment, quantize_moment
+from ..quant.moment import QuantizedMoment, dequantize_moment, is_second_moment, quantize_moment
 from .layout import LAYOUT_OPTIONS
 from .params import param_name
 
@@ -82,6 +84,21 @@ def _check(cond: bool, message: str) -> None:
         raise ValueError(f"flashdist: {message}")
 
 
+def _check_values(name: str, key: str, value: torch.Tensor, *, non_negative: bool) -> None:
+    """Refuse loaded moment values (or scales) that are NaN or infinite, or negative where they cannot be: a
+    step that reads them skips its group every time (the non-finite guard), so they would freeze it."""
+    if value.numel() == 0:
+        return
+    bad = ~torch.isfinite(value)
+    if non_negative:
+        bad |= value < 0
+    if bool(bad.any()):
+        first = value.reshape(-1)[bad.reshape(-1).nonzero()[0, 0]].item()
+        what = "finite and non-negative" if non_negative else "finite"
+        raise ValueError(f"flashdist: state '{key}' of {name} holds {int(bad.sum())} values that are not {what} "
+                         f"(e.g. {first!r}); the checkpoint is damaged: load an earlier one")
+
+
 def _plan_param(opt, group, p, name, saved: dict) -> list:
     """Validate one parameter's saved state; return a list of (destination local tensor, source) copies."""
     mine = opt.state[p]
@@ -142,6 +159,14 @@ def _plan_param(opt, group, p, name, saved: dict) -> list:
     step = saved["step"]
     _check(isinstance(step, (int, float)) or (isinstance(step, torch.Tensor) and step.numel() == 1),
            f"state 'step' of {name} must be a number")
+    count = float(step)
+    _check(math.isfinite(count) and count >= 0 and count.is_integer(),
+           f"state 'step' of {name} is {count!r}; a step count is a non-negative whole number (the file is "
+           "damaged or was edited)")
+    for key, value in saved.items():
+        if key in ("step", "rho") or not isinstance(value, torch.Tensor) or not value.is_floating_point():
+            continue
+        _check_values(name, key, D.local(value), non_negative=is_second_moment(key) or key.endswith("_scales"))
     ops.append(("step", mine["step"], step, None))
     return ops
 
