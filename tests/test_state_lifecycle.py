@@ -6,9 +6,11 @@ copy.deepcopy and pickle, torch.compile(optimizer.step), the fp32-parameter prec
 from __future__ import annotations
 
 import copy
+import gc
 import io
 import pickle
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -53,6 +55,53 @@ def _swap_like_accelerate(opt, new_params: dict) -> None:
         group["params"] = [new_params[id(p)] for p in params]
 
 
+def test_no_state_before_the_first_step_and_swapped_out_parameters_are_freed():
+    # torch.optim.AdamW holds nothing before its first step; under Accelerate's FSDP2 the optimizer is built on
+    # the unsharded model, so state made at construction (and references to those tensors) would hold the
+    # full model's bytes on every rank until the first step
+    model = _model()
+    opt = FlashAdamW(model.parameters(), lr=1e-2)
+    adamw = torch.optim.AdamW(_model().parameters())
+    assert not opt.state and not adamw.state
+    report = memory_report(opt)
+    assert report["total"] == report["params"] and report["rho"] == report["codes"] == 0
+    old = weakref.ref(model[0].weight)
+    clone = copy.deepcopy(model)
+    _swap_like_accelerate(opt, {id(p): q for p, q in zip(model.parameters(), clone.parameters())})
+    del model
+    gc.collect()
+    assert old() is None, "the optimizer keeps a swapped-out parameter alive"
+    _train(clone, opt, 1)
+    assert set(map(id, opt.state)) == set(map(id, clone.parameters()))
+
+
+@pytest.mark.parametrize("how", ["state_dict", "checkpoint"])
+def test_a_checkpoint_taken_before_the_first_step_has_every_key_and_resumes_exactly(how, tmp_path):
+    from flashdist import checkpoint
+
+    model = _model()
+    opt = FlashAdamW(model.named_parameters(), lr=1e-2)
+    if how == "state_dict":
+        saved = copy.deepcopy(opt.state_dict())
+        assert sorted(saved["state"]) == [0, 1, 2, 3]  # every trainable parameter (dcp.save: same keys everywhere)
+        assert all(float(s["step"]) == 0 and s["rho"].abs().sum() == 0 for s in saved["state"].values())
+    else:
+        checkpoint.save(tmp_path / "ck", model, opt)
+    assert all(float(opt.state[p]["step"]) == 0 for p in model.parameters())  # saving took no step
+    resumed_model = _model(seed=3)
+    resumed = FlashAdamW(resumed_model.named_parameters(), lr=1e-2)
+    if how == "state_dict":
+        resumed_model.load_state_dict(model.state_dict())
+        resumed.load_state_dict(saved)
+    else:
+        checkpoint.load(tmp_path / "ck", resumed_model, resumed)
+    _train(model, opt, 2)
+    _train(resumed_model, resumed, 2)
+    for p, q in zip(model.parameters(), resumed_model.parameters()):
+        assert torch.equal(p, q) and torch.equal(opt.master_weight(p), resumed.master_weight(q))
+        assert float(resumed.state[q]["step"]) == 2
+
+
 def test_swapped_parameters_get_state_and_departed_ones_lose_it():
     model, twin = _model(), _model()
     opt = FlashAdamW(model.parameters(), lr=1e-2)
@@ -88,9 +137,11 @@ def test_state_follows_parameters_in_a_load_and_in_the_memory_report():
     _train(model, opt, 1)
     saved = opt.state_dict()
     opt.param_groups[0]["params"] = list(other.parameters())
-    assert memory_report(opt)["rho"] == sum(p.numel() for p in other.parameters())  # bf16: one int8 each
-    assert set(map(id, opt.state)) == set(map(id, other.parameters()))
+    # the departed parameters' state is freed; the new ones get theirs at their first step, as in torch.optim
+    assert memory_report(opt)["rho"] == 0 and not opt.state
     opt.load_state_dict(saved)  # into the swapped-in parameters' fresh state
+    assert set(map(id, opt.state)) == set(map(id, other.parameters()))
+    assert memory_report(opt)["rho"] == sum(p.numel() for p in other.parameters())  # bf16: one int8 each
     assert all(float(opt.state[p]["step"]) == 1 for p in other.parameters())
 
 
@@ -142,11 +193,10 @@ def test_frozen_parameters_hold_no_state_until_trained():
     for p in frozen.parameters():
         p.requires_grad_(False)
     opt = FlashAdamW(model.parameters(), lr=1e-2)
-    assert set(map(id, opt.state)) == set(map(id, model[2].parameters()))
-    report = memory_report(opt)
-    assert report["rho"] == sum(p.numel() for p in model[2].parameters())
-    assert report["numel"] == sum(p.numel() for p in model.parameters())
+    assert not opt.state and memory_report(opt)["numel"] == sum(p.numel() for p in model.parameters())
     _train(model, opt, 1)
+    assert set(map(id, opt.state)) == set(map(id, model[2].parameters()))
+    assert memory_report(opt)["rho"] == sum(p.numel() for p in model[2].parameters())
     assert not any(p in opt.state for p in frozen.parameters())
     sd = opt.state_dict()  # like torch.optim: frozen parameters have no entry
     assert set(sd["state"]) == {2, 3}
@@ -282,7 +332,7 @@ def test_compiled_step_with_fullgraph_says_why_and_changes_nothing():
         torch.compile(opt.step, fullgraph=True)()
     assert not isinstance(info.value, RecursionError)
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
-    assert float(opt.state[model[0].weight]["step"]) == 0
+    assert float(opt.state[model[0].weight].get("step", 0)) == 0
     opt.step()  # eager still works
     assert float(opt.state[model[0].weight]["step"]) == 1
 

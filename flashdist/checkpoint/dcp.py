@@ -69,6 +69,13 @@ def optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimize
             raise ValueError(f"flashdist: optimizer_state_dict's format applies to flashdist optimizers; "
                              f"{type(optimizer).__name__} has one format: pass format=None")
         return get_optimizer_state_dict(model, optimizer)
+    if not optimizer.state:
+        # Before the first step: torch's get_optimizer_state_dict would make the state by a zero-gradient
+        # step (lr 0), which counts as step 1; make it without a step, so a resume matches the run
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and not group.get("flat_layout", False):
+                    optimizer.ensure_state(p, group)
     with optimizer.state_dict_format_override(format or optimizer.state_dict_format):
         return get_optimizer_state_dict(model, optimizer)
 
@@ -180,6 +187,20 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     """Load a checkpoint written by :func:`save` (at any world size) into ``model`` and ``optimizer``; returns
     the saved ``extra``. Every rank calls it. Raises :class:`CheckpointError` naming what does not match,
     or the shard file that belongs to another save or is damaged, with the model and optimizer unchanged."""
+    had_state = {id(p) for p, s in optimizer.state.items() if s}
+    try:
+        return _load(path, model, optimizer)
+    except BaseException:
+        if isinstance(optimizer, FlashOptimizer):
+            # the zero state made for parameters never stepped (DCP loads into a template of the live state)
+            # goes again: a refused load leaves the optimizer as it was
+            for p in [p for p in optimizer.state if id(p) not in had_state]:
+                del optimizer.state[p]
+            optimizer.clear_plans()
+        raise
+
+
+def _load(path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     where = resolve(path)
     reader = SafeFileSystemReader(str(where))
     metadata = reader.read_metadata()

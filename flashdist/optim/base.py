@@ -6,6 +6,7 @@ import contextlib
 import contextvars
 import itertools
 import operator
+import weakref
 from collections import defaultdict
 from typing import Any
 
@@ -50,6 +51,10 @@ def _refuse_while_capturing(device: torch.device, why: str) -> None:
                            "torch.cuda.graphs requires), in an optimizer built with capturable=True")
 
 
+def _synced_entry(group: dict) -> tuple[dict, int, list]:
+    return group, id(group["params"]), [weakref.ref(p) for p in group["params"]]
+
+
 def _check_format(value: Any, name: str) -> None:
     """One of the state-dict formats, or a ValueError naming ``name``."""
     if value not in FORMATS:
@@ -65,11 +70,13 @@ class FlashOptimizer(torch.optim.Optimizer):
     integrations build on: :meth:`ensure_state`, :meth:`step_parameters`, :meth:`check_group`,
     :meth:`clear_plans`, :meth:`layout_options`, ``state_dict(format=...)`` and :attr:`keeps_step_count`.
 
-    State follows the parameters that are in ``param_groups`` now (frameworks swap them after construction:
-    Accelerate's FSDP2 ``prepare`` puts sharded DTensors in place of the original tensors): a parameter seen
-    for the first time gets its state (at the step, ``state_dict``, ``load_state_dict`` or
-    ``flashdist.memory_report`` that first sees it), a parameter no longer in any group loses its state, and
-    frozen parameters (``requires_grad=False``) hold none until they are stepped with a gradient. Each step
+    State is made no earlier than torch.optim makes it: at a parameter's first step, or when ``state_dict``,
+    ``load_state_dict`` or :meth:`ensure_state` needs it. Before the first step the optimizer holds no state
+    and no strong reference to the parameters beyond ``param_groups`` (frameworks swap them after
+    construction: Accelerate's FSDP2 ``prepare`` puts sharded DTensors in place of the unsharded tensors,
+    which are then freed). ``state_dict()`` before the first step makes the (zero) state of every trainable
+    parameter, so that every rank saves the same keys (dcp.save). A parameter no longer in any group loses
+    its state, and frozen parameters (``requires_grad=False``) hold none until they are stepped. Each step
     compares each group's dict and parameter list object with those last seen (no Python work per
     parameter); an entry replaced in place is caught by the step's cached plan, which compares the
     parameters with gradients by identity anyway, and by ``state_dict``."""
@@ -110,7 +117,9 @@ class FlashOptimizer(torch.optim.Optimizer):
         self.plan_generation = next(_GENERATIONS)
         self._dtensor_groups: set[int] = set()  # ids of param groups that hold DTensor parameters
         self._layouts: dict[int, LayoutOptions] = {}  # id(group) -> its layout options when its state was made
-        self._synced: list[tuple[dict, list, list]] = []  # (group, its params list, a copy) as last seen
+        # (group, id of its params list, weak references to its parameters) as last seen: weak, so that the
+        # tensors a framework swapped out (Accelerate's unsharded parameters) are freed at once
+        self._synced: list[tuple[dict, int, list]] = []
         # ids of tensors seen in flat_layout groups: their state is never freed by sync_state, because
         # DeepSpeed ZeRO-3 puts each sub-group's partition into the group for its step and empties the group
         # after it (the state of a tensor holds that tensor, so its id stays its own while it has state)
@@ -197,16 +206,12 @@ class FlashOptimizer(torch.optim.Optimizer):
         self._layouts[id(group)] = layout
         if any(D.is_dtensor(p) for p in group["params"]):
             self._dtensor_groups.add(id(group))
-        self._synced.append((group, group["params"], list(group["params"])))
+        self._synced.append(_synced_entry(group))
         self._warn_precision(group["params"], group)
         if group.get("flat_layout", False):
-            # A wrapper (DeepSpeed ZeRO) replaces these tensors by its flat partitions after construction:
-            # their state is created by the first step (or load) that sees them.
+            # A wrapper (DeepSpeed ZeRO) replaces these tensors by its flat partitions after construction.
             self._flat_ids.update(map(id, group["params"]))
-            return
-        for p in group["params"]:
-            if p.requires_grad:  # frozen parameters hold no state until they are stepped
-                self._init_state(p, group)
+        # no state yet: it is made at the first step (or state_dict, load, ensure_state), as torch.optim makes it
 
     def _warn_precision(self, params, group: dict) -> None:
         """Say once that fp32 parameters get no 24-bit split (flashdist.optim.precision.fp32_group_warning)."""
@@ -236,24 +241,24 @@ class FlashOptimizer(torch.optim.Optimizer):
             return True
         for group, (seen_group, seen_list, seen) in zip(self.param_groups, synced):
             params = group["params"]
-            if group is not seen_group or params is not seen_list or len(params) != len(seen):
+            if group is not seen_group or id(params) != seen_list or len(params) != len(seen):
                 return True
-            if thorough and not all(map(operator.is_, params, seen)):
+            # (a list object freed and another made at its address is caught by the identities below, which
+            # the step's plan compares too when it is rebuilt)
+            if thorough and not all(map(operator.is_, params, [ref() for ref in seen])):
                 return True
         return False
 
     def sync_state(self) -> None:
-        """Bring the state in line with the parameters in ``param_groups`` now: check and create the state of
-        parameters never seen before (those with ``requires_grad``; ``flat_layout`` groups create theirs at
-        their first step), drop the state of parameters no longer in any group (not of tensors once in a
-        ``flat_layout`` group: DeepSpeed ZeRO-3 swaps its partitions in and out of the group around each
-        step, and the state is its to keep), and forget every cached plan.
-        Every rank creates state for the same (trainable) parameters, so ``dcp.save`` sees the same keys
-        everywhere. Called by ``step``, ``state_dict``, ``load_state_dict`` and ``flashdist.memory_report``
-        when the groups changed; cheap to call again."""
+        """Bring the state in line with the parameters in ``param_groups`` now: check parameters never seen
+        before (their state is made at their first step, or by ``state_dict`` / ``load_state_dict``), drop the
+        state of parameters no longer in any group (not of tensors once in a ``flat_layout`` group: DeepSpeed
+        ZeRO-3 swaps its partitions in and out of the group around each step, and the state is its to keep),
+        and forget every cached plan. Called by ``step``, ``state_dict``, ``load_state_dict`` and
+        ``flashdist.memory_report`` when the groups changed; cheap to call again."""
         if not self._groups_changed():
             return
-        seen = {id(p) for _, _, params in self._synced for p in params}
+        seen = {id(ref()) for _, _, refs in self._synced for ref in refs if ref() is not None}
         new = [(group, i, p) for group in self.param_groups for i, p in enumerate(group["params"])
                if id(p) not in seen]
         for group, i, p in new:
@@ -270,12 +275,7 @@ class FlashOptimizer(torch.optim.Optimizer):
         self._invalidate_plans()
         self._dtensor_groups = {id(g) for g in self.param_groups if any(D.is_dtensor(p) for p in g["params"])}
         self._layouts = layouts
-        for group in self.param_groups:
-            if not group.get("flat_layout", False):
-                for p in group["params"]:
-                    if p.requires_grad and not self._state_ready(p, group):
-                        self._init_state(p, group)
-        self._synced = [(group, group["params"], list(group["params"])) for group in self.param_groups]
+        self._synced = [_synced_entry(group) for group in self.param_groups]
         for group in self.param_groups:
             self._warn_precision([p for g, i, p in new if g is group], group)
 
@@ -324,10 +324,9 @@ class FlashOptimizer(torch.optim.Optimizer):
             self._invalidate_plans()
 
     def _init_state(self, p: torch.Tensor, group: dict) -> None:
-        """Create the missing parts of ``p``'s state. Called for every trainable parameter at construction and
-        on first sight (every rank, so that a checkpoint can be saved before the first step and every rank
-        writes the same keys: dcp.save), and by step and load for parameters that have none yet (frozen ones
-        stepped after all, ``flat_layout`` groups).
+        """Create the missing parts of ``p``'s state. Called by the first step of ``p``, by ``state_dict`` for
+        every trainable parameter (every rank, so that a checkpoint saved before the first step has the same
+        keys on every rank: dcp.save) and by loads.
 
         It also adopts state that a loader wrote straight into ``self.state`` without ``load_state_dict``
         (DeepSpeed's universal checkpoints: a plain-number ``step`` and float ``exp_avg``/``exp_avg_sq`` of
@@ -642,8 +641,13 @@ class FlashOptimizer(torch.optim.Optimizer):
                 state_dict = result
         self.sync_state()
         self._invalidate_plans()
+        had_state = {id(p) for p, s in self.state.items() if s}
         try:
             load_state_dict(self, state_dict)
+        except BaseException:
+            for p in [p for p in self.state if id(p) not in had_state]:
+                del self.state[p]  # a refused load leaves no state it made for the checks behind
+            raise
         finally:
             self._invalidate_plans()
         for hook in self._optimizer_load_state_dict_post_hooks.values():
