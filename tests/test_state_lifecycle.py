@@ -390,3 +390,58 @@ def test_plain_1d_tensor_swapped_into_a_row_layout_group_is_refused():
     opt.param_groups[0]["params"] = [bias]
     opt.step()
     assert "exp_avg" in opt.state[bias] and bias.float().abs().sum() > 0
+
+
+# ----- weights written outside the optimizer -----------------------------------------------------------------
+
+
+def _write_outside(model, how: str, source) -> list[torch.nn.Parameter]:
+    """Write new weights into ``model`` the way users and frameworks do; returns the parameters written."""
+    if how == "load_state_dict":  # Trainer's load_best_model_at_end, a user's restore
+        model.load_state_dict(source.state_dict())
+        return list(model.parameters())
+    if how == "swa-copy-back":  # torch.optim.swa_utils users: p_model.detach().copy_(p_swa)
+        for p, q in zip(model.parameters(), source.parameters()):
+            p.detach().copy_(q)
+        return list(model.parameters())
+    with torch.no_grad():  # torch.nn.init on one parameter
+        torch.nn.init.normal_(model[0].weight, std=0.1)
+    return [model[0].weight]
+
+
+@pytest.mark.parametrize("how", ["load_state_dict", "swa-copy-back", "nn.init"])
+def test_a_weight_written_outside_the_optimizer_is_its_own_master(how):
+    # before: the next step and master_weight started from the new bf16 weights plus the old rho
+    model, twin = _model(), _model()
+    opt, ref = FlashAdamW(model.parameters(), lr=1e-2), FlashAdamW(twin.parameters(), lr=1e-2)
+    _train(model, opt, 2)
+    _train(twin, ref, 2)
+    written = _write_outside(model, how, _model(seed=7))
+    kept = [p for p in model.parameters() if not any(p is w for w in written)]
+    for p in written:
+        assert torch.equal(opt.master_weight(p), p.float())
+    for p in kept:
+        assert opt.state[p]["rho"].any() and not torch.equal(opt.master_weight(p), p.float())
+    # the reference: the same weights, with the rho of the written parameters set to 0 by hand
+    _write_outside(twin, how, _model(seed=7))
+    for p, q in zip(model.parameters(), twin.parameters()):
+        if any(p is w for w in written):
+            ref.state[q]["rho"].zero_()
+    _train(model, opt, 2, start=2)
+    _train(twin, ref, 2, start=2)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q) and torch.equal(opt.state[p]["rho"], ref.state[q]["rho"])
+
+
+def test_a_state_dict_after_an_outside_write_saves_rho_0_and_a_normal_run_keeps_rho():
+    model = _model()
+    opt = FlashAdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, 3)
+    assert opt.adopt_outside_writes() == 0  # the optimizer's own writes are not outside ones
+    assert all(opt.state[p]["rho"].any() for p in model.parameters())
+    with torch.no_grad():
+        model[2].bias.add_(1.0)
+    sd = opt.state_dict()
+    assert not sd["state"][3]["rho"].any() and sd["state"][0]["rho"].any()
+    model[2].bias.data.add_(1.0)  # through .data: its own version counter, not seen (documented)
+    assert opt.adopt_outside_writes() == 0

@@ -18,7 +18,7 @@ from ..quant import rho as R
 from ..quant.moment import MomentLayout, QuantizedMoment
 from .layout import LAYOUT_OPTIONS, LayoutOptions
 from .params import check_overlaps, check_param, param_name
-from .plan import Bucket, StepPlan
+from .plan import Bucket, StepPlan, versions
 from .precision import fp32_group_warning, fsdp_low_precision_fp32, fsdp_warning, warn_precision
 from .state_dict import FORMATS, export_state_dict, load_state_dict
 
@@ -124,6 +124,9 @@ class FlashOptimizer(torch.optim.Optimizer):
         # DeepSpeed ZeRO-3 puts each sub-group's partition into the group for its step and empties the group
         # after it (the state of a tensor holds that tensor, so its id stays its own while it has state)
         self._flat_ids: set[int] = set()
+        # id(param) -> version counter of its local tensor after the optimizer last wrote it, for parameters
+        # whose plan is gone (a live plan keeps its own list, StepPlan.versions); see _adopt_outside_writes
+        self._written: dict[int, int] = {}
 
     def moments_of(self, group: dict) -> tuple[str, ...]:
         """State names of the moments the parameters of ``group`` keep (fp32 under these names, or as a
@@ -273,6 +276,8 @@ class FlashOptimizer(torch.optim.Optimizer):
         for p in [p for p in self.state if id(p) not in live and id(p) not in self._flat_ids]:
             del self.state[p]
         self._invalidate_plans()
+        live_state = set(map(id, self.state))
+        self._written = {k: v for k, v in self._written.items() if k in live_state}
         self._dtensor_groups = {id(g) for g in self.param_groups if any(D.is_dtensor(p) for p in g["params"])}
         self._layouts = layouts
         self._synced = [_synced_entry(group) for group in self.param_groups]
@@ -313,15 +318,22 @@ class FlashOptimizer(torch.optim.Optimizer):
 
         ``group``: the param group whose layout applies, one of ``param_groups``; by default the one that
         holds ``p``. Pass it for a tensor the group holds only during its step (DeepSpeed ZeRO-3's flat
-        partitions). Cached step plans that held ``p``'s old state tensors are dropped."""
+        partitions). Cached step plans that held ``p``'s old state tensors are dropped.
+
+        A loader that writes ``p``'s weights and its rho together calls this first: the weights ``p`` holds at
+        its next step are then taken as the ones its state belongs to, not as a write from outside the
+        optimizer (which would reset rho: :meth:`adopt_outside_writes`)."""
         if group is None:
             group = self._group_of(p)
         elif not any(g is group for g in self.param_groups):
             raise ValueError("flashdist: ensure_state takes one of this optimizer's param_groups as group")
         before = {k: id(v) for k, v in self.state.get(p, {}).items()}
         self._init_state(p, group)
-        if {k: id(v) for k, v in self.state[p].items()} != before:
+        if id(p) in self._plan_keys:
+            self._invalidate_plans()  # (its plan's record of p's version goes to self._written, then away)
+        elif {k: id(v) for k, v in self.state[p].items()} != before:
             self._invalidate_plans()
+        self._written.pop(id(p), None)
 
     def _init_state(self, p: torch.Tensor, group: dict) -> None:
         """Create the missing parts of ``p``'s state. Called by the first step of ``p``, by ``state_dict`` for
@@ -383,7 +395,8 @@ class FlashOptimizer(torch.optim.Optimizer):
         parameter the result is a DTensor with the same placements."""
         self._group_of(p)
         rho = self.state.get(p, {}).get("rho")
-        if rho is None:
+        was = self._recorded_version(p) if rho is not None else None
+        if rho is None or (was is not None and was != D.local(p)._version):  # (written outside: its own master)
             return p.detach().float()
         master = R.merge(D.local(p).detach(), D.local(rho))
         return D.state_like(p, master, tuple(D.global_shape(p)))
@@ -485,8 +498,15 @@ class FlashOptimizer(torch.optim.Optimizer):
             for p in params:
                 if not self._state_ready(p, group):
                     self._init_state(p, group)
+            self._flush_versions(plan)
+            for p in params:
+                old = self._plan_keys.get(id(p))
+                if old is not None and old != key:
+                    self._flush_versions(self._plans.get(old))
             plan = self._plans[key] = StepPlan(self, group, params)
             self.plan_generation = next(_GENERATIONS)
+            if plan.locals is not None:
+                self._reset_written_outside(plan.params, plan.locals, list(map(self._written.get, map(id, params))))
             # A parameter's step counter lives in the plan that last took it: a plan that held it before
             # (another list of parameters with gradients) keeps a stale copy, so it must not be reused.
             for p in params:
@@ -497,6 +517,8 @@ class FlashOptimizer(torch.optim.Optimizer):
         if not plan.capturable:  # its step counts live on the host: a graph would replay the first one's
             _refuse_while_capturing(D.local(params[0]).device, "the optimizer is not capturable (build it with "
                                     "capturable=True)")
+        if plan.versions is not None and versions(plan.locals) != plan.versions:  # one list compare per step
+            self._reset_written_outside(plan.params, plan.locals, plan.versions)
         plan.counts.add_(1.0)  # every state["step"] of the plan is a view into this one tensor
         try:
             self._step_plan(group, plan, params, grads)
@@ -505,9 +527,12 @@ class FlashOptimizer(torch.optim.Optimizer):
             # may the step counts; the plan is rebuilt next time
             plan.counts.sub_(1.0)
             plan.step = None
+            self._flush_versions(plan)
             self._plans.pop(key, None)
             self.plan_generation = next(_GENERATIONS)
             raise
+        if plan.locals is not None:
+            plan.versions = versions(plan.locals)  # after the optimizer's own writes (a reference step's copy_)
 
     @torch.no_grad()
     def step_parameters(self, group: dict, params: list[torch.Tensor],
@@ -566,9 +591,72 @@ class FlashOptimizer(torch.optim.Optimizer):
         self._invalidate_plans()
 
     def _invalidate_plans(self) -> None:
+        for plan in self._plans.values():
+            self._flush_versions(plan)
         self._plans.clear()
         self._plan_keys.clear()
         self.plan_generation = next(_GENERATIONS)
+
+    # ----- weights written outside the optimizer -------------------------------------------------------
+
+    def _flush_versions(self, plan: StepPlan | None) -> None:
+        """Keep a plan's record of its parameters' versions in ``self._written`` (the plan is dropped)."""
+        if plan is not None and plan.versions is not None:
+            self._written.update(zip(map(id, plan.params), plan.versions))
+
+    def _recorded_versions(self) -> dict[int, int]:
+        """id(param) -> its local tensor's version after the optimizer's last write, for every parameter."""
+        recorded = dict(self._written)
+        for plan in self._plans.values():
+            if plan.versions is not None:
+                recorded.update(zip(map(id, plan.params), plan.versions))
+        return recorded
+
+    def _recorded_version(self, p: torch.Tensor) -> int | None:
+        key = self._plan_keys.get(id(p))
+        plan = self._plans.get(key) if key is not None else None
+        if plan is not None and plan.versions is not None:
+            return plan.versions[plan.position(p)]
+        return self._written.get(id(p))
+
+    def _record_version(self, p: torch.Tensor, version: int) -> None:
+        key = self._plan_keys.get(id(p))
+        plan = self._plans.get(key) if key is not None else None
+        if plan is not None and plan.versions is not None:
+            plan.versions[plan.position(p)] = version
+        if id(p) in self._written:
+            self._written[id(p)] = version
+
+    def _reset_written_outside(self, params, local_params, recorded) -> int:
+        """Reset to 0 the rho of each parameter whose version moved since ``recorded`` (None: no record): the
+        weights written there (``model.load_state_dict``, SWA's copy-back, ``torch.nn.init``) are their own
+        master now, and an old rho added to them would move them by up to one bf16 spacing."""
+        reset = 0
+        for p, lp, was, now in zip(params, local_params, recorded, versions(local_params)):
+            if was is None or was == now:
+                continue
+            self._record_version(p, now)
+            rho = self.state.get(p, {}).get("rho")
+            if rho is not None:
+                _refuse_while_capturing(lp.device, "a parameter was written outside the optimizer since the last "
+                                        "step (its rho must be reset first)")
+                D.local(rho).zero_()
+                reset += 1
+        return reset
+
+    @torch.no_grad()
+    def adopt_outside_writes(self) -> int:
+        """Make every parameter written outside the optimizer since the optimizer last wrote it (its tensor's
+        version counter moved: ``copy_``, ``load_state_dict``, ``torch.nn.init``, SWA's copy-back) its own
+        master weight: its rho is reset to 0, so the next step and :meth:`master_weight` start from the new
+        weights. Returns how many were reset. ``step()`` does this for the parameters it steps (one list
+        comparison per group), ``state_dict()`` and :meth:`master_weight` for all; call it yourself after
+        writing weights while steps are replayed from a CUDA graph (a replay runs no Python). Writes through
+        ``p.data`` (its own version counter) are not seen."""
+        recorded = self._recorded_versions()
+        params = [p for g in self.param_groups if not g.get("flat_layout", False) for p in g["params"]
+                  if id(p) in recorded]
+        return self._reset_written_outside(params, [D.local(p) for p in params], [recorded[id(p)] for p in params])
 
     # ----- state dict ----------------------------------------------------------------------------------
 
@@ -589,6 +677,7 @@ class FlashOptimizer(torch.optim.Optimizer):
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
         self._ensure_trainable_state()
+        self.adopt_outside_writes()  # (a saved rho belongs to the weights saved beside it)
         state_dict = export_state_dict(self, self._packed_state_dict(), format)
         for hook in self._optimizer_state_dict_post_hooks.values():
             result = hook(self, state_dict)
@@ -644,6 +733,9 @@ class FlashOptimizer(torch.optim.Optimizer):
         had_state = {id(p) for p, s in self.state.items() if s}
         try:
             load_state_dict(self, state_dict)
+            # the loaded rho belongs to the weights the parameters hold at their next step (a checkpoint load
+            # copies the model's weights before or after this): no earlier record applies
+            self._written.clear()
         except BaseException:
             for p in [p for p in self.state if id(p) not in had_state]:
                 del self.state[p]  # a refused load leaves no state it made for the checks behind

@@ -56,6 +56,11 @@ class StepPlan:
     def __init__(self, opt, group: dict, params: list[torch.Tensor]):
         self.params = list(params)
         self.states = [opt.state[p] for p in params]
+        # The version counters of the local tensors after the optimizer's last write (None: not stepped yet):
+        # a parameter whose counter moved since was written outside the optimizer (base.py, stale rho). Not
+        # for flat_layout groups: DeepSpeed writes its own partitions (views of the buffer it all-gathers into).
+        self.locals = None if group.get("flat_layout", False) else [D.local(p) for p in params]
+        self.versions: list[int] | None = None
         # One tensor holds the step counts of all these parameters, and each state["step"] becomes a 0-d view
         # of it: a step increments them all with one add (torch.optim keeps one tensor per parameter; 2,000
         # separate adds cost milliseconds). On the CPU, except for CUDA parameters of a capturable optimizer,
@@ -84,12 +89,27 @@ class StepPlan:
         for bucket in self.buckets:
             bucket.everything = len(self.buckets) == 1
 
+    def position(self, p: torch.Tensor) -> int:
+        """The index of parameter ``p`` in ``params``."""
+        if not hasattr(self, "_position"):
+            self._position = {id(q): i for i, q in enumerate(self.params)}
+        return self._position[id(p)]
+
     def matches(self, opt, params: list[torch.Tensor]) -> bool:
         """Same parameters, and (flat_layout groups) no state added behind the optimizer's back, and
         ``opt.capturable`` as when built."""
         return (len(params) == len(self.params) and all(map(operator.is_, params, self.params))
                 and (self.sizes is None or list(map(len, self.states)) == self.sizes)
                 and self.capturable == capturable(opt, params))
+
+
+def versions(tensors: list[torch.Tensor]) -> list[int]:
+    """The version counters of ``tensors`` (torch bumps one at each in-place change made through Python:
+    ``copy_``, ``torch.nn.init``, ``load_state_dict``; a kernel writing through a raw pointer does not)."""
+    return list(map(_VERSION, tensors))
+
+
+_VERSION = operator.attrgetter("_version")
 
 
 def capturable(opt, params: list[torch.Tensor]) -> bool:
