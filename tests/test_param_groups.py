@@ -63,7 +63,7 @@ def test_single_group_forms(form):
               "named-generator": model.named_parameters()}[form]
     opt = FlashSGD(params, lr=0.1, momentum=0.9)
     assert len(opt.param_groups[0]["params"]) == 4
-    assert not opt.state  # made at the first step, as torch.optim makes it
+    assert len(opt.state) == 0  # made at the first step, as torch.optim makes it
     assert len(opt.state_dict()["state"]) == 4 and len(opt.state) == 4
 
 

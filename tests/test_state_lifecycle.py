@@ -62,7 +62,8 @@ def test_no_state_before_the_first_step_and_swapped_out_parameters_are_freed():
     model = _model()
     opt = FlashAdamW(model.parameters(), lr=1e-2)
     adamw = torch.optim.AdamW(_model().parameters())
-    assert not opt.state and not adamw.state
+    assert len(opt.state) == 0 and not adamw.state
+    assert opt.state  # empty but true: DCP's get_optimizer_state_dict then takes no zero-gradient step
     report = memory_report(opt)
     assert report["total"] == report["params"] and report["rho"] == report["codes"] == 0
     old = weakref.ref(model[0].weight)
@@ -73,6 +74,19 @@ def test_no_state_before_the_first_step_and_swapped_out_parameters_are_freed():
     assert old() is None, "the optimizer keeps a swapped-out parameter alive"
     _train(clone, opt, 1)
     assert set(map(id, opt.state)) == set(map(id, clone.parameters()))
+
+
+def test_torch_dcp_state_dict_before_the_first_step_takes_no_step():
+    # get_optimizer_state_dict makes the state of an optimizer whose state is empty by a zero-gradient step
+    # with lr 0, which counts as step 1 (and so changes every later bias correction)
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    model = _model()
+    opt = FlashAdamW(model.parameters(), lr=1e-2)
+    sd = get_optimizer_state_dict(model, opt)
+    assert sorted(sd["state"]) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    assert all(float(s["step"]) == 0 for s in sd["state"].values())
+    assert all(float(opt.state[p]["step"]) == 0 and p.grad is None for p in model.parameters())
 
 
 @pytest.mark.parametrize("how", ["state_dict", "checkpoint"])
@@ -138,7 +152,7 @@ def test_state_follows_parameters_in_a_load_and_in_the_memory_report():
     saved = opt.state_dict()
     opt.param_groups[0]["params"] = list(other.parameters())
     # the departed parameters' state is freed; the new ones get theirs at their first step, as in torch.optim
-    assert memory_report(opt)["rho"] == 0 and not opt.state
+    assert memory_report(opt)["rho"] == 0 and len(opt.state) == 0
     opt.load_state_dict(saved)  # into the swapped-in parameters' fresh state
     assert set(map(id, opt.state)) == set(map(id, other.parameters()))
     assert memory_report(opt)["rho"] == sum(p.numel() for p in other.parameters())  # bf16: one int8 each
@@ -193,7 +207,7 @@ def test_frozen_parameters_hold_no_state_until_trained():
     for p in frozen.parameters():
         p.requires_grad_(False)
     opt = FlashAdamW(model.parameters(), lr=1e-2)
-    assert not opt.state and memory_report(opt)["numel"] == sum(p.numel() for p in model.parameters())
+    assert len(opt.state) == 0 and memory_report(opt)["numel"] == sum(p.numel() for p in model.parameters())
     _train(model, opt, 1)
     assert set(map(id, opt.state)) == set(map(id, model[2].parameters()))
     assert memory_report(opt)["rho"] == sum(p.numel() for p in model[2].parameters())

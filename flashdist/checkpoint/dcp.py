@@ -69,13 +69,6 @@ def optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimize
             raise ValueError(f"flashdist: optimizer_state_dict's format applies to flashdist optimizers; "
                              f"{type(optimizer).__name__} has one format: pass format=None")
         return get_optimizer_state_dict(model, optimizer)
-    if not optimizer.state:
-        # Before the first step: torch's get_optimizer_state_dict would make the state by a zero-gradient
-        # step (lr 0), which counts as step 1; make it without a step, so a resume matches the run
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.requires_grad and not group.get("flat_layout", False):
-                    optimizer.ensure_state(p, group)
     with optimizer.state_dict_format_override(format or optimizer.state_dict_format):
         return get_optimizer_state_dict(model, optimizer)
 

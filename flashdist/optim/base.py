@@ -51,6 +51,27 @@ def _refuse_while_capturing(device: torch.device, why: str) -> None:
                            "torch.cuda.graphs requires), in an optimizer built with capturable=True")
 
 
+class _State(defaultdict):
+    """``optimizer.state``: torch's ``defaultdict(dict)``, except that it is true while the optimizer has a
+    trainable parameter, stepped or not. State is made at the first step, and
+    torch.distributed.checkpoint's ``get_optimizer_state_dict`` makes the state of an optimizer whose state
+    is false by a zero-gradient step, which would count as step 1; ``state_dict()`` makes the (zero) state
+    itself instead. Pickled and copied as a plain ``defaultdict``."""
+
+    def __init__(self, owner=None):
+        super().__init__(dict)
+        self._owner = weakref.ref(owner) if owner is not None else None
+
+    def __bool__(self) -> bool:
+        if len(self):
+            return True
+        owner = self._owner() if self._owner is not None else None
+        return owner is not None and any(p.requires_grad for g in owner.param_groups for p in g["params"])
+
+    def __reduce__(self):
+        return defaultdict, (dict,), None, None, iter(self.items())
+
+
 def _synced_entry(group: dict) -> tuple[dict, int, list]:
     return group, id(group["params"]), [weakref.ref(p) for p in group["params"]]
 
@@ -105,6 +126,12 @@ class FlashOptimizer(torch.optim.Optimizer):
         self._precision_warned = False
         self._reset_caches()
         super().__init__(params, defaults)
+        self._wrap_state()
+
+    def _wrap_state(self) -> None:
+        state = _State(self)
+        state.update(self.state)
+        self.state = state
 
     def _reset_caches(self) -> None:
         """Everything derived from ``param_groups`` and ``state`` that ``sync_state`` rebuilds (and that a
@@ -758,6 +785,7 @@ class FlashOptimizer(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
+        self._wrap_state()
         self._reset_caches()
         self.sync_state()
 
