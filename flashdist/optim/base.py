@@ -423,7 +423,7 @@ class FlashOptimizer(torch.optim.Optimizer):
         self._group_of(p)
         rho = self.state.get(p, {}).get("rho")
         was = self._recorded_version(p) if rho is not None else None
-        if rho is None or (was is not None and was != D.local(p)._version):  # (written outside: its own master)
+        if rho is None or (was is not None and was != p._version):  # (written outside: its own master)
             return p.detach().float()
         master = R.merge(D.local(p).detach(), D.local(rho))
         return D.state_like(p, master, tuple(D.global_shape(p)))
@@ -532,8 +532,8 @@ class FlashOptimizer(torch.optim.Optimizer):
                     self._flush_versions(self._plans.get(old))
             plan = self._plans[key] = StepPlan(self, group, params)
             self.plan_generation = next(_GENERATIONS)
-            if plan.locals is not None:
-                self._reset_written_outside(plan.params, plan.locals, list(map(self._written.get, map(id, params))))
+            if plan.watched is not None:
+                self._reset_written_outside(plan.params, list(map(self._written.get, map(id, params))))
             # A parameter's step counter lives in the plan that last took it: a plan that held it before
             # (another list of parameters with gradients) keeps a stale copy, so it must not be reused.
             for p in params:
@@ -544,8 +544,8 @@ class FlashOptimizer(torch.optim.Optimizer):
         if not plan.capturable:  # its step counts live on the host: a graph would replay the first one's
             _refuse_while_capturing(D.local(params[0]).device, "the optimizer is not capturable (build it with "
                                     "capturable=True)")
-        if plan.versions is not None and versions(plan.locals) != plan.versions:  # one list compare per step
-            self._reset_written_outside(plan.params, plan.locals, plan.versions)
+        if plan.versions is not None and versions(plan.watched) != plan.versions:  # one list compare per step
+            self._reset_written_outside(plan.params, plan.versions)
         plan.counts.add_(1.0)  # every state["step"] of the plan is a view into this one tensor
         try:
             self._step_plan(group, plan, params, grads)
@@ -558,8 +558,8 @@ class FlashOptimizer(torch.optim.Optimizer):
             self._plans.pop(key, None)
             self.plan_generation = next(_GENERATIONS)
             raise
-        if plan.locals is not None:
-            plan.versions = versions(plan.locals)  # after the optimizer's own writes (a reference step's copy_)
+        if plan.watched is not None:
+            plan.versions = versions(plan.watched)  # after the optimizer's own writes (a reference step's copy_)
 
     @torch.no_grad()
     def step_parameters(self, group: dict, params: list[torch.Tensor],
@@ -654,18 +654,18 @@ class FlashOptimizer(torch.optim.Optimizer):
         if id(p) in self._written:
             self._written[id(p)] = version
 
-    def _reset_written_outside(self, params, local_params, recorded) -> int:
+    def _reset_written_outside(self, params, recorded) -> int:
         """Reset to 0 the rho of each parameter whose version moved since ``recorded`` (None: no record): the
         weights written there (``model.load_state_dict``, SWA's copy-back, ``torch.nn.init``) are their own
         master now, and an old rho added to them would move them by up to one bf16 spacing."""
         reset = 0
-        for p, lp, was, now in zip(params, local_params, recorded, versions(local_params)):
+        for p, was, now in zip(params, recorded, versions(params)):
             if was is None or was == now:
                 continue
             self._record_version(p, now)
             rho = self.state.get(p, {}).get("rho")
             if rho is not None:
-                _refuse_while_capturing(lp.device, "a parameter was written outside the optimizer since the last "
+                _refuse_while_capturing(D.local(p).device, "a parameter was written outside the optimizer since the last "
                                         "step (its rho must be reset first)")
                 D.local(rho).zero_()
                 reset += 1
@@ -683,7 +683,7 @@ class FlashOptimizer(torch.optim.Optimizer):
         recorded = self._recorded_versions()
         params = [p for g in self.param_groups if not g.get("flat_layout", False) for p in g["params"]
                   if id(p) in recorded]
-        return self._reset_written_outside(params, [D.local(p) for p in params], [recorded[id(p)] for p in params])
+        return self._reset_written_outside(params, [recorded[id(p)] for p in params])
 
     # ----- state dict ----------------------------------------------------------------------------------
 

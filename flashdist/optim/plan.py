@@ -56,10 +56,13 @@ class StepPlan:
     def __init__(self, opt, group: dict, params: list[torch.Tensor]):
         self.params = list(params)
         self.states = [opt.state[p] for p in params]
-        # The version counters of the local tensors after the optimizer's last write (None: not stepped yet):
-        # a parameter whose counter moved since was written outside the optimizer (base.py, stale rho). Not
-        # for flat_layout groups: DeepSpeed writes its own partitions (views of the buffer it all-gathers into).
-        self.locals = None if group.get("flat_layout", False) else [D.local(p) for p in params]
+        # The parameters' version counters after the optimizer's last write (None: not stepped yet): a
+        # parameter whose counter moved since was written outside the optimizer (base.py, stale rho). A
+        # DTensor's own counter, which its in-place ops bump (copy_, load_state_dict, nn.init: the local shard's
+        # is not, since DTensor runs the local op below autograd); the kernels write the local shard, and
+        # neither counter moves. Not for flat_layout groups: DeepSpeed writes its own partitions (views of
+        # the buffer it all-gathers into).
+        self.watched = None if group.get("flat_layout", False) else list(params)
         self.versions: list[int] | None = None
         # One tensor holds the step counts of all these parameters, and each state["step"] becomes a 0-d view
         # of it: a step increments them all with one add (torch.optim keeps one tensor per parameter; 2,000
