@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import copy
 import io
+import warnings
 
 import pytest
 import torch
 
-from flashdist import FlashAdamW, memory_report
+from flashdist import FlashAdamW, PrecisionWarning, memory_report
 from flashdist.checkpoint.state import FORMAT_VERSION
 
 
@@ -221,3 +222,76 @@ def test_loaded_state_out_of_range_is_refused_naming_it_and_changes_nothing(fmt,
     after = named.state_dict()
     for pid, st in snapshot["state"].items():
         assert all(torch.equal(after["state"][pid][k], v) for k, v in st.items())
+
+
+# ----- the parameter dtype rho was made for ------------------------------------------------------------------
+
+
+def test_state_dicts_record_each_parameter_dtype():
+    model, opt = _trained("portable")
+    model[3].float()  # a LayerNorm kept in fp32
+    group = FlashAdamW(model.parameters()).state_dict()["param_groups"][0]
+    assert group["flashdist_version"] == FORMAT_VERSION == 2
+    assert group["flashdist_param_dtypes"] == ["bfloat16"] * 4 + ["float32"] * 2 + ["bfloat16"] * 2
+
+
+@pytest.mark.parametrize("fmt", ["portable", "compressed"])
+def test_bf16_state_with_rho_into_an_fp32_parameter_makes_it_the_exact_master(fmt):
+    # PEFT's load_adapter upcasts bf16 adapters to fp32 before the Trainer loads the optimizer's state
+    model, opt = _trained(fmt)
+    masters = [opt.master_weight(p) for p in model.parameters()]
+    upcast = copy.deepcopy(model).float()
+    fp32 = FlashAdamW(upcast.parameters(), lr=1e-2, state_dict_format=fmt)
+    fp32.load_state_dict(opt.state_dict())
+    for p, master in zip(upcast.parameters(), masters):
+        assert torch.equal(p.detach(), master) and "rho" not in fp32.state[p]
+    # weights that are not the saved bf16 values (not loaded yet): refused, nothing changed
+    other = _model(seed=3).float()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.rand_like(p) * 1e-3)  # fp32 values off the bf16 grid
+    before = [p.detach().clone() for p in other.parameters()]
+    with pytest.raises(ValueError, match="does not hold torch.bfloat16 values.*load the model's weights before"):
+        FlashAdamW(other.parameters(), lr=1e-2).load_state_dict(opt.state_dict())
+    assert all(torch.equal(p, b) for p, b in zip(other.parameters(), before))
+
+
+def test_fp32_state_into_a_bf16_parameter_gives_rho_0():
+    model = _model().float()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PrecisionWarning)  # (fp32 parameters: no 24-bit split, on purpose)
+        opt = FlashAdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, 2)
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    flash = FlashAdamW(bf16.parameters(), lr=1e-2)
+    _train(bf16, flash, 1)  # a rho of its own, which the load must not keep
+    bf16.load_state_dict(model.state_dict())
+    flash.load_state_dict(opt.state_dict())
+    assert all(not flash.state[p]["rho"].any() for p in bf16.parameters())
+    assert all(torch.equal(flash.master_weight(p), p.float()) for p in bf16.parameters())
+
+
+@pytest.mark.parametrize("saved, loaded", [(torch.bfloat16, torch.float16), (torch.float16, torch.bfloat16)],
+                         ids=["bf16-into-fp16", "fp16-into-bf16"])
+def test_state_between_bf16_and_fp16_is_refused(saved, loaded):
+    # rho counts in the spacing of the dtype it was made for: loaded across, the masters were 0.43 bf16 (7.4
+    # fp16) spacings off without a word
+    model, opt = _trained("portable")
+    model = model.to(saved)
+    opt = FlashAdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, 1)
+    other = copy.deepcopy(model).to(loaded)
+    with pytest.raises(ValueError, match=f"saved for a {saved} parameter and this one is {loaded}"):
+        FlashAdamW(other.parameters(), lr=1e-2).load_state_dict(opt.state_dict())
+
+
+def test_a_version_1_state_dict_is_taken_as_saved_for_the_current_dtypes():
+    model, opt = _trained("compressed")
+    sd = opt.state_dict()
+    for group in sd["param_groups"]:
+        group["flashdist_version"] = 1
+        del group["flashdist_param_dtypes"]
+    twin = copy.deepcopy(model)
+    twin_opt = FlashAdamW(twin.parameters(), lr=1e-2, state_dict_format="compressed")
+    twin_opt.load_state_dict(sd)
+    _state_equal(opt, model, twin_opt, twin)
