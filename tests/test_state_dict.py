@@ -298,3 +298,15 @@ def test_a_version_1_state_dict_is_taken_as_saved_for_the_current_dtypes():
     twin_opt = FlashAdamW(twin.parameters(), lr=1e-2, state_dict_format="compressed")
     twin_opt.load_state_dict(sd)
     _state_equal(opt, model, twin_opt, twin)
+
+
+def test_a_dcp_checkpoint_of_bf16_state_into_fp16_parameters_is_refused(tmp_path):
+    from flashdist import checkpoint
+
+    model, opt = _trained("compressed")
+    checkpoint.save(tmp_path / "ck", model, opt)
+    half = copy.deepcopy(model).half()
+    fresh = FlashAdamW(half.parameters(), lr=1e-2, state_dict_format="compressed")
+    with pytest.raises(Exception, match="saved for a torch.bfloat16 parameter and this one is torch.float16"):
+        checkpoint.load(tmp_path / "ck", half, fresh)
+    assert len(fresh.state) == 0  # the refused load left nothing behind

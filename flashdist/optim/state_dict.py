@@ -226,9 +226,13 @@ def load_state_dict(opt, sd: dict) -> None:
                        f"param group {gi} was saved with {key}={sgroup.get(key)!r}, this optimizer has "
                        f"{key}={group[key]!r}; build the optimizer with the same setting")
         dtypes = sgroup.get("flashdist_param_dtypes")
-        _check(dtypes is None or (isinstance(dtypes, list) and len(dtypes) == len(sgroup["params"])
-                                  and all(d in _DTYPES for d in dtypes)),
-               f"param group {gi}'s flashdist_param_dtypes is not one of {sorted(_DTYPES)} per parameter")
+        _check(dtypes is None or (isinstance(dtypes, list) and all(d in _DTYPES for d in dtypes)),
+               f"param group {gi}'s flashdist_param_dtypes must name one of {sorted(_DTYPES)} per parameter, "
+               f"got {dtypes!r}")
+        if dtypes is not None and len(dtypes) != len(sgroup["params"]):
+            # torch.distributed.checkpoint rebuilds param groups from the loading optimizer's, and may hand
+            # back that optimizer's own record for another grouping: taken as not recorded
+            dtypes = None
         for i, (pid, p) in enumerate(zip(sgroup["params"], group["params"])):
             if pid in saved:
                 opt.ensure_state(p, group)  # flat_layout groups create their state lazily
