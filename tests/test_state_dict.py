@@ -310,3 +310,18 @@ def test_a_dcp_checkpoint_of_bf16_state_into_fp16_parameters_is_refused(tmp_path
     with pytest.raises(Exception, match="saved for a torch.bfloat16 parameter and this one is torch.float16"):
         checkpoint.load(tmp_path / "ck", half, fresh)
     assert len(fresh.state) == 0  # the refused load left nothing behind
+
+
+def test_a_dcp_checkpoint_of_bf16_state_into_fp32_parameters_is_refused_in_one_line(tmp_path):
+    # through flashdist.checkpoint the loading optimizer's keys decide what is read, and an fp32 parameter keeps
+    # no rho: refused (the conversion runs where the Trainer loads, optimizer.load_state_dict after the model)
+    from flashdist import checkpoint
+
+    model, opt = _trained("portable")
+    checkpoint.save(tmp_path / "ck", model, opt)
+    fp32 = _model(seed=4).float()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PrecisionWarning)
+        fresh = FlashAdamW(fp32.parameters(), lr=1e-2)
+    with pytest.raises(checkpoint.CheckpointError, match="has rho, this optimizer keeps no rho"):
+        checkpoint.load(tmp_path / "ck", fp32, fresh)
