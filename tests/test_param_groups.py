@@ -63,7 +63,8 @@ def test_single_group_forms(form):
               "named-generator": model.named_parameters()}[form]
     opt = FlashSGD(params, lr=0.1, momentum=0.9)
     assert len(opt.param_groups[0]["params"]) == 4
-    assert len(opt.state) == 4
+    assert len(opt.state) == 0  # made at the first step, as torch.optim makes it
+    assert len(opt.state_dict()["state"]) == 4 and len(opt.state) == 4
 
 
 def test_add_param_group_takes_a_generator():
@@ -71,6 +72,7 @@ def test_add_param_group_takes_a_generator():
     opt = FlashLion(model[0].parameters())
     opt.add_param_group({"params": model[1].parameters(), "lr": 1e-3})
     assert len(opt.param_groups[1]["params"]) == 2 and opt.param_groups[1]["lr"] == 1e-3
+    opt.state_dict()
     assert all(p in opt.state for p in model[1].parameters())
 
 
@@ -149,4 +151,42 @@ def test_overlapping_views_are_refused_naming_both():
 def test_disjoint_views_of_one_storage_are_fine():
     base = torch.zeros(8, 32, dtype=torch.bfloat16)
     opt = FlashAdamW([torch.nn.Parameter(base[:4]), torch.nn.Parameter(base[4:])])
-    assert len(opt.state) == 2
+    assert len(opt.state_dict()["state"]) == 2
+
+
+# ----- the same tensor twice, and scalars that overflow fp32 ----------------------------------------------
+
+
+def test_a_parameter_given_twice_is_refused_naming_it():
+    # torch.optim.AdamW refuses a tensor in two groups and only warns about one twice in a group, then steps
+    # it twice with step 1's bias correction: flashdist refuses both before anything is built
+    model = _model()
+    w = model[0].weight
+    with pytest.raises(ValueError, match=r"'0.weight' .* twice in one param group \(also as '0.weight'\)"):
+        FlashAdamW(list(model.named_parameters()) + [("0.weight", w)])
+    with pytest.raises(ValueError, match="in two param groups"):
+        FlashAdamW([{"params": [w]}, {"params": [w, model[0].bias]}])
+    opt = FlashAdamW([w])
+    with pytest.raises(ValueError, match="in two param groups"):
+        opt.add_param_group({"params": [model[0].bias, w]})
+    assert len(opt.param_groups) == 1
+    opt.param_groups[0]["params"].append(w)  # put in behind the optimizer's back: refused at the step
+    model(torch.randn(2, 32, dtype=torch.bfloat16)).float().sum().backward()
+    with pytest.raises(ValueError, match="twice in one param group"):
+        opt.step()
+
+
+@pytest.mark.parametrize("cls,kwargs,match", [
+    (FlashAdamW, dict(lr=1e38), r"lr is too large: the first step's step size lr / \(1 - betas\[0\]\)"),
+    (FlashAdamW, dict(lr=1e30, weight_decay=1e10), r"lr is too large: lr \* weight_decay"),
+    (FlashAdamW, dict(eps=1e39), "eps=1e[+]39 overflows fp32"),
+    (FlashLion, dict(lr=1e39), "lr=1e[+]39 overflows fp32"),
+    (FlashSGD, dict(lr=1.0, weight_decay=1e39), "weight_decay=1e[+]39 overflows fp32"),
+], ids=["adamw-lr-1e38", "adamw-lr-times-wd", "adamw-eps", "lion-lr", "sgd-weight_decay"])
+def test_hyperparameters_whose_scalars_overflow_fp32_are_refused(cls, kwargs, match):
+    # torch.optim.AdamW(lr=1e38) fails at its step ("value cannot be converted to type float without
+    # overflow"); flashdist would write inf weights and count no skipped group
+    with pytest.raises(ValueError, match=match):
+        cls(_model().parameters(), **kwargs)
+    torch.optim.AdamW(_model().parameters(), lr=1e37)  # the largest accepted are accepted by both
+    FlashAdamW(_model().parameters(), lr=3e37)

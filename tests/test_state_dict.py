@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import copy
 import io
+import warnings
 
 import pytest
 import torch
 
-from flashdist import FlashAdamW
+from flashdist import FlashAdamW, PrecisionWarning, memory_report
 from flashdist.checkpoint.state import FORMAT_VERSION
 
 
@@ -104,9 +105,12 @@ def test_portable_loads_into_torch_adamw():
     for p, q in zip(model.parameters(), ref.parameters()):
         q.data.copy_(opt.master_weight(p))
     adamw = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    adamw.load_state_dict(opt.state_dict())
+    sd = opt.state_dict()
+    for entry in sd["state"].values():
+        entry.pop("rho")  # the documented path (docs/checkpoints.md): the fp32 masters carry it
+    adamw.load_state_dict(sd)
     st = adamw.state[ref[0].weight]
-    assert st["exp_avg"].shape == ref[0].weight.shape and float(st["step"]) == 3
+    assert st["exp_avg"].shape == ref[0].weight.shape and float(st["step"]) == 3 and "rho" not in st
     _train(ref, adamw, 1)  # AdamW steps from the loaded moments
 
 
@@ -163,3 +167,161 @@ def test_mismatches_name_the_parameter_and_change_nothing(mutate, match):
     for pid, st in snapshot["state"].items():
         for k, v in st.items():
             assert torch.equal(after["state"][pid][k], v)
+
+
+@pytest.mark.parametrize("shape", [(3, 0), (0, 5), (0,)], ids=["3x0", "0x5", "0"])
+@pytest.mark.parametrize("flat", [False, True], ids=["rows", "flat"])
+def test_an_empty_parameter_steps_saves_and_loads(shape, flat):
+    empty = torch.nn.Parameter(torch.zeros(shape, dtype=torch.bfloat16))
+    weight = torch.nn.Parameter(torch.ones(4, 40, dtype=torch.bfloat16))
+    opt = FlashAdamW([empty, weight], lr=1e-2, flat_layout=flat)
+    empty.grad, weight.grad = torch.zeros_like(empty), torch.ones_like(weight)
+    opt.step()
+    for fmt in ("portable", "compressed"):
+        sd = opt.state_dict(format=fmt)
+        twin_weight = torch.nn.Parameter(weight.detach().clone())
+        twin = FlashAdamW([torch.nn.Parameter(empty.detach().clone()), twin_weight], lr=1e-2, flat_layout=flat)
+        twin.load_state_dict(copy.deepcopy(sd))
+        assert float(twin.state[twin_weight]["step"]) == 1
+        opt.load_state_dict(sd)
+    torch.optim.AdamW([empty, weight]).load_state_dict(opt.state_dict())
+    opt.step()
+    assert float(opt.state[empty]["step"]) == 2 and memory_report(opt)["numel"] == 160
+
+
+def _set(key, value, index=0):
+    def mutate(sd):
+        entry = sd["state"][index]
+        entry[key] = value if not callable(value) else value(entry[key])
+    return mutate
+
+
+@pytest.mark.parametrize("fmt, mutate, match", [
+    ("portable", _set("step", torch.tensor(-5.0)), "'step' of '0.weight' .* is -5.0"),
+    ("portable", _set("step", 2.5), "'step' of '0.weight' .* is 2.5"),
+    ("portable", _set("step", float("nan")), "'step' of '0.weight' .* is nan"),
+    ("portable", _set("exp_avg", lambda t: t.index_fill(1, torch.tensor([3]), float("nan"))),
+     "'exp_avg' of '0.weight' .* holds 40 values that are not finite"),
+    ("portable", _set("exp_avg_sq", lambda t: t.index_fill(1, torch.tensor([0]), -1.0)),
+     "'exp_avg_sq' of '0.weight' .* holds 40 values that are not finite and non-negative"),
+    ("portable", _set("exp_avg", lambda t: t.index_fill(0, torch.tensor([0]), float("inf")), index=3),
+     r"'exp_avg' of '2.bias' .* holds 1 values"),
+    ("compressed", _set("exp_avg_sq_scales", lambda t: t.index_fill(0, torch.tensor([0]), float("inf"))),
+     "'exp_avg_sq_scales' of '0.weight'"),
+    ("compressed", _set("exp_avg_scales", lambda t: -t), "'exp_avg_scales' of '0.weight' .* non-negative"),
+], ids=["step-negative", "step-fraction", "step-nan", "exp_avg-nan", "exp_avg_sq-negative", "fp32-moment-inf",
+        "scales-inf", "scales-negative"])
+def test_loaded_state_out_of_range_is_refused_naming_it_and_changes_nothing(fmt, mutate, match):
+    # a step count of -5 made the next step spin forever; NaN, infinite or negative moments made every later
+    # step skip their group
+    model, opt = _trained(fmt)
+    named = FlashAdamW(model.named_parameters(), lr=1e-2, state_dict_format=fmt)
+    named.load_state_dict(opt.state_dict())
+    sd = copy.deepcopy(named.state_dict())
+    snapshot = copy.deepcopy(sd)
+    mutate(sd)
+    with pytest.raises(ValueError, match=match):
+        named.load_state_dict(sd)
+    after = named.state_dict()
+    for pid, st in snapshot["state"].items():
+        assert all(torch.equal(after["state"][pid][k], v) for k, v in st.items())
+
+
+# ----- the parameter dtype rho was made for ------------------------------------------------------------------
+
+
+def test_state_dicts_record_each_parameter_dtype():
+    model, opt = _trained("portable")
+    model[3].float()  # a LayerNorm kept in fp32
+    group = FlashAdamW(model.parameters()).state_dict()["param_groups"][0]
+    assert group["flashdist_version"] == FORMAT_VERSION == 2
+    assert group["flashdist_param_dtypes"] == ["bfloat16"] * 4 + ["float32"] * 2 + ["bfloat16"] * 2
+
+
+@pytest.mark.parametrize("fmt", ["portable", "compressed"])
+def test_bf16_state_with_rho_into_an_fp32_parameter_makes_it_the_exact_master(fmt):
+    # PEFT's load_adapter upcasts bf16 adapters to fp32 before the Trainer loads the optimizer's state
+    model, opt = _trained(fmt)
+    masters = [opt.master_weight(p) for p in model.parameters()]
+    upcast = copy.deepcopy(model).float()
+    fp32 = FlashAdamW(upcast.parameters(), lr=1e-2, state_dict_format=fmt)
+    fp32.load_state_dict(opt.state_dict())
+    for p, master in zip(upcast.parameters(), masters):
+        assert torch.equal(p.detach(), master) and "rho" not in fp32.state[p]
+    # weights that are not the saved bf16 values (not loaded yet): refused, nothing changed
+    other = _model(seed=3).float()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.rand_like(p) * 1e-3)  # fp32 values off the bf16 grid
+    before = [p.detach().clone() for p in other.parameters()]
+    with pytest.raises(ValueError, match="does not hold torch.bfloat16 values.*load the model's weights before"):
+        FlashAdamW(other.parameters(), lr=1e-2).load_state_dict(opt.state_dict())
+    assert all(torch.equal(p, b) for p, b in zip(other.parameters(), before))
+
+
+def test_fp32_state_into_a_bf16_parameter_gives_rho_0():
+    model = _model().float()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PrecisionWarning)  # (fp32 parameters: no 24-bit split, on purpose)
+        opt = FlashAdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, 2)
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    flash = FlashAdamW(bf16.parameters(), lr=1e-2)
+    _train(bf16, flash, 1)  # a rho of its own, which the load must not keep
+    bf16.load_state_dict(model.state_dict())
+    flash.load_state_dict(opt.state_dict())
+    assert all(not flash.state[p]["rho"].any() for p in bf16.parameters())
+    assert all(torch.equal(flash.master_weight(p), p.float()) for p in bf16.parameters())
+
+
+@pytest.mark.parametrize("saved, loaded", [(torch.bfloat16, torch.float16), (torch.float16, torch.bfloat16)],
+                         ids=["bf16-into-fp16", "fp16-into-bf16"])
+def test_state_between_bf16_and_fp16_is_refused(saved, loaded):
+    # rho counts in the spacing of the dtype it was made for: loaded across, the masters were 0.43 bf16 (7.4
+    # fp16) spacings off without a word
+    model, opt = _trained("portable")
+    model = model.to(saved)
+    opt = FlashAdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, 1)
+    other = copy.deepcopy(model).to(loaded)
+    with pytest.raises(ValueError, match=f"saved for a {saved} parameter and this one is {loaded}"):
+        FlashAdamW(other.parameters(), lr=1e-2).load_state_dict(opt.state_dict())
+
+
+def test_a_version_1_state_dict_is_taken_as_saved_for_the_current_dtypes():
+    model, opt = _trained("compressed")
+    sd = opt.state_dict()
+    for group in sd["param_groups"]:
+        group["flashdist_version"] = 1
+        del group["flashdist_param_dtypes"]
+    twin = copy.deepcopy(model)
+    twin_opt = FlashAdamW(twin.parameters(), lr=1e-2, state_dict_format="compressed")
+    twin_opt.load_state_dict(sd)
+    _state_equal(opt, model, twin_opt, twin)
+
+
+def test_a_dcp_checkpoint_of_bf16_state_into_fp16_parameters_is_refused(tmp_path):
+    from flashdist import checkpoint
+
+    model, opt = _trained("compressed")
+    checkpoint.save(tmp_path / "ck", model, opt)
+    half = copy.deepcopy(model).half()
+    fresh = FlashAdamW(half.parameters(), lr=1e-2, state_dict_format="compressed")
+    with pytest.raises(Exception, match="saved for a torch.bfloat16 parameter and this one is torch.float16"):
+        checkpoint.load(tmp_path / "ck", half, fresh)
+    assert len(fresh.state) == 0  # the refused load left nothing behind
+
+
+def test_a_dcp_checkpoint_of_bf16_state_into_fp32_parameters_is_refused_in_one_line(tmp_path):
+    # through flashdist.checkpoint the loading optimizer's keys decide what is read, and an fp32 parameter keeps
+    # no rho: refused (the conversion runs where the Trainer loads, optimizer.load_state_dict after the model)
+    from flashdist import checkpoint
+
+    model, opt = _trained("portable")
+    checkpoint.save(tmp_path / "ck", model, opt)
+    fp32 = _model(seed=4).float()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PrecisionWarning)
+        fresh = FlashAdamW(fp32.parameters(), lr=1e-2)
+    with pytest.raises(checkpoint.CheckpointError, match="has rho, this optimizer keeps no rho"):
+        checkpoint.load(tmp_path / "ck", fp32, fresh)

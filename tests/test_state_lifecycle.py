@@ -6,11 +6,13 @@ copy.deepcopy and pickle, torch.compile(optimizer.step), the fp32-parameter prec
 from __future__ import annotations
 
 import copy
+import gc
 import io
 import pickle
 import sys
 import types
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -55,6 +57,67 @@ def _swap_like_accelerate(opt, new_params: dict) -> None:
         group["params"] = [new_params[id(p)] for p in params]
 
 
+def test_no_state_before_the_first_step_and_swapped_out_parameters_are_freed():
+    # torch.optim.AdamW holds nothing before its first step; under Accelerate's FSDP2 the optimizer is built on
+    # the unsharded model, so state made at construction (and references to those tensors) would hold the
+    # full model's bytes on every rank until the first step
+    model = _model()
+    opt = FlashAdamW(model.parameters(), lr=1e-2)
+    adamw = torch.optim.AdamW(_model().parameters())
+    assert len(opt.state) == 0 and not adamw.state
+    assert opt.state  # empty but true: DCP's get_optimizer_state_dict then takes no zero-gradient step
+    report = memory_report(opt)
+    assert report["total"] == report["params"] and report["rho"] == report["codes"] == 0
+    old = weakref.ref(model[0].weight)
+    clone = copy.deepcopy(model)
+    _swap_like_accelerate(opt, {id(p): q for p, q in zip(model.parameters(), clone.parameters())})
+    del model
+    gc.collect()
+    assert old() is None, "the optimizer keeps a swapped-out parameter alive"
+    _train(clone, opt, 1)
+    assert set(map(id, opt.state)) == set(map(id, clone.parameters()))
+
+
+def test_torch_dcp_state_dict_before_the_first_step_takes_no_step():
+    # get_optimizer_state_dict makes the state of an optimizer whose state is empty by a zero-gradient step
+    # with lr 0, which counts as step 1 (and so changes every later bias correction)
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    model = _model()
+    opt = FlashAdamW(model.parameters(), lr=1e-2)
+    sd = get_optimizer_state_dict(model, opt)
+    assert sorted(sd["state"]) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    assert all(float(s["step"]) == 0 for s in sd["state"].values())
+    assert all(float(opt.state[p]["step"]) == 0 and p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("how", ["state_dict", "checkpoint"])
+def test_a_checkpoint_taken_before_the_first_step_has_every_key_and_resumes_exactly(how, tmp_path):
+    from flashdist import checkpoint
+
+    model = _model()
+    opt = FlashAdamW(model.named_parameters(), lr=1e-2)
+    if how == "state_dict":
+        saved = copy.deepcopy(opt.state_dict())
+        assert sorted(saved["state"]) == [0, 1, 2, 3]  # every trainable parameter (dcp.save: same keys everywhere)
+        assert all(float(s["step"]) == 0 and s["rho"].abs().sum() == 0 for s in saved["state"].values())
+    else:
+        checkpoint.save(tmp_path / "ck", model, opt)
+    assert all(float(opt.state[p]["step"]) == 0 for p in model.parameters())  # saving took no step
+    resumed_model = _model(seed=3)
+    resumed = FlashAdamW(resumed_model.named_parameters(), lr=1e-2)
+    if how == "state_dict":
+        resumed_model.load_state_dict(model.state_dict())
+        resumed.load_state_dict(saved)
+    else:
+        checkpoint.load(tmp_path / "ck", resumed_model, resumed)
+    _train(model, opt, 2)
+    _train(resumed_model, resumed, 2)
+    for p, q in zip(model.parameters(), resumed_model.parameters()):
+        assert torch.equal(p, q) and torch.equal(opt.master_weight(p), resumed.master_weight(q))
+        assert float(resumed.state[q]["step"]) == 2
+
+
 def test_swapped_parameters_get_state_and_departed_ones_lose_it():
     model, twin = _model(), _model()
     opt = FlashAdamW(model.parameters(), lr=1e-2)
@@ -90,9 +153,11 @@ def test_state_follows_parameters_in_a_load_and_in_the_memory_report():
     _train(model, opt, 1)
     saved = opt.state_dict()
     opt.param_groups[0]["params"] = list(other.parameters())
-    assert memory_report(opt)["rho"] == sum(p.numel() for p in other.parameters())  # bf16: one int8 each
-    assert set(map(id, opt.state)) == set(map(id, other.parameters()))
+    # the departed parameters' state is freed; the new ones get theirs at their first step, as in torch.optim
+    assert memory_report(opt)["rho"] == 0 and len(opt.state) == 0
     opt.load_state_dict(saved)  # into the swapped-in parameters' fresh state
+    assert set(map(id, opt.state)) == set(map(id, other.parameters()))
+    assert memory_report(opt)["rho"] == sum(p.numel() for p in other.parameters())  # bf16: one int8 each
     assert all(float(opt.state[p]["step"]) == 1 for p in other.parameters())
 
 
@@ -144,11 +209,10 @@ def test_frozen_parameters_hold_no_state_until_trained():
     for p in frozen.parameters():
         p.requires_grad_(False)
     opt = FlashAdamW(model.parameters(), lr=1e-2)
-    assert set(map(id, opt.state)) == set(map(id, model[2].parameters()))
-    report = memory_report(opt)
-    assert report["rho"] == sum(p.numel() for p in model[2].parameters())
-    assert report["numel"] == sum(p.numel() for p in model.parameters())
+    assert len(opt.state) == 0 and memory_report(opt)["numel"] == sum(p.numel() for p in model.parameters())
     _train(model, opt, 1)
+    assert set(map(id, opt.state)) == set(map(id, model[2].parameters()))
+    assert memory_report(opt)["rho"] == sum(p.numel() for p in model[2].parameters())
     assert not any(p in opt.state for p in frozen.parameters())
     sd = opt.state_dict()  # like torch.optim: frozen parameters have no entry
     assert set(sd["state"]) == {2, 3}
@@ -284,7 +348,7 @@ def test_compiled_step_with_fullgraph_says_why_and_changes_nothing():
         torch.compile(opt.step, fullgraph=True)()
     assert not isinstance(info.value, RecursionError)
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
-    assert float(opt.state[model[0].weight]["step"]) == 0
+    assert float(opt.state[model[0].weight].get("step", 0)) == 0
     opt.step()  # eager still works
     assert float(opt.state[model[0].weight]["step"]) == 1
 
@@ -355,3 +419,58 @@ def test_plain_1d_tensor_swapped_into_a_row_layout_group_is_refused():
     opt.param_groups[0]["params"] = [bias]
     opt.step()
     assert "exp_avg" in opt.state[bias] and bias.float().abs().sum() > 0
+
+
+# ----- weights written outside the optimizer -----------------------------------------------------------------
+
+
+def _write_outside(model, how: str, source) -> list[torch.nn.Parameter]:
+    """Write new weights into ``model`` the way users and frameworks do; returns the parameters written."""
+    if how == "load_state_dict":  # Trainer's load_best_model_at_end, a user's restore
+        model.load_state_dict(source.state_dict())
+        return list(model.parameters())
+    if how == "swa-copy-back":  # torch.optim.swa_utils users: p_model.detach().copy_(p_swa)
+        for p, q in zip(model.parameters(), source.parameters()):
+            p.detach().copy_(q)
+        return list(model.parameters())
+    with torch.no_grad():  # torch.nn.init on one parameter
+        torch.nn.init.normal_(model[0].weight, std=0.1)
+    return [model[0].weight]
+
+
+@pytest.mark.parametrize("how", ["load_state_dict", "swa-copy-back", "nn.init"])
+def test_a_weight_written_outside_the_optimizer_is_its_own_master(how):
+    # before: the next step and master_weight started from the new bf16 weights plus the old rho
+    model, twin = _model(), _model()
+    opt, ref = FlashAdamW(model.parameters(), lr=1e-2), FlashAdamW(twin.parameters(), lr=1e-2)
+    _train(model, opt, 2)
+    _train(twin, ref, 2)
+    written = _write_outside(model, how, _model(seed=7))
+    kept = [p for p in model.parameters() if not any(p is w for w in written)]
+    for p in written:
+        assert torch.equal(opt.master_weight(p), p.float())
+    for p in kept:
+        assert opt.state[p]["rho"].any() and not torch.equal(opt.master_weight(p), p.float())
+    # the reference: the same weights, with the rho of the written parameters set to 0 by hand
+    _write_outside(twin, how, _model(seed=7))
+    for p, q in zip(model.parameters(), twin.parameters()):
+        if any(p is w for w in written):
+            ref.state[q]["rho"].zero_()
+    _train(model, opt, 2, start=2)
+    _train(twin, ref, 2, start=2)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q) and torch.equal(opt.state[p]["rho"], ref.state[q]["rho"])
+
+
+def test_a_state_dict_after_an_outside_write_saves_rho_0_and_a_normal_run_keeps_rho():
+    model = _model()
+    opt = FlashAdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, 3)
+    assert opt.adopt_outside_writes() == 0  # the optimizer's own writes are not outside ones
+    assert all(opt.state[p]["rho"].any() for p in model.parameters())
+    with torch.no_grad():
+        model[2].bias.add_(1.0)
+    sd = opt.state_dict()
+    assert not sd["state"][3]["rho"].any() and sd["state"][0]["rho"].any()
+    model[2].bias.data.add_(1.0)  # through .data: its own version counter, not seen (documented)
+    assert opt.adopt_outside_writes() == 0

@@ -183,6 +183,20 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     """Load a checkpoint written by :func:`save` (at any world size) into ``model`` and ``optimizer``; returns
     the saved ``extra``. Every rank calls it. Raises :class:`CheckpointError` naming what does not match,
     or the shard file that belongs to another save or is damaged, with the model and optimizer unchanged."""
+    had_state = {id(p) for p, s in optimizer.state.items() if s}
+    try:
+        return _load(path, model, optimizer)
+    except BaseException:
+        if isinstance(optimizer, FlashOptimizer):
+            # the zero state made for parameters never stepped (DCP loads into a template of the live state)
+            # goes again: a refused load leaves the optimizer as it was
+            for p in [p for p in optimizer.state if id(p) not in had_state]:
+                del optimizer.state[p]
+            optimizer.clear_plans()
+        raise
+
+
+def _load(path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     where = resolve(path)
     reader = SafeFileSystemReader(str(where))
     metadata = reader.read_metadata()

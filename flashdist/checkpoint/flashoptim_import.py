@@ -396,7 +396,8 @@ def read_flashoptim(src: str | os.PathLike | dict, model_state: dict | None = No
         keep = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay")}
         keep.update(params=list(group_names), master_weight_bits=bits,
                     quantize_states=bool(group.get("quantize", True)), companded=True, flat_layout=False,
-                    flashdist_format="portable", flashdist_version=FORMAT_VERSION)
+                    flashdist_format="portable", flashdist_version=FORMAT_VERSION,
+                    flashdist_param_dtypes=[str(out_model[n].dtype).removeprefix("torch.") for n in group_names])
         param_groups.append(keep)
     for key, value in model.items():  # tied weights: every key of a replaced parameter gets the new tensor
         if key not in state and value.is_floating_point() and value.numel():

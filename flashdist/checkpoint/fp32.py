@@ -84,6 +84,8 @@ def load_fp32_state_dict(model: torch.nn.Module, optimizer, state_dict: dict[str
             continue
         local_target = D.local(target)
         rows = D.local_rows(value, target).to(local_target.device)
+        if id(target) in mine:
+            optimizer.ensure_state(target)  # (state is made at the first step: this may be before it)
         rho = optimizer.state[target].get("rho") if id(target) in mine else None
         if rho is not None:
             low, new_rho = R.split(rows.float(), local_target.dtype, rho.dtype)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..functional.adam import flash_adam
 from .base import FlashOptimizer
-from .params import check_betas, check_number
+from .params import check_betas, check_number, check_step_scalars
 
 
 class FlashAdamW(FlashOptimizer):
@@ -104,6 +104,7 @@ class FlashAdamW(FlashOptimizer):
             raise ValueError("flashdist: eps must be > 0, got 0; the quantized second moment can be exactly 0 "
                              "where the first is not, so eps=0 turns the update into inf or NaN (use e.g. 1e-8)")
         check_number("weight_decay", group["weight_decay"], low=0.0)
+        check_step_scalars(group, step_size_of_beta1=True)
 
     def _step_bucket(self, group, bucket, grads, step, skipped):
         (m, v), (ms, vs) = bucket.moments, bucket.scales

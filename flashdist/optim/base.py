@@ -7,6 +7,7 @@ import contextvars
 import itertools
 import operator
 import warnings
+import weakref
 from collections import defaultdict
 from typing import Any
 
@@ -18,7 +19,7 @@ from ..quant import rho as R
 from ..quant.moment import MomentLayout, QuantizedMoment
 from .layout import LAYOUT_OPTIONS, LayoutOptions
 from .params import check_overlaps, check_param, param_name
-from .plan import Bucket, StepPlan
+from .plan import Bucket, StepPlan, versions
 from .precision import (caller_stacklevel, fp32_group_warning, fsdp_low_precision_fp32, fsdp_warning,
                         warn_precision)
 from .state_dict import FORMATS, export_state_dict, load_state_dict
@@ -52,6 +53,31 @@ def _refuse_while_capturing(device: torch.device, why: str) -> None:
                            "torch.cuda.graphs requires), in an optimizer built with capturable=True")
 
 
+class _State(defaultdict):
+    """``optimizer.state``: torch's ``defaultdict(dict)``, except that it is true while the optimizer has a
+    trainable parameter, stepped or not. State is made at the first step, and
+    torch.distributed.checkpoint's ``get_optimizer_state_dict`` makes the state of an optimizer whose state
+    is false by a zero-gradient step, which would count as step 1; ``state_dict()`` makes the (zero) state
+    itself instead. Pickled and copied as a plain ``defaultdict``."""
+
+    def __init__(self, owner=None):
+        super().__init__(dict)
+        self._owner = weakref.ref(owner) if owner is not None else None
+
+    def __bool__(self) -> bool:
+        if len(self):
+            return True
+        owner = self._owner() if self._owner is not None else None
+        return owner is not None and any(p.requires_grad for g in owner.param_groups for p in g["params"])
+
+    def __reduce__(self):
+        return defaultdict, (dict,), None, None, iter(self.items())
+
+
+def _synced_entry(group: dict) -> tuple[dict, int, list]:
+    return group, id(group["params"]), [weakref.ref(p) for p in group["params"]]
+
+
 def _check_format(value: Any, name: str) -> None:
     """One of the state-dict formats, or a ValueError naming ``name``."""
     if value not in FORMATS:
@@ -67,11 +93,13 @@ class FlashOptimizer(torch.optim.Optimizer):
     integrations build on: :meth:`ensure_state`, :meth:`step_parameters`, :meth:`check_group`,
     :meth:`clear_plans`, :meth:`layout_options`, ``state_dict(format=...)`` and :attr:`keeps_step_count`.
 
-    State follows the parameters that are in ``param_groups`` now (frameworks swap them after construction:
-    Accelerate's FSDP2 ``prepare`` puts sharded DTensors in place of the original tensors): a parameter seen
-    for the first time gets its state (at the step, ``state_dict``, ``load_state_dict`` or
-    ``flashdist.memory_report`` that first sees it), a parameter no longer in any group loses its state, and
-    frozen parameters (``requires_grad=False``) hold none until they are stepped with a gradient. Each step
+    State is made no earlier than torch.optim makes it: at a parameter's first step, or when ``state_dict``,
+    ``load_state_dict`` or :meth:`ensure_state` needs it. Before the first step the optimizer holds no state
+    and no strong reference to the parameters beyond ``param_groups`` (frameworks swap them after
+    construction: Accelerate's FSDP2 ``prepare`` puts sharded DTensors in place of the unsharded tensors,
+    which are then freed). ``state_dict()`` before the first step makes the (zero) state of every trainable
+    parameter, so that every rank saves the same keys (dcp.save). A parameter no longer in any group loses
+    its state, and frozen parameters (``requires_grad=False``) hold none until they are stepped. Each step
     compares each group's dict and parameter list object with those last seen (no Python work per
     parameter); an entry replaced in place is caught by the step's cached plan, which compares the
     parameters with gradients by identity anyway, and by ``state_dict``."""
@@ -101,6 +129,12 @@ class FlashOptimizer(torch.optim.Optimizer):
         self._graph_warned = False  # graphed=True had no effect on a step, and a warning said so
         self._reset_caches()
         super().__init__(params, defaults)
+        self._wrap_state()
+
+    def _wrap_state(self) -> None:
+        state = _State(self)
+        state.update(self.state)
+        self.state = state
 
     def _reset_caches(self) -> None:
         """Everything derived from ``param_groups`` and ``state`` that ``sync_state`` rebuilds (and that a
@@ -113,11 +147,16 @@ class FlashOptimizer(torch.optim.Optimizer):
         self.plan_generation = next(_GENERATIONS)
         self._dtensor_groups: set[int] = set()  # ids of param groups that hold DTensor parameters
         self._layouts: dict[int, LayoutOptions] = {}  # id(group) -> its layout options when its state was made
-        self._synced: list[tuple[dict, list, list]] = []  # (group, its params list, a copy) as last seen
+        # (group, id of its params list, weak references to its parameters) as last seen: weak, so that the
+        # tensors a framework swapped out (Accelerate's unsharded parameters) are freed at once
+        self._synced: list[tuple[dict, int, list]] = []
         # ids of tensors seen in flat_layout groups: their state is never freed by sync_state, because
         # DeepSpeed ZeRO-3 puts each sub-group's partition into the group for its step and empties the group
         # after it (the state of a tensor holds that tensor, so its id stays its own while it has state)
         self._flat_ids: set[int] = set()
+        # id(param) -> version counter of its local tensor after the optimizer last wrote it, for parameters
+        # whose plan is gone (a live plan keeps its own list, StepPlan.versions); see _adopt_outside_writes
+        self._written: dict[int, int] = {}
 
     def moments_of(self, group: dict) -> tuple[str, ...]:
         """State names of the moments the parameters of ``group`` keep (fp32 under these names, or as a
@@ -200,16 +239,12 @@ class FlashOptimizer(torch.optim.Optimizer):
         self._layouts[id(group)] = layout
         if any(D.is_dtensor(p) for p in group["params"]):
             self._dtensor_groups.add(id(group))
-        self._synced.append((group, group["params"], list(group["params"])))
+        self._synced.append(_synced_entry(group))
         self._warn_precision(group["params"], group)
         if group.get("flat_layout", False):
-            # A wrapper (DeepSpeed ZeRO) replaces these tensors by its flat partitions after construction:
-            # their state is created by the first step (or load) that sees them.
+            # A wrapper (DeepSpeed ZeRO) replaces these tensors by its flat partitions after construction.
             self._flat_ids.update(map(id, group["params"]))
-            return
-        for p in group["params"]:
-            if p.requires_grad:  # frozen parameters hold no state until they are stepped
-                self._init_state(p, group)
+        # no state yet: it is made at the first step (or state_dict, load, ensure_state), as torch.optim makes it
 
     def _warn_precision(self, params, group: dict) -> None:
         """Say once that fp32 parameters get no 24-bit split (flashdist.optim.precision.fp32_group_warning)."""
@@ -239,31 +274,30 @@ class FlashOptimizer(torch.optim.Optimizer):
             return True
         for group, (seen_group, seen_list, seen) in zip(self.param_groups, synced):
             params = group["params"]
-            if group is not seen_group or params is not seen_list or len(params) != len(seen):
+            if group is not seen_group or id(params) != seen_list or len(params) != len(seen):
                 return True
-            if thorough and not all(map(operator.is_, params, seen)):
+            # (a list object freed and another made at its address is caught by the identities below, which
+            # the step's plan compares too when it is rebuilt)
+            if thorough and not all(map(operator.is_, params, [ref() for ref in seen])):
                 return True
         return False
 
     def sync_state(self) -> None:
-        """Bring the state in line with the parameters in ``param_groups`` now: check and create the state of
-        parameters never seen before (those with ``requires_grad``; ``flat_layout`` groups create theirs at
-        their first step), drop the state of parameters no longer in any group (not of tensors once in a
-        ``flat_layout`` group: DeepSpeed ZeRO-3 swaps its partitions in and out of the group around each
-        step, and the state is its to keep), and forget every cached plan.
-        Every rank creates state for the same (trainable) parameters, so ``dcp.save`` sees the same keys
-        everywhere. Called by ``step``, ``state_dict``, ``load_state_dict`` and ``flashdist.memory_report``
-        when the groups changed; cheap to call again."""
+        """Bring the state in line with the parameters in ``param_groups`` now: check parameters never seen
+        before (their state is made at their first step, or by ``state_dict`` / ``load_state_dict``), drop the
+        state of parameters no longer in any group (not of tensors once in a ``flat_layout`` group: DeepSpeed
+        ZeRO-3 swaps its partitions in and out of the group around each step, and the state is its to keep),
+        and forget every cached plan. Called by ``step``, ``state_dict``, ``load_state_dict`` and
+        ``flashdist.memory_report`` when the groups changed; cheap to call again."""
         if not self._groups_changed():
             return
-        seen = {id(p) for _, _, params in self._synced for p in params}
+        seen = {id(ref()) for _, _, refs in self._synced for ref in refs if ref() is not None}
         new = [(group, i, p) for group in self.param_groups for i, p in enumerate(group["params"])
                if id(p) not in seen]
         for group, i, p in new:
             check_param(group, i, p)
             self._check_not_flat_partition(group, i, p)
-        if new:
-            check_overlaps([(g, i, q) for g in self.param_groups for i, q in enumerate(g["params"])])
+        check_overlaps([(g, i, q) for g in self.param_groups for i, q in enumerate(g["params"])])  # (twice, too)
         # a group dict put into param_groups directly is validated here, before anything changes
         layouts = {id(g): self._layouts.get(id(g)) or LayoutOptions.from_group(g) for g in self.param_groups}
         live = {id(p) for group in self.param_groups for p in group["params"]}
@@ -272,14 +306,11 @@ class FlashOptimizer(torch.optim.Optimizer):
         for p in [p for p in self.state if id(p) not in live and id(p) not in self._flat_ids]:
             del self.state[p]
         self._invalidate_plans()
+        live_state = set(map(id, self.state))
+        self._written = {k: v for k, v in self._written.items() if k in live_state}
         self._dtensor_groups = {id(g) for g in self.param_groups if any(D.is_dtensor(p) for p in g["params"])}
         self._layouts = layouts
-        for group in self.param_groups:
-            if not group.get("flat_layout", False):
-                for p in group["params"]:
-                    if p.requires_grad and not self._state_ready(p, group):
-                        self._init_state(p, group)
-        self._synced = [(group, group["params"], list(group["params"])) for group in self.param_groups]
+        self._synced = [_synced_entry(group) for group in self.param_groups]
         for group in self.param_groups:
             self._warn_precision([p for g, i, p in new if g is group], group)
 
@@ -317,21 +348,27 @@ class FlashOptimizer(torch.optim.Optimizer):
 
         ``group``: the param group whose layout applies, one of ``param_groups``; by default the one that
         holds ``p``. Pass it for a tensor the group holds only during its step (DeepSpeed ZeRO-3's flat
-        partitions). Cached step plans that held ``p``'s old state tensors are dropped."""
+        partitions). Cached step plans that held ``p``'s old state tensors are dropped.
+
+        A loader that writes ``p``'s weights and its rho together calls this first: the weights ``p`` holds at
+        its next step are then taken as the ones its state belongs to, not as a write from outside the
+        optimizer (which would reset rho: :meth:`adopt_outside_writes`)."""
         if group is None:
             group = self._group_of(p)
         elif not any(g is group for g in self.param_groups):
             raise ValueError("flashdist: ensure_state takes one of this optimizer's param_groups as group")
         before = {k: id(v) for k, v in self.state.get(p, {}).items()}
         self._init_state(p, group)
-        if {k: id(v) for k, v in self.state[p].items()} != before:
+        if id(p) in self._plan_keys:
+            self._invalidate_plans()  # (its plan's record of p's version goes to self._written, then away)
+        elif {k: id(v) for k, v in self.state[p].items()} != before:
             self._invalidate_plans()
+        self._written.pop(id(p), None)
 
     def _init_state(self, p: torch.Tensor, group: dict) -> None:
-        """Create the missing parts of ``p``'s state. Called for every trainable parameter at construction and
-        on first sight (every rank, so that a checkpoint can be saved before the first step and every rank
-        writes the same keys: dcp.save), and by step and load for parameters that have none yet (frozen ones
-        stepped after all, ``flat_layout`` groups).
+        """Create the missing parts of ``p``'s state. Called by the first step of ``p``, by ``state_dict`` for
+        every trainable parameter (every rank, so that a checkpoint saved before the first step has the same
+        keys on every rank: dcp.save) and by loads.
 
         It also adopts state that a loader wrote straight into ``self.state`` without ``load_state_dict``
         (DeepSpeed's universal checkpoints: a plain-number ``step`` and float ``exp_avg``/``exp_avg_sq`` of
@@ -388,7 +425,8 @@ class FlashOptimizer(torch.optim.Optimizer):
         parameter the result is a DTensor with the same placements."""
         self._group_of(p)
         rho = self.state.get(p, {}).get("rho")
-        if rho is None:
+        was = self._recorded_version(p) if rho is not None else None
+        if rho is None or (was is not None and was != p._version):  # (written outside: its own master)
             return p.detach().float()
         master = R.merge(D.local(p).detach(), D.local(rho))
         return D.state_like(p, master, tuple(D.global_shape(p)))
@@ -503,8 +541,15 @@ class FlashOptimizer(torch.optim.Optimizer):
             for p in params:
                 if not self._state_ready(p, group):
                     self._init_state(p, group)
+            self._flush_versions(plan)
+            for p in params:
+                old = self._plan_keys.get(id(p))
+                if old is not None and old != key:
+                    self._flush_versions(self._plans.get(old))
             plan = self._plans[key] = StepPlan(self, group, params)
             self.plan_generation = next(_GENERATIONS)
+            if plan.watched is not None:
+                self._reset_written_outside(plan.params, list(map(self._written.get, map(id, params))))
             # A parameter's step counter lives in the plan that last took it: a plan that held it before
             # (another list of parameters with gradients) keeps a stale copy, so it must not be reused.
             for p in params:
@@ -515,6 +560,8 @@ class FlashOptimizer(torch.optim.Optimizer):
         if not plan.capturable:  # its step counts live on the host: a graph would replay the first one's
             _refuse_while_capturing(D.local(params[0]).device, "the optimizer is not capturable (build it with "
                                     "capturable=True)")
+        if plan.versions is not None and versions(plan.watched) != plan.versions:  # one list compare per step
+            self._reset_written_outside(plan.params, plan.versions)
         plan.counts.add_(1.0)  # every state["step"] of the plan is a view into this one tensor
         try:
             self._step_plan(group, plan, params, grads)
@@ -523,9 +570,12 @@ class FlashOptimizer(torch.optim.Optimizer):
             # may the step counts; the plan is rebuilt next time
             plan.counts.sub_(1.0)
             plan.step = None
+            self._flush_versions(plan)
             self._plans.pop(key, None)
             self.plan_generation = next(_GENERATIONS)
             raise
+        if plan.watched is not None:
+            plan.versions = versions(plan.watched)  # after the optimizer's own writes (a reference step's copy_)
 
     @torch.no_grad()
     def step_parameters(self, group: dict, params: list[torch.Tensor],
@@ -584,9 +634,72 @@ class FlashOptimizer(torch.optim.Optimizer):
         self._invalidate_plans()
 
     def _invalidate_plans(self) -> None:
+        for plan in self._plans.values():
+            self._flush_versions(plan)
         self._plans.clear()
         self._plan_keys.clear()
         self.plan_generation = next(_GENERATIONS)
+
+    # ----- weights written outside the optimizer -------------------------------------------------------
+
+    def _flush_versions(self, plan: StepPlan | None) -> None:
+        """Keep a plan's record of its parameters' versions in ``self._written`` (the plan is dropped)."""
+        if plan is not None and plan.versions is not None:
+            self._written.update(zip(map(id, plan.params), plan.versions))
+
+    def _recorded_versions(self) -> dict[int, int]:
+        """id(param) -> its local tensor's version after the optimizer's last write, for every parameter."""
+        recorded = dict(self._written)
+        for plan in self._plans.values():
+            if plan.versions is not None:
+                recorded.update(zip(map(id, plan.params), plan.versions))
+        return recorded
+
+    def _recorded_version(self, p: torch.Tensor) -> int | None:
+        key = self._plan_keys.get(id(p))
+        plan = self._plans.get(key) if key is not None else None
+        if plan is not None and plan.versions is not None:
+            return plan.versions[plan.position(p)]
+        return self._written.get(id(p))
+
+    def _record_version(self, p: torch.Tensor, version: int) -> None:
+        key = self._plan_keys.get(id(p))
+        plan = self._plans.get(key) if key is not None else None
+        if plan is not None and plan.versions is not None:
+            plan.versions[plan.position(p)] = version
+        if id(p) in self._written:
+            self._written[id(p)] = version
+
+    def _reset_written_outside(self, params, recorded) -> int:
+        """Reset to 0 the rho of each parameter whose version moved since ``recorded`` (None: no record): the
+        weights written there (``model.load_state_dict``, SWA's copy-back, ``torch.nn.init``) are their own
+        master now, and an old rho added to them would move them by up to one bf16 spacing."""
+        reset = 0
+        for p, was, now in zip(params, recorded, versions(params)):
+            if was is None or was == now:
+                continue
+            self._record_version(p, now)
+            rho = self.state.get(p, {}).get("rho")
+            if rho is not None:
+                _refuse_while_capturing(D.local(p).device, "a parameter was written outside the optimizer since the last "
+                                        "step (its rho must be reset first)")
+                D.local(rho).zero_()
+                reset += 1
+        return reset
+
+    @torch.no_grad()
+    def adopt_outside_writes(self) -> int:
+        """Make every parameter written outside the optimizer since the optimizer last wrote it (its tensor's
+        version counter moved: ``copy_``, ``load_state_dict``, ``torch.nn.init``, SWA's copy-back) its own
+        master weight: its rho is reset to 0, so the next step and :meth:`master_weight` start from the new
+        weights. Returns how many were reset. ``step()`` does this for the parameters it steps (one list
+        comparison per group), ``state_dict()`` and :meth:`master_weight` for all; call it yourself after
+        writing weights while steps are replayed from a CUDA graph (a replay runs no Python). Writes through
+        ``p.data`` (its own version counter) are not seen."""
+        recorded = self._recorded_versions()
+        params = [p for g in self.param_groups if not g.get("flat_layout", False) for p in g["params"]
+                  if id(p) in recorded]
+        return self._reset_written_outside(params, [recorded[id(p)] for p in params])
 
     # ----- state dict ----------------------------------------------------------------------------------
 
@@ -607,6 +720,7 @@ class FlashOptimizer(torch.optim.Optimizer):
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
         self._ensure_trainable_state()
+        self.adopt_outside_writes()  # (a saved rho belongs to the weights saved beside it)
         state_dict = export_state_dict(self, self._packed_state_dict(), format)
         for hook in self._optimizer_state_dict_post_hooks.values():
             result = hook(self, state_dict)
@@ -659,8 +773,16 @@ class FlashOptimizer(torch.optim.Optimizer):
                 state_dict = result
         self.sync_state()
         self._invalidate_plans()
+        had_state = {id(p) for p, s in self.state.items() if s}
         try:
             load_state_dict(self, state_dict)
+            # the loaded rho belongs to the weights the parameters hold at their next step (a checkpoint load
+            # copies the model's weights before or after this): no earlier record applies
+            self._written.clear()
+        except BaseException:
+            for p in [p for p in self.state if id(p) not in had_state]:
+                del self.state[p]  # a refused load leaves no state it made for the checks behind
+            raise
         finally:
             self._invalidate_plans()
         for hook in self._optimizer_load_state_dict_post_hooks.values():
@@ -680,6 +802,7 @@ class FlashOptimizer(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
+        self._wrap_state()
         self._reset_caches()
         self.sync_state()
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..functional.lion import flash_lion
 from .base import FlashOptimizer
-from .params import check_betas, check_number
+from .params import check_betas, check_number, check_step_scalars
 
 
 class FlashLion(FlashOptimizer):
@@ -48,6 +48,7 @@ class FlashLion(FlashOptimizer):
         check_number("lr", group["lr"], low=0.0)
         check_betas(group["betas"], high_open=False)
         check_number("weight_decay", group["weight_decay"], low=0.0)
+        check_step_scalars(group, step_size_of_beta1=False)
 
     def _step_bucket(self, group, bucket, grads, step, skipped):
         beta1, beta2 = group["betas"]

@@ -42,9 +42,18 @@ def check_param(group: dict, index: int, p: torch.Tensor) -> None:
 
 
 def check_overlaps(params: list[tuple[dict, int, torch.Tensor]]) -> None:
-    """Refuse two parameters whose memory overlaps (views of one storage): each would be stepped, so the
-    shared values would be updated twice per step. The same tensor twice is torch's business (it refuses
-    it across groups and warns within one)."""
+    """Refuse a tensor given twice (in one group or in two) and two parameters whose memory overlaps (views
+    of one storage): each would be stepped, so the shared values would be updated twice per step. torch.optim
+    refuses the same tensor in two groups and only warns about it twice in one group (a future error there);
+    flashdist refuses both, since a second update would run with the first one's bias correction."""
+    first: dict[int, tuple[dict, int]] = {}
+    for group, index, p in params:
+        seen = first.setdefault(id(p), (group, index))
+        if seen[0] is not group or seen[1] != index:
+            where = "twice in one param group" if seen[0] is group else "in two param groups"
+            raise ValueError(f"flashdist: {param_name(group, index, p)} is given {where} (also as "
+                             f"{param_name(seen[0], seen[1], p).split(' (')[0]}); it would be stepped twice per "
+                             "step: pass each parameter once")
     spans = []
     for group, index, p in params:
         lp = D.local(p)
@@ -61,7 +70,12 @@ def check_overlaps(params: list[tuple[dict, int, torch.Tensor]]) -> None:
                              "storage), so the shared values would be stepped twice; pass each tensor once")
 
 
+FP32_MAX = float(torch.finfo(torch.float32).max)
+
+
 def check_number(name: str, value: Any, *, low: float, high: float | None = None, high_open: bool = False):
+    """A finite real number in the range given, that fits fp32 (the kernels take every hyper-parameter and
+    the scalars made from it as fp32); else a ValueError naming ``name``."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(f"flashdist: {name} must be a number, got a tensor of shape {tuple(value.shape)}")
@@ -73,6 +87,32 @@ def check_number(name: str, value: Any, *, low: float, high: float | None = None
     if value < low or (high is not None and (value >= high if high_open else value > high)):
         bound = f"[{low}, {high})" if high_open else (f"[{low}, {high}]" if high is not None else f">= {low}")
         raise ValueError(f"flashdist: {name} must be in {bound}, got {value!r}")
+    if abs(value) > FP32_MAX:
+        raise ValueError(f"flashdist: {name}={value!r} overflows fp32 (largest {FP32_MAX:.4g}), the precision the "
+                         "step computes in")
+
+
+def check_fp32_product(name: str, value: float, why: str) -> None:
+    """Refuse a hyper-parameter whose derived per-step scalar ``value`` (e.g. the first Adam step's
+    ``lr / (1 - beta1)``) overflows fp32, as torch.optim refuses it ("cannot be converted to type float
+    without overflow"), naming ``name`` and the scalar ``why``."""
+    if isinstance(value, (int, float)) and abs(value) > FP32_MAX:
+        raise ValueError(f"flashdist: {name} is too large: {why} = {value:.4g} overflows fp32 (largest "
+                         f"{FP32_MAX:.4g}): lower it")
+
+
+def check_step_scalars(group: dict, *, step_size_of_beta1: bool) -> None:
+    """Refuse ``lr`` (or ``weight_decay``) whose per-step scalars overflow fp32: ``lr * weight_decay`` and, for
+    Adam (``step_size_of_beta1``), the first step's ``lr / (1 - betas[0])``. Tensor hyper-parameters are
+    checked where they are read (a step being captured cannot read them)."""
+    lr, wd = group["lr"], group.get("weight_decay", 0.0)
+    if isinstance(lr, torch.Tensor) or isinstance(wd, torch.Tensor):
+        return
+    check_fp32_product("lr", lr * wd, "lr * weight_decay")
+    if step_size_of_beta1:
+        beta1 = group["betas"][0]
+        if not isinstance(beta1, torch.Tensor) and beta1 < 1:
+            check_fp32_product("lr", lr / (1.0 - beta1), "the first step's step size lr / (1 - betas[0])")
 
 
 def check_betas(betas: Any, *, high_open: bool) -> None:

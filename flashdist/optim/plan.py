@@ -58,6 +58,14 @@ class StepPlan:
     def __init__(self, opt, group: dict, params: list[torch.Tensor]):
         self.params = list(params)
         self.states = [opt.state[p] for p in params]
+        # The parameters' version counters after the optimizer's last write (None: not stepped yet): a
+        # parameter whose counter moved since was written outside the optimizer (base.py, stale rho). A
+        # DTensor's own counter, which its in-place ops bump (copy_, load_state_dict, nn.init: the local shard's
+        # is not, since DTensor runs the local op below autograd); the kernels write the local shard, and
+        # neither counter moves. Not for flat_layout groups: DeepSpeed writes its own partitions (views of
+        # the buffer it all-gathers into).
+        self.watched = None if group.get("flat_layout", False) else list(params)
+        self.versions: list[int] | None = None
         # One tensor holds the step counts of all these parameters, and each state["step"] becomes a 0-d view
         # of it: a step increments them all with one add (torch.optim keeps one tensor per parameter; 2,000
         # separate adds cost milliseconds). On the CPU, except for CUDA parameters of a capturable optimizer,
@@ -86,12 +94,27 @@ class StepPlan:
         for bucket in self.buckets:
             bucket.everything = len(self.buckets) == 1
 
+    def position(self, p: torch.Tensor) -> int:
+        """The index of parameter ``p`` in ``params``."""
+        if not hasattr(self, "_position"):
+            self._position = {id(q): i for i, q in enumerate(self.params)}
+        return self._position[id(p)]
+
     def matches(self, opt, params: list[torch.Tensor]) -> bool:
         """Same parameters, and (flat_layout groups) no state added behind the optimizer's back, and
         ``opt.capturable`` as when built."""
         return (len(params) == len(self.params) and all(map(operator.is_, params, self.params))
                 and (self.sizes is None or list(map(len, self.states)) == self.sizes)
                 and self.capturable == capturable(opt, params))
+
+
+def versions(tensors: list[torch.Tensor]) -> list[int]:
+    """The version counters of ``tensors`` (torch bumps one at each in-place change made through Python:
+    ``copy_``, ``torch.nn.init``, ``load_state_dict``; a kernel writing through a raw pointer does not)."""
+    return list(map(_VERSION, tensors))
+
+
+_VERSION = operator.attrgetter("_version")
 
 
 def capturable(opt, params: list[torch.Tensor]) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..functional.sgd import flash_sgd
 from .base import FlashOptimizer
-from .params import check_number
+from .params import check_number, check_step_scalars
 
 
 class FlashSGD(FlashOptimizer):
@@ -59,6 +59,7 @@ class FlashSGD(FlashOptimizer):
         check_number("momentum", group["momentum"], low=0.0)
         check_number("dampening", group["dampening"], low=0.0, high=1.0)
         check_number("weight_decay", group["weight_decay"], low=0.0)
+        check_step_scalars(group, step_size_of_beta1=False)
         if not isinstance(group["nesterov"], bool):
             raise ValueError(f"flashdist: nesterov must be True or False, got {group['nesterov']!r}")
         if group["nesterov"] and (group["momentum"] == 0 or group["dampening"] != 0):

@@ -10,22 +10,31 @@ Compressed (``state_dict_format="compressed"``): the codes, scales and rho thems
 per parameter; under FSDP2 they are DTensors with the parameter's placements and true global shapes, so
 torch.distributed.checkpoint reshards them exactly.
 
-Each param group of a saved state dict carries ``flashdist_format`` and ``flashdist_version``.
+Each param group of a saved state dict carries ``flashdist_format``, ``flashdist_version`` and (from
+version 2) ``flashdist_param_dtypes``: the dtype of each of its parameters, which rho's meaning depends on.
+A state loaded into a parameter of another dtype is converted through the exact master where that is exact
+(bf16/fp16 + rho into fp32: the parameter becomes the master; fp32 into bf16/fp16: rho 0, the weights are
+their own master) and refused between bf16 and fp16. A version-1 state dict (no dtypes) is taken as saved
+for the parameters' current dtypes.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .. import distributed as D
-from ..quant.moment import QuantizedMoment, dequantize_moment, quantize_moment
+from ..quant.moment import QuantizedMoment, dequantize_moment, is_second_moment, quantize_moment
+from ..quant import rho as R
 from .layout import LAYOUT_OPTIONS
 from .params import param_name
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: param groups record the dtype of each parameter (flashdist_param_dtypes)
 FORMATS = ("portable", "compressed")
 LAYOUT_KEYS = LAYOUT_OPTIONS
-_META_KEYS = ("flashdist_format", "flashdist_version")
+_META_KEYS = ("flashdist_format", "flashdist_version", "flashdist_param_dtypes")
+_DTYPES = {str(t).removeprefix("torch."): t for t in (torch.bfloat16, torch.float16, torch.float32)}
 _KEPT_GROUP_KEYS = ("params", "param_names") + _META_KEYS + LAYOUT_KEYS  # not taken from a loaded group
 
 __all__ = ["FORMATS", "FORMAT_VERSION", "LAYOUT_KEYS", "dequantize_moment", "export_state_dict", "load_state_dict",
@@ -42,9 +51,10 @@ def export_state_dict(opt, sd: dict, fmt: str) -> dict:
     """Rewrite ``sd`` (torch's ``Optimizer.state_dict()`` of a flashdist optimizer) into format ``fmt``."""
     if fmt not in FORMATS:
         raise ValueError(f"flashdist: state_dict_format must be one of {FORMATS}, got {fmt!r}")
-    for sgroup in sd["param_groups"]:
+    for sgroup, group in zip(sd["param_groups"], opt.param_groups):
         sgroup["flashdist_format"] = fmt
         sgroup["flashdist_version"] = FORMAT_VERSION
+        sgroup["flashdist_param_dtypes"] = [str(p.dtype).removeprefix("torch.") for p in group["params"]]
     for index, (group, p) in enumerate(_params_in_order(opt)):
         entry = sd["state"].get(index)
         if entry is None:
@@ -82,8 +92,24 @@ def _check(cond: bool, message: str) -> None:
         raise ValueError(f"flashdist: {message}")
 
 
-def _plan_param(opt, group, p, name, saved: dict) -> list:
-    """Validate one parameter's saved state; return a list of (destination local tensor, source) copies."""
+def _check_values(name: str, key: str, value: torch.Tensor, *, non_negative: bool) -> None:
+    """Refuse loaded moment values (or scales) that are NaN or infinite, or negative where they cannot be: a
+    step that reads them skips its group every time (the non-finite guard), so they would freeze it."""
+    if value.numel() == 0:
+        return
+    bad = ~torch.isfinite(value)
+    if non_negative:
+        bad |= value < 0
+    if bool(bad.any()):
+        first = value.reshape(-1)[bad.reshape(-1).nonzero()[0, 0]].item()
+        what = "finite and non-negative" if non_negative else "finite"
+        raise ValueError(f"flashdist: state '{key}' of {name} holds {int(bad.sum())} values that are not {what} "
+                         f"(e.g. {first!r}); the checkpoint is damaged: load an earlier one")
+
+
+def _plan_param(opt, group, p, name, saved: dict, saved_dtype: torch.dtype | None = None) -> list:
+    """Validate one parameter's saved state; return a list of (destination local tensor, source) copies.
+    ``saved_dtype``: the dtype of the parameter the state was saved for (None: not recorded)."""
     mine = opt.state[p]
     if any(isinstance(v, dict) and not v for v in saved.values()):
         # torch.distributed.checkpoint.state_dict rebuilds a FLATTENED optimizer state dict from the keys of
@@ -131,7 +157,30 @@ def _plan_param(opt, group, p, name, saved: dict) -> list:
                 ops.append(("quantize", m, value, mine))
             else:
                 ops.append(("copy", D.local(mine[m]), value, mine[m]))
-    if "rho" in saved:
+    converted = saved_dtype is not None and saved_dtype != p.dtype
+    if converted:
+        half = (torch.bfloat16, torch.float16)
+        _check(not (saved_dtype in half and p.dtype in half),
+               f"state of {name} was saved for a {saved_dtype} parameter and this one is {p.dtype}: rho corrects "
+               f"{saved_dtype} values and no exact {p.dtype} master can be rebuilt from a cast copy; load it "
+               f"into the dtype it was saved for, or start from its fp32 masters (flashdist export, then "
+               f"flashdist.load_fp32_state_dict)")
+    if "rho" in saved and converted and "rho" not in mine:
+        # a bf16/fp16 parameter saved with rho, loaded into an fp32 one (PEFT's load_adapter upcasts): the
+        # parameter, an exact upcast of the saved one, becomes the saved master weight
+        value = saved["rho"]
+        _check(isinstance(value, torch.Tensor) and value.dtype in (torch.int8, torch.int16)
+               and tuple(value.shape) == shape, f"state 'rho' of {name} is not an int8/int16 tensor of {shape}")
+        lp = D.local(p)
+        _check(torch.equal(lp.to(saved_dtype).to(lp.dtype), lp),
+               f"state of {name} holds rho for a {saved_dtype} parameter and this {p.dtype} parameter does not hold "
+               f"{saved_dtype} values, so its master cannot be rebuilt: load the model's weights before the "
+               "optimizer's state (as the Trainer and Accelerate do)")
+        ops.append(("master", p, value, saved_dtype))
+    elif converted and "rho" in mine and "rho" not in saved:
+        # an fp32 parameter's state loaded into a bf16/fp16 one: its weights are their own master
+        ops.append(("zero", D.local(mine["rho"]), None, None))
+    elif "rho" in saved:
         value = saved["rho"]
         _check("rho" in mine, f"state of {name} has 'rho' but this optimizer keeps no rho for it "
                               f"(master_weight_bits={group['master_weight_bits']}, {p.dtype})")
@@ -142,6 +191,14 @@ def _plan_param(opt, group, p, name, saved: dict) -> list:
     step = saved["step"]
     _check(isinstance(step, (int, float)) or (isinstance(step, torch.Tensor) and step.numel() == 1),
            f"state 'step' of {name} must be a number")
+    count = float(step)
+    _check(math.isfinite(count) and count >= 0 and count.is_integer(),
+           f"state 'step' of {name} is {count!r}; a step count is a non-negative whole number (the file is "
+           "damaged or was edited)")
+    for key, value in saved.items():
+        if key in ("step", "rho") or not isinstance(value, torch.Tensor) or not value.is_floating_point():
+            continue
+        _check_values(name, key, D.local(value), non_negative=is_second_moment(key) or key.endswith("_scales"))
     ops.append(("step", mine["step"], step, None))
     return ops
 
@@ -168,26 +225,45 @@ def load_state_dict(opt, sd: dict) -> None:
                 _check(sgroup.get(key, group[key]) == group[key],
                        f"param group {gi} was saved with {key}={sgroup.get(key)!r}, this optimizer has "
                        f"{key}={group[key]!r}; build the optimizer with the same setting")
+        dtypes = sgroup.get("flashdist_param_dtypes")
+        _check(dtypes is None or (isinstance(dtypes, list) and all(d in _DTYPES for d in dtypes)),
+               f"param group {gi}'s flashdist_param_dtypes must name one of {sorted(_DTYPES)} per parameter, "
+               f"got {dtypes!r}")
+        if dtypes is not None and len(dtypes) != len(sgroup["params"]):
+            # torch.distributed.checkpoint rebuilds param groups from the loading optimizer's, and may hand
+            # back that optimizer's own record for another grouping: taken as not recorded
+            dtypes = None
         for i, (pid, p) in enumerate(zip(sgroup["params"], group["params"])):
             if pid in saved:
                 opt.ensure_state(p, group)  # flat_layout groups create their state lazily
-                plan.extend((op, group) for op in _plan_param(opt, group, p, param_name(group, i, p), saved[pid]))
+                plan.extend((op, group) for op in _plan_param(opt, group, p, param_name(group, i, p), saved[pid],
+                                                              _DTYPES[dtypes[i]] if dtypes else None))
             index += 1
     # The hyper-parameters the groups will have after the load (torch's load_state_dict takes the saved
     # ones), checked too: e.g. FlashSGD refuses a momentum switched on or off under the state it holds.
     for group, sgroup in zip(opt.param_groups, groups):
         opt.check_group({**group, **{k: v for k, v in sgroup.items() if k not in _KEPT_GROUP_KEYS}})
     # Everything checked: apply.
+    with torch.no_grad():
+        _apply(plan)
+    for group, sgroup in zip(opt.param_groups, groups):
+        for k, v in sgroup.items():
+            if k not in _KEPT_GROUP_KEYS:
+                group[k] = v
+
+
+def _apply(plan: list) -> None:
     for (kind, dest, value, mine), group in plan:
         if kind == "copy":
             dest.copy_(_local_for(value, mine))
         elif kind == "step":
             dest.fill_(float(value))
+        elif kind == "zero":
+            dest.zero_()
+        elif kind == "master":  # dest: the fp32 parameter; mine: the dtype the state was saved for
+            lp = D.local(dest)
+            lp.copy_(R.merge(lp.to(mine), _local_for(value, dest).to(lp.device)))
         else:  # re-quantize a portable moment under this optimizer's sharding
             moment = QuantizedMoment.from_state(mine, dest, flat=group.get("flat_layout", False),
                                                 companded=group["companded"])
             moment.quantize_(_local_for(value, moment.codes).to(D.local(moment.codes).device, torch.float32))
-    for group, sgroup in zip(opt.param_groups, groups):
-        for k, v in sgroup.items():
-            if k not in _KEPT_GROUP_KEYS:
-                group[k] = v

@@ -82,6 +82,10 @@ def is_second_moment(name: str) -> bool:
 
 def quantize_moment(name: str, values: torch.Tensor, cols: int, companded: bool):
     """fp32 ``values`` of the moment ``name`` -> (codes of their shape, bf16 scales (rows, groups))."""
+    if values.numel() == 0:  # an empty dimension: no groups (the row arithmetic below would divide by 0 cols)
+        rows = 0 if cols else (values.shape[0] if values.ndim >= 2 else 1)  # (a flat layout: one row)
+        return (torch.empty(values.shape, dtype=QuantizedMoment.code_dtype(name), device=values.device),
+                torch.empty((rows, -(-cols // Q.GROUP)), dtype=torch.bfloat16, device=values.device))
     if is_second_moment(name):
         return Q.quantize_exp_avg_sq(values, cols, companded)
     return Q.quantize_exp_avg(values, cols, companded)
@@ -89,6 +93,8 @@ def quantize_moment(name: str, values: torch.Tensor, cols: int, companded: bool)
 
 def dequantize_moment(name: str, codes: torch.Tensor, scales: torch.Tensor, cols: int, companded: bool):
     """Codes and scales of the moment ``name`` -> fp32 values of the codes' shape."""
+    if codes.numel() == 0:
+        return torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
     if is_second_moment(name):
         return Q.dequantize_exp_avg_sq(codes, scales, cols, companded)
     return Q.dequantize_exp_avg(codes, scales, cols, companded)
@@ -177,6 +183,8 @@ class QuantizedMoment:
 
     def quantize_(self, values: torch.Tensor) -> None:
         """Overwrite the local codes and scales with those of fp32 ``values`` (the local rows' values)."""
+        if values.numel() == 0:  # an empty dimension: nothing to write (and no scales whose shape to match)
+            return
         codes, scales = quantize_moment(self.name, values, self.local_cols(), self.companded)
         D.local(self.codes).copy_(codes)
         D.local(self.scales).copy_(scales)

@@ -83,8 +83,8 @@ def _full_params(model) -> dict[str, torch.Tensor]:
 
 
 def _check_state_follows(model, optimizer) -> None:
-    """After prepare: the optimizer holds the sharded DTensors, and state for exactly the trainable ones,
-    sharded like them (the original full-size tensors' state is gone)."""
+    """After prepare: the optimizer holds the sharded DTensors and no state; a state dict then makes state for
+    exactly the trainable ones, sharded like them."""
     from torch.distributed.tensor import DTensor
 
     import flashdist
@@ -93,6 +93,9 @@ def _check_state_follows(model, optimizer) -> None:
     assert all(isinstance(p, DTensor) for p in params)
     trainable = [p for p in params if p.requires_grad]
     report = flashdist.memory_report(optimizer)  # first sight of the swapped-in parameters
+    assert len(optimizer.state) == 0 and report["rho"] == report["codes"] == 0  # none before a step, as torch
+    optimizer.state_dict()  # what a save before the first step calls: the zero state of every trainable one
+    report = flashdist.memory_report(optimizer)
     assert set(map(id, optimizer.state)) == set(map(id, trainable))
     for p in trainable:
         for key, value in optimizer.state[p].items():

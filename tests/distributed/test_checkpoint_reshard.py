@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from harness import run_ranks
+from sharding_cases import stepped_state
 from torch import nn
 
 import flashdist
@@ -69,7 +70,7 @@ def _gather(model, opt) -> dict[str, torch.Tensor]:
     out = {}
     for name, p in model.named_parameters():
         out[name] = D.full_tensor(p.detach()).clone()
-        for key, value in opt.state[p].items():
+        for key, value in stepped_state(opt, p).items():  # (a never-stepped parameter's zero state or none)
             out[f"{name}:{key}"] = D.full_tensor(value).clone()
     return out
 

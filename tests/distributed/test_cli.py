@@ -16,6 +16,7 @@ from test_checkpoint_reshard import STEPS_AFTER, STEPS_BEFORE, _assert_same, _bu
 
 import flashdist
 from flashdist import checkpoint
+from flashdist.checkpoint import FORMAT_VERSION
 from flashdist.cli import main
 
 
@@ -63,7 +64,7 @@ def test_safetensors_round_trip_and_inspect(tmp_path, capsys):
     import json
 
     info = json.loads(capsys.readouterr().out)
-    assert info["kind"] == "dcp" and info["optimizer_format"] == "compressed" and info["format_version"] == 1
+    assert info["kind"] == "dcp" and info["optimizer_format"] == "compressed" and info["format_version"] == FORMAT_VERSION
     assert info["master_weight_bits"] == [24] and info["step"] == STEPS_BEFORE
     model, _ = _build("compressed", False)
     assert info["parameters"] == sum(p.numel() for p in model.parameters())

@@ -11,7 +11,7 @@ import pytest
 import torch
 from harness import run_ranks
 from sharding_cases import (assert_bitwise_equal, check_state_layout, global_grads, make_mixed_net, make_optimizer,
-                            set_grads, single_threaded, snapshot)
+                            set_grads, single_threaded, snapshot, stepped_state)
 
 import flashdist
 from flashdist import checkpoint
@@ -190,7 +190,7 @@ def _cuda_mesh_rank(rank: int, world_size: int) -> dict:
     for name, p in model.named_parameters():
         local[name] = D.local(p).clone()
         local[f"{name}/master"] = D.local(optimizer.master_weight(p)).clone()
-        for key, value in optimizer.state.get(p, {}).items():
+        for key, value in stepped_state(optimizer, p).items():
             local[f"{name}/{key}"] = D.local(value).clone()
     return {"local": local, "rank": rank}
 

@@ -57,6 +57,7 @@ def test_config_builds_flashdist_optimizers():
     assert [g["weight_decay"] for g in adamw.param_groups] == [0.0, 0.1]
     for o in container:  # torch's fused/foreach switches reach torch's optimizers only
         assert all(("foreach" in g) == isinstance(o, torch.optim.AdamW) for g in o.param_groups)
+    adamw.state_dict()  # (state is made at the first step, or by a state dict)
     state = adamw.state[model.proj.weight]
     assert state["exp_avg_codes"].dtype == torch.int8 and state["rho"].dtype == torch.int8
     # one step through the container moves every trainable parameter
@@ -80,6 +81,7 @@ def test_flash_adamw_defaults_and_per_name_options():
     assert isinstance(opt, FlashAdamW) and opt.state_dict_format == "portable"
     group = opt.param_groups[0]
     assert (group["lr"], tuple(group["betas"]), group["weight_decay"]) == (3e-4, (0.9, 0.95), 0.1)
+    opt.state_dict()  # (state is made at the first step, or by a state dict)
     assert opt.state[model.proj.weight]["rho"].dtype == torch.int16
 
 
