@@ -82,9 +82,6 @@ REFUSED: dict[str, str] = {
 }
 
 XFAIL: dict[str, str] = {
-    "*/*/*/first-step-memory": "issue 38 item 2: state is made at construction, before the first step",
-    **{f"{client}/*/*/outside-write": "issue 38 item 4: a weight written outside the optimizer keeps its stale rho"
-       for client in ("plain", "trainer", "peft-trainer-bf16", "accelerate", "lightning", "torchtitan")},
     "accelerate/*/*/save": "issue 38 item 1: flashdist's readers do not take an Accelerate save_state folder",
     "accelerate/*/*/export-*": "issue 38 item 1 (as the Trainer's checkpoint-N): the CLI does not read an "
                                "Accelerate save_state folder (model.safetensors + optimizer.bin)",
@@ -98,8 +95,6 @@ XFAIL: dict[str, str] = {
     "lightning/*/*/inspect": "found by this matrix: inspect of a Lightning .ckpt reports 0 parameters, exit 0, "
                              "where export refuses it in one line",
     "peft-trainer*/*/*/save": "issue 38 item 1: the Trainer's optimizer.pt is keyed by index",
-    "peft-trainer-bf16/*/*/resume-same": "issue 38 item 5: PEFT's load_adapter upcasts the bf16 adapters to "
-                                         "fp32 and the saved rho is refused (exact master into fp32 needed)",
 }
 
 

@@ -338,13 +338,20 @@ def _trainer_run(name: str, tmp: Path, client: str) -> dict:
     _attempt(results, "save", lambda: assert_masters_from(f"Trainer {ckpt.name}", master_weights(read(ckpt)), live))
 
     def resume():
-        resumed = transformers.Trainer(model=model(), args=args(tmp / "resumed"), train_dataset=data)
         if client == "peft-trainer-bf16":  # the promise: the adapters resume on their exact masters
-            resumed.args.max_steps = STEPS
+            got = {}
+
+            class Loaded(transformers.TrainerCallback):  # after the checkpoint's weights and state are loaded
+                def on_train_begin(self, args, state, control, model=None, **kw):
+                    got.update({n: p.detach().float().clone() for n, p in model.named_parameters()
+                                if p.requires_grad})
+
+            resumed = transformers.Trainer(model=model(), args=args(tmp / "resumed"), train_dataset=data,
+                                           callbacks=[Loaded()])
             resumed.train(resume_from_checkpoint=str(ckpt))
-            got = {n: p.detach().float() for n, p in resumed.model.named_parameters() if p.requires_grad}
             assert_masters_from("PEFT's resumed adapters", got, live)
             return
+        resumed = transformers.Trainer(model=model(), args=args(tmp / "resumed"), train_dataset=data)
         resumed.train(resume_from_checkpoint=str(ckpt))
         assert_resume_exact(uninterrupted, snapshot(resumed.model, getattr(resumed.optimizer, "optimizer",
                                                                           resumed.optimizer)), client)
