@@ -178,8 +178,9 @@ def test_refusals():
     with pytest.raises(ValueError, match="adjust_lr_fn"):
         FlashMuon([matrix], adjust_lr_fn="sqrt")
     opt = FlashMuon([matrix])
-    opt.param_groups[0]["use_muon"] = False
     matrix.grad = torch.ones_like(matrix)
+    opt.step()  # (state is made at the first step; use_muon is fixed from then on)
+    opt.param_groups[0]["use_muon"] = False
     with pytest.raises(ValueError, match="use_muon of a param group was True"):
         opt.step()
 
@@ -188,6 +189,7 @@ def test_memory():
     p = torch.nn.Parameter(torch.zeros(64, 256, dtype=torch.bfloat16))
     opt = FlashMuon([p])
     p.grad = torch.zeros_like(p)
+    opt.step()  # (state is made at the first step)
     report = flashdist.memory_report(opt)
     assert report["bytes_per_param"] == pytest.approx(flashdist.bytes_per_param("flash_muon")["total"])
     assert flashdist.bytes_per_param("flash_muon")["total"] == 6.0625

@@ -181,7 +181,7 @@ def test_linear_ablation_is_worse():
 def test_fp32_params_have_no_rho_and_quantized_moments():
     p = torch.nn.Parameter(torch.randn(8, 64))
     opt = FlashAdamW([p])
-    opt.state_dict()  # (state is made at the first step, or by a state dict)
+    opt.ensure_state(p)  # (state is made at the first step, or by ensure_state)
     assert "rho" not in opt.state[p]
     assert opt.state[p]["exp_avg_codes"].dtype == torch.int8
     p.grad = torch.randn_like(p)
@@ -194,7 +194,8 @@ def test_state_layout_and_memory_report():
     p = torch.nn.Parameter(torch.randn(64, 256).bfloat16())
     bias = torch.nn.Parameter(torch.zeros(64, dtype=torch.bfloat16))
     opt = FlashAdamW([p, bias])
-    opt.state_dict()  # (state is made at the first step, or by a state dict)
+    opt.ensure_state(p)  # (state is made at the first step, or by ensure_state)
+    opt.ensure_state(bias)
     st = opt.state[p]
     assert st["exp_avg_codes"].shape == p.shape and st["exp_avg_scales"].shape == (64, 8)
     assert st["exp_avg_scales"].dtype == torch.bfloat16 and st["rho"].dtype == torch.int8

@@ -88,7 +88,7 @@ def test_torch_dcp_state_dict_before_the_first_step_takes_no_step():
     sd = get_optimizer_state_dict(model, opt)
     assert sorted(sd["state"]) == ["0.bias", "0.weight", "2.bias", "2.weight"]
     assert all(float(s["step"]) == 0 for s in sd["state"].values())
-    assert len(opt.state) == 0 and all(p.grad is None for p in model.parameters())  # no step, no state held
+    assert all(float(opt.state[p]["step"]) == 0 and p.grad is None for p in model.parameters())
 
 
 @pytest.mark.parametrize("how", ["state_dict", "checkpoint"])
@@ -103,7 +103,7 @@ def test_a_checkpoint_taken_before_the_first_step_has_every_key_and_resumes_exac
         assert all(float(s["step"]) == 0 and s["rho"].abs().sum() == 0 for s in saved["state"].values())
     else:
         checkpoint.save(tmp_path / "ck", model, opt)
-    assert len(opt.state) == 0  # saving took no step, and the zero state it saved lives in the file only
+    assert all(float(opt.state[p]["step"]) == 0 for p in model.parameters())  # saving took no step
     resumed_model = _model(seed=3)
     resumed = FlashAdamW(resumed_model.named_parameters(), lr=1e-2)
     if how == "state_dict":
@@ -128,20 +128,19 @@ def test_swapped_parameters_get_state_and_departed_ones_lose_it():
     clone = copy.deepcopy(model)
     _swap_like_accelerate(opt, {id(p): q for p, q in zip(model.parameters(), clone.parameters())})
     # first sight at state_dict: no KeyError (torch.optim's state_dict would raise one), state for the new
-    # parameters only, fresh (step 0), the old tensors' state gone, and none held until the first step
+    # parameters only, fresh (step 0), and the old tensors' state is gone
     sd = opt.state_dict()
     assert set(sd["state"]) == {0, 1, 2, 3}
     assert all(float(s["step"]) == 0 for s in sd["state"].values())
-    assert len(opt.state) == 0
+    assert set(map(id, opt.state)) == set(map(id, clone.parameters()))
+    report = memory_report(opt)
+    assert report["numel"] == sum(p.numel() for p in clone.parameters())
+    assert report["codes"] == 2 * sum(p.numel() for p in clone.parameters() if p.ndim == 2)
     # and it trains: the moments start again from zero, so compare with a fresh optimizer on a fresh twin
     fresh_model = copy.deepcopy(clone)
     fresh = FlashAdamW(fresh_model.parameters(), lr=1e-2)
     _train(clone, opt, 2, start=2)
     _train(fresh_model, fresh, 2, start=2)
-    assert set(map(id, opt.state)) == set(map(id, clone.parameters()))
-    report = memory_report(opt)
-    assert report["numel"] == sum(p.numel() for p in clone.parameters())
-    assert report["codes"] == 2 * sum(p.numel() for p in clone.parameters() if p.ndim == 2)
     for p, q in zip(clone.parameters(), fresh_model.parameters()):
         assert torch.equal(p, q)
         assert all(torch.equal(a, b) for a, b in zip(opt.state[p].values(), fresh.state[q].values()))

@@ -262,7 +262,7 @@ def _route_flashdist_names() -> None:
 
     def get_optimizer_cls_and_kwargs(args, model=None):
         if str(getattr(args.optim, "value", args.optim)) in OPTIMIZERS:
-            return optimizer_cls_and_kwargs(args.optim, args)
+            return optimizer_cls_and_kwargs(args.optim, args, model=model)
         return original(args, model)
 
     get_optimizer_cls_and_kwargs._flashdist_route = True

@@ -350,13 +350,9 @@ class FlashOptimizer(torch.optim.Optimizer):
                         self._init_state(p, group)
                         self._invalidate_plans()
 
-    def _trainable(self) -> list[torch.Tensor]:
-        return [p for g in self.param_groups if not g.get("flat_layout", False) for p in g["params"]
-                if p.requires_grad]
-
     def _forget(self, params: list[torch.Tensor]) -> None:
-        """Drop the state of ``params`` (made for a state dict or a load, never stepped): the next step makes
-        it again, so that the optimizer holds no state before its first step, as torch.optim holds none."""
+        """Drop the state of ``params`` (loaded, never stepped): the next step makes the same again, so that
+        the optimizer holds no state before its first step, as torch.optim holds none."""
         if params:
             for p in params:
                 self.state.pop(p, None)
@@ -742,13 +738,9 @@ class FlashOptimizer(torch.optim.Optimizer):
             _check_format(format, "state_dict's format")
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
-        unmade = [p for p in self._trainable() if not self.state.get(p)]
         self._ensure_trainable_state()
         self.adopt_outside_writes()  # (a saved rho belongs to the weights saved beside it)
-        try:
-            state_dict = export_state_dict(self, self._packed_state_dict(), format)
-        finally:
-            self._forget(unmade)  # the zero state made for the dict lives in the dict only, as torch holds none
+        state_dict = export_state_dict(self, self._packed_state_dict(), format)
         for hook in self._optimizer_state_dict_post_hooks.values():
             result = hook(self, state_dict)
             if result is not None:
@@ -806,9 +798,10 @@ class FlashOptimizer(torch.optim.Optimizer):
             # the loaded rho belongs to the weights the parameters hold at their next step (a checkpoint load
             # copies the model's weights before or after this): no earlier record applies
             self._written.clear()
-            # a never-stepped state loaded back (Accelerate's prepare round-trips the state dict of a new
-            # optimizer) is the state the first step makes: keep none until then
-            self._forget([p for p, s in list(self.state.items()) if id(p) not in had_state and _fresh(s)])
+            # a never-stepped state loaded (Accelerate's prepare round-trips the state dict of a new optimizer;
+            # a checkpoint saved before the first step) is the state the first step makes: keep none until then
+            # (torch's DCP loader reads the keys a state dict made, so a state dict alone keeps its state)
+            self._forget([p for p, s in list(self.state.items()) if _fresh(s)])
         except BaseException:
             for p in [p for p in self.state if id(p) not in had_state]:
                 del self.state[p]  # a refused load leaves no state it made for the checks behind

@@ -29,11 +29,16 @@ def live_masters(model: torch.nn.Module, opt) -> dict[str, torch.Tensor]:
 
 def snapshot(model: torch.nn.Module, opt) -> dict[str, torch.Tensor]:
     """Every weight and every optimizer state tensor of ``model``'s parameters, as full tensors keyed
-    ``fqn`` and ``fqn:state_key``: what a resume must reproduce."""
+    ``fqn`` and ``fqn:state_key``: what a resume must reproduce. The state of a parameter never stepped
+    (step 0: the zero state a state dict makes, which a load does not keep) is the state its first step
+    would make, and counts as none."""
     out = {}
     for name, p in model.named_parameters():
         out[name] = D.full_tensor(p.detach()).clone()
-        for key, value in opt.state.get(p, {}).items():
+        state = opt.state.get(p, {})
+        if "step" in state and float(D.full_tensor(torch.as_tensor(state["step"]))) == 0:
+            continue
+        for key, value in state.items():
             out[f"{name}:{key}"] = D.full_tensor(torch.as_tensor(value)).clone()
     return out
 

@@ -57,7 +57,7 @@ def test_config_builds_flashdist_optimizers():
     assert [g["weight_decay"] for g in adamw.param_groups] == [0.0, 0.1]
     for o in container:  # torch's fused/foreach switches reach torch's optimizers only
         assert all(("foreach" in g) == isinstance(o, torch.optim.AdamW) for g in o.param_groups)
-    adamw.state_dict()  # (state is made at the first step, or by a state dict)
+    adamw.ensure_state(model.proj.weight)  # (state is made at the first step, or by ensure_state)
     state = adamw.state[model.proj.weight]
     assert state["exp_avg_codes"].dtype == torch.int8 and state["rho"].dtype == torch.int8
     # one step through the container moves every trainable parameter
@@ -81,7 +81,7 @@ def test_flash_adamw_defaults_and_per_name_options():
     assert isinstance(opt, FlashAdamW) and opt.state_dict_format == "portable"
     group = opt.param_groups[0]
     assert (group["lr"], tuple(group["betas"]), group["weight_decay"]) == (3e-4, (0.9, 0.95), 0.1)
-    opt.state_dict()  # (state is made at the first step, or by a state dict)
+    opt.ensure_state(model.proj.weight)  # (state is made at the first step, or by ensure_state)
     assert opt.state[model.proj.weight]["rho"].dtype == torch.int16
 
 
@@ -257,6 +257,9 @@ def test_name_switched_on_the_command_line_refuses_adams_options(tmp_path, monke
 def test_checkpoint_of_another_model_is_one_line_error():
     model = _model()
     container = _config("compressed").build(model_parts=[model])
+    for p in model.parameters():  # one step, so that there is state for a refused load to leave alone
+        p.grad = torch.ones_like(p)
+    container.step()
     flat = container.state_dict()
     lion = next(o for o in container if isinstance(o, FlashLion))  # loaded before the renamed group's
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
