@@ -1,0 +1,132 @@
+"""Time one Muon step on one GPU: flashdist's FlashMuon next to torch.optim.Muon, with the same Newton-Schulz work.
+
+Run on a GPU machine from the repository root:
+
+    python launch/bench/bench_muon.py --out bench_muon.json
+
+Workload: the matrices of the Llama-3.2-1B shapes that Muon takes (16 layers x 7 projections, 1,074 M of the
+model's 1,236 M parameters; the embedding and the norms take AdamW in a real run and are left out here so
+that both optimizers do exactly the same Newton-Schulz work). Each row is the median of 20 steps after 5
+warm-up steps, timed with CUDA events around ``optimizer.step()``, on random non-zero gradients.
+
+Rows:
+- torch.optim.Muon with fp32 parameters (fp32 momentum: its usual mixed-precision setup) and with bf16
+  parameters (bf16 momentum, no master weights);
+- flashdist FlashMuon, 24-bit (bf16 parameters + int8 rho, 8-bit companded momentum), and with
+  ``quantize_states=False`` (fp32 momentum);
+- "Newton-Schulz only": ``flashdist.kernels.reference.newton_schulz`` on the same matrices (bf16, 5 steps),
+  the part both optimizers share, so that step - NS is each one's elementwise time.
+"B/param held" is the optimizer's parameters + gradients + state over the parameter count (measured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import statistics
+import sys
+
+import torch
+
+import flashdist
+from flashdist.kernels.reference import newton_schulz
+from flashdist.optim.muon import NS_COEFFICIENTS
+
+WARMUP, ITERS = 5, 20
+
+
+def muon_shapes():
+    h, inter, kv, layers = 2048, 8192, 512, 16
+    return [(h, h), (kv, h), (kv, h), (h, h), (inter, h), (inter, h), (h, inter)] * layers
+
+
+def timed(fn) -> float:
+    """Median ms of ``fn`` over ITERS calls after WARMUP, each between CUDA events."""
+    for _ in range(WARMUP):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(ITERS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def held_bytes(params, opt) -> int:
+    total = sum(p.numel() * p.element_size() for p in params)
+    total += sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+    total += sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
+                 if isinstance(v, torch.Tensor))
+    return total
+
+
+def run_case(name: str, dtype: torch.dtype, build) -> dict:
+    gc.collect()
+    torch.cuda.empty_cache()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    params = [torch.nn.Parameter(0.02 * torch.randn(s, device="cuda", generator=gen).to(dtype))
+              for s in muon_shapes()]
+    for p in params:
+        p.grad = (1e-3 * torch.randn(p.shape, device="cuda", generator=gen)).to(dtype)
+    opt = build(params)
+    ms = timed(opt.step)
+    numel = sum(p.numel() for p in params)
+    row = {"case": name, "step_ms": round(ms, 3), "bytes_per_param_held": round(held_bytes(params, opt) / numel, 4),
+           "numel": numel}
+    del opt, params
+    return row
+
+
+def newton_schulz_only() -> dict:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    updates = [torch.randn(s, device="cuda", generator=gen, dtype=torch.bfloat16) for s in muon_shapes()]
+
+    def all_ns():
+        for u in updates:
+            newton_schulz(u, coefficients=NS_COEFFICIENTS, steps=5, eps=1e-7)
+
+    return {"case": "Newton-Schulz only (bf16, 5 steps)", "step_ms": round(timed(all_ns), 3)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_muon: needs a CUDA device", file=sys.stderr)
+        return 2
+    lr, wd = 0.02, 0.1
+    rows = [newton_schulz_only()]
+    if hasattr(torch.optim, "Muon"):
+        rows.append(run_case("torch.optim.Muon, fp32 params", torch.float32,
+                             lambda ps: torch.optim.Muon(ps, lr=lr, weight_decay=wd)))
+        rows.append(run_case("torch.optim.Muon, bf16 params", torch.bfloat16,
+                             lambda ps: torch.optim.Muon(ps, lr=lr, weight_decay=wd)))
+    rows.append(run_case("flashdist FlashMuon, 24-bit, 8-bit momentum", torch.bfloat16,
+                         lambda ps: flashdist.FlashMuon(ps, lr=lr, weight_decay=wd)))
+    rows.append(run_case("flashdist FlashMuon, 24-bit, fp32 momentum", torch.bfloat16,
+                         lambda ps: flashdist.FlashMuon(ps, lr=lr, weight_decay=wd, quantize_states=False)))
+    ns = rows[0]["step_ms"]
+    print(f"{'case':48s} {'step ms':>9s} {'- NS ms':>9s} {'B/param':>8s}")
+    for row in rows:
+        if "numel" in row:
+            row["elementwise_ms"] = round(row["step_ms"] - ns, 3)
+        print(f"{row['case']:48s} {row['step_ms']:9.2f} {row.get('elementwise_ms', float('nan')):9.2f} "
+              f"{row.get('bytes_per_param_held', float('nan')):8.3f}")
+    result = {"benchmark": "bench_muon", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+              "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "triton": getattr(__import__("triton"), "__version__", None), "rows": rows}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
