@@ -26,7 +26,7 @@ from ..quant.moment import MomentLayout, QuantizedMoment
 
 from .dcp_files import SafeFileSystemReader
 from .errors import CheckpointError
-from .files import reason
+from .files import printable, reason, shown
 from .names import owners
 from .output import Fetch, Spec, atomic_output, check_destination, write_dcp, write_safetensors, write_torch
 from .publish import resolve
@@ -257,6 +257,13 @@ def _inspect(path: Path) -> dict[str, Any]:
         model = {k: v for k, v in tensors.items() if v[0][0] == "model"}
         optim = {k: v for k, v in tensors.items() if v[0][0] == "optim"}
         info["saved_world_size"] = ds["world_size"] if kind == "deepspeed" else None  # a file: full tensors
+    if not model and not optim:  # nothing flashdist reads: say so, never "0 parameters"
+        tops = sorted({str(r[0]) for r, _, _ in tensors.values()} | (
+            set(map(str, source.rest)) if kind != "dcp" and isinstance(source.rest, dict) else set()))
+        raise CheckpointError(
+            f"flashdist: {printable(info['path'])} holds no model weights and no optimizer state under the keys flashdist reads "
+            f"('model', 'optim'; it has: {shown(tops, 120) if tops else 'nothing'}): save it with flashdist.checkpoint.save, "
+            "or convert it to that layout first")
     numel = lambda shape: int(torch.Size(shape).numel())  # noqa: E731
     n_params = sum(numel(size) for _, size, _ in model.values())
     dtypes: dict[str, int] = {}

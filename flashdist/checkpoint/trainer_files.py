@@ -1,4 +1,4 @@
-"""A Hugging Face Trainer ``checkpoint-N`` folder as a checkpoint source (the interface of
+"""A Hugging Face Trainer ``checkpoint-N`` folder, or an Accelerate ``save_state`` folder, as a checkpoint source (the interface of
 :class:`flashdist.checkpoint.sources.Source`: ``rest``, ``specs``, ``get``), read tensor by tensor:
 ``{"model": {fqn: weight}, "optim": optimizer.pt, "extra": {"step": global_step}}``.
 
@@ -8,6 +8,13 @@ What the folder holds (transformers 5.x, ``Trainer._save_checkpoint``): the mode
 optimizer's ``optimizer.pt``, ``torch.save(optimizer.state_dict())``: state keyed by index, in the Trainer's
 groups (decay, then no decay, each in the model's order, frozen parameters left out), without ``param_names``;
 ``config.json``, ``trainer_state.json`` and files flashdist does not read (scheduler, rng, training args).
+
+An Accelerate ``save_state`` folder (accelerate 1.x, one model and one optimizer) has the same parts under
+other names: ``model.safetensors`` (or ``pytorch_model.bin``) and ``optimizer.bin``, the optimizer's
+``state_dict()`` keyed by index in its own groups, beside random states and scheduler files flashdist does not
+read. It usually has no ``config.json``: the indices are then named by the state dict's ``param_names`` (torch
+writes them when the optimizer was built from ``model.named_parameters()``), or the export refuses in one
+line. A folder of several models or optimizers (``model_1.safetensors``, ``optimizer_1.bin``) is refused.
 
 The names of the optimizer's indices come from the model's parameter order (see
 :mod:`flashdist.checkpoint.names`), which the weight files do not keep (safetensors sorts its keys): the model
@@ -25,20 +32,27 @@ from pathlib import Path
 import torch
 
 from .errors import CheckpointError
+from .files import regular_size
 from .output import SAFETENSORS_DTYPES
 
 SAFETENSORS_INDEX, BIN_INDEX = "model.safetensors.index.json", "pytorch_model.bin.index.json"
 WEIGHTS = ("model.safetensors", SAFETENSORS_INDEX, "pytorch_model.bin", BIN_INDEX)
-OPTIMIZER = "optimizer.pt"
+OPTIMIZERS = ("optimizer.pt", "optimizer.bin")  # the Trainer's, Accelerate's save_state's
+
+
+def optimizer_file(path: str | os.PathLike) -> Path | None:
+    """The folder's optimizer state file (the Trainer's ``optimizer.pt``, Accelerate's ``optimizer.bin``)."""
+    return next((Path(path) / name for name in OPTIMIZERS if (Path(path) / name).is_file()), None)
 
 
 def is_trainer_folder(path: str | os.PathLike) -> bool:
-    """A folder with ``optimizer.pt`` and the model's weights as the Trainer writes them."""
+    """A folder with an optimizer state file and the model's weights as the Trainer or Accelerate write them."""
     path = Path(path)
-    return path.is_dir() and (path / OPTIMIZER).is_file() and any((path / w).is_file() for w in WEIGHTS)
+    return path.is_dir() and optimizer_file(path) is not None and any((path / w).is_file() for w in WEIGHTS)
 
 
 def _load(path: Path):
+    regular_size(path)  # a FIFO or a device is refused before it is opened
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # noqa: BLE001 - truncated zip, refused pickle global, ...
@@ -69,6 +83,13 @@ class TrainerSource:
         from safetensors import safe_open
 
         self.folder = Path(path)
+        self.optimizer = optimizer_file(self.folder)
+        extra = [n for n in ("optimizer_1.bin", "model_1.safetensors", "pytorch_model_1.bin")
+                 if (self.folder / n).exists()]
+        if extra:
+            raise CheckpointError(f"flashdist: {self.folder} holds several models or optimizers ({extra[0]}); "
+                                  "flashdist reads a folder of one model and one optimizer: save each with "
+                                  "flashdist.checkpoint.save")
         self.where: dict[str, Path] = {}
         specs: dict[tuple, tuple] = {}
         for file in _weight_files(self.folder):
@@ -89,9 +110,9 @@ class TrainerSource:
                 for key, t in _load(file).items():
                     specs[("model", key)] = (tuple(t.shape), t.dtype)
                     self.where[key] = file
-        optim = _load(self.folder / OPTIMIZER)
+        optim = _load(self.optimizer)
         if not isinstance(optim, dict) or not isinstance(optim.get("state"), dict):
-            raise CheckpointError(f"flashdist: {self.folder / OPTIMIZER} is not an optimizer state dict")
+            raise CheckpointError(f"flashdist: {self.optimizer} is not an optimizer state dict")
         state = {}
         for key, entry in optim["state"].items():  # the tensors are all here: torch's packing keeps no others
             state[key] = {}
@@ -143,7 +164,7 @@ class TrainerSource:
         out: dict[tuple, torch.Tensor] = {}
         by_file: dict[Path, list[tuple]] = {}
         for r in routes:
-            by_file.setdefault(self.where[r[1]] if r[0] == "model" else self.folder / OPTIMIZER, []).append(r)
+            by_file.setdefault(self.where[r[1]] if r[0] == "model" else self.optimizer, []).append(r)
         for file, rs in by_file.items():
             if file.suffix == ".safetensors":
                 with safe_open(str(file), framework="pt") as f:  # mapped for this read only

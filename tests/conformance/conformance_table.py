@@ -82,18 +82,11 @@ REFUSED: dict[str, str] = {
 }
 
 XFAIL: dict[str, str] = {
-    "accelerate/*/*/save": "issue 38 item 1: flashdist's readers do not take an Accelerate save_state folder",
-    "accelerate/*/*/export-*": "issue 38 item 1 (as the Trainer's checkpoint-N): the CLI does not read an "
-                               "Accelerate save_state folder (model.safetensors + optimizer.bin)",
-    "accelerate/*/*/inspect": "issue 38 item 1 (as the Trainer's checkpoint-N): the CLI does not read an "
-                              "Accelerate save_state folder",
     "torchtitan/*/*/save": "found by this matrix (beyond issue 38's list): flashdist's DCP reader expects "
                            "'model.*' keys; torchtitan saves the weights at the top level and the optimizer flat",
     "torchtitan/*/*/export-fp32": "found by this matrix: export of a torchtitan DCP checkpoint says 'no model weights'",
     "torchtitan/*/*/inspect": "found by this matrix: inspect of a torchtitan DCP checkpoint reports 0 parameters "
                               "and no optimizer, exit 0",
-    "lightning/*/*/inspect": "found by this matrix: inspect of a Lightning .ckpt reports 0 parameters, exit 0, "
-                             "where export refuses it in one line",
     "peft-trainer*/*/*/save": "issue 38 item 1: the Trainer's optimizer.pt is keyed by index",
 }
 
