@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from collections.abc import Callable
@@ -200,7 +201,10 @@ def read(path: str | os.PathLike, *, tag: str | None = None, master_weight_bits:
 
         return _whole(path, read_flashoptim, path, master_weight_bits=master_weight_bits)
     if kind == "dcp":
-        return read_dcp(path)
+        metadata = SafeFileSystemReader(str(resolve(path))).read_metadata()
+        if titan_routes(dcp_entries(path, metadata)) is not None:
+            return _DcpSource(path).read()
+        return read_dcp(path, metadata=metadata)
     if kind == "trainer":
         from .trainer_files import TrainerSource
 
@@ -284,12 +288,42 @@ class MemorySource(Source):
         return {r: self.tensors[r] for r in routes}
 
 
+_TITAN_OTHERS = ("optimizer", "lr_scheduler", "dataloader", "train_state")
+
+
+def titan_routes(entries: dict[str, tuple]) -> dict[str, tuple] | None:
+    """torchtitan's DCP layout (``CheckpointManager.save``): the model's weights at top-level keys (``proj.weight``)
+    and the optimizer state dict flattened by torch (``optimizer.state.<fqn>.<field>``,
+    ``optimizer.param_groups.<fqn>.<option>``), beside ``lr_scheduler``, ``dataloader``, ``train_state``. Each
+    stored key of :func:`dcp_entries` -> its route in flashdist's layout (``("model", fqn)``, ``("optim",
+    "state", fqn, field)``, ``("optim", "by_name", fqn, option)``, grouped by :class:`_DcpSource`); None when the
+    checkpoint is not in that layout (it has ``model`` entries, or no flattened optimizer state)."""
+    routes = [route for route, _, _ in entries.values()]
+    if any(r[0] == "model" for r in routes) or not any(
+            r[0] == "optimizer" and len(r) == 2 and str(r[1]).startswith("state.") for r in routes):
+        return None
+    out = {}
+    for key, (route, size, _) in entries.items():
+        if route[0] == "optimizer" and len(route) == 2 and isinstance(route[1], str):
+            part, _, tail = route[1].partition(".")
+            fqn, _, field = tail.rpartition(".")  # a state field or an option has no dot in its name
+            if part in ("state", "param_groups") and fqn and field:
+                out[key] = ("optim", "state" if part == "state" else "by_name", fqn, field)
+        elif len(route) == 1 and size is not None and route[0] not in _TITAN_OTHERS:
+            out[key] = ("model", route[0])
+    return out
+
+
 class _DcpSource(Source):
     def __init__(self, path):
         self.path = resolve(path)
         self.metadata = SafeFileSystemReader(str(self.path)).read_metadata()
         self.checked: set = set()
         entries = dcp_entries(self.path, self.metadata)
+        self.titan = titan_routes(entries)
+        if self.titan is not None:
+            self._init_titan(entries)
+            return
         self.keys = {route: key for key, (route, size, _) in entries.items() if size is not None}
         plain = [k for k, (_, size, _) in entries.items() if size is None]
         rest = read_dcp(self.path, plain, metadata=self.metadata, checked=self.checked) if plain else {}
@@ -298,9 +332,43 @@ class _DcpSource(Source):
                 _set(rest, route, None)
         super().__init__(rest, {route: (size, dtype) for route, size, dtype in entries.values() if size is not None})
 
+    def _init_titan(self, entries: dict[str, tuple]) -> None:
+        """torchtitan's layout (:func:`titan_routes`) under flashdist's routes; the per-parameter options
+        grouped back into param groups (parameters with equal options share one), state keyed by FQN."""
+        mapped = {key: (entries[key], route) for key, route in self.titan.items()}
+        self.keys = {route: key for key, ((_, size, _), route) in mapped.items() if size is not None}
+        self.stored = {route: stored for (stored, size, _), route in mapped.values() if size is not None}
+        plain = [key for key, ((_, size, _), _) in mapped.items() if size is None]
+        nested = read_dcp(self.path, plain, metadata=self.metadata, checked=self.checked) if plain else {}
+        model, state, options = {}, {}, {}
+        for key, ((stored, size, _), route) in mapped.items():
+            value = None if size is not None else value_at(nested, stored)
+            if route[0] == "model":
+                model[route[1]] = None
+            elif route[1] == "state":
+                state.setdefault(route[2], {})[route[3]] = value
+            else:
+                options.setdefault(route[2], {})[route[3]] = value
+        groups: dict[str, dict] = {}
+        for fqn, opts in options.items():
+            groups.setdefault(repr(sorted(opts.items(), key=lambda kv: kv[0])), {**opts, "params": []})["params"].append(fqn)
+        rest = {"model": model, "optim": {"state": state, "param_groups": list(groups.values())}, "extra": {}}
+        Source.__init__(self, rest, {route: (size, dtype) for (_, size, dtype), route in mapped.values()
+                                     if size is not None})
+
     def get(self, routes):
         nested = read_dcp(self.path, [self.keys[r] for r in routes], metadata=self.metadata, checked=self.checked)
+        if self.titan is not None:
+            return {r: value_at(nested, self.stored[r]) for r in routes}
         return {r: value_at(nested, r) for r in routes}
+
+    def read(self) -> dict:
+        """The whole checkpoint as a nested dict in flashdist's layout (full CPU tensors)."""
+        got = self.get(list(self.specs))
+        out = copy.deepcopy(self.rest)
+        for route, tensor in got.items():
+            _set(out, route, tensor)
+        return out
 
 
 class _TorchSource(Source):

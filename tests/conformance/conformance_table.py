@@ -82,11 +82,6 @@ REFUSED: dict[str, str] = {
 }
 
 XFAIL: dict[str, str] = {
-    "torchtitan/*/*/save": "found by this matrix (beyond issue 38's list): flashdist's DCP reader expects "
-                           "'model.*' keys; torchtitan saves the weights at the top level and the optimizer flat",
-    "torchtitan/*/*/export-fp32": "found by this matrix: export of a torchtitan DCP checkpoint says 'no model weights'",
-    "torchtitan/*/*/inspect": "found by this matrix: inspect of a torchtitan DCP checkpoint reports 0 parameters "
-                              "and no optimizer, exit 0",
     "peft-trainer*/*/*/save": "issue 38 item 1: the Trainer's optimizer.pt is keyed by index",
 }
 
