@@ -55,13 +55,20 @@ def detect(path: str | os.PathLike) -> str:
         if ((path / "latest").exists() or any(path.glob("*/mp_rank_*_model_states.pt"))
                 or any(path.glob("*/zero_pp_rank_*")) or any(path.glob("*_optim_states.pt"))):
             return "deepspeed"
-        from .trainer_files import is_trainer_folder
+        from .trainer_files import is_adapter_folder, is_trainer_folder
 
         if is_trainer_folder(path):
             return "trainer"
+        if is_adapter_folder(path):
+            raise CheckpointError(
+                f"flashdist: {path} is a PEFT adapter checkpoint (adapter_config.json, no full model weights): its "
+                "optimizer state is keyed by index and the adapters' order in the model is not in the folder, so "
+                "no masters can be attached; resume it with the Trainer, or save the model and optimizer with "
+                "flashdist.checkpoint.save (state keyed by name) to export")
         raise CheckpointError(f"flashdist: {path} is a directory but neither a DCP checkpoint (.metadata), a "
                               "DeepSpeed checkpoint (latest, */mp_rank_*_model_states.pt, *_optim_states.pt) nor a "
-                              "Trainer checkpoint-N folder (optimizer.pt and model.safetensors or pytorch_model.bin)")
+                              "Trainer checkpoint-N or Accelerate save_state folder (optimizer.pt or optimizer.bin "
+                              "and model.safetensors or pytorch_model.bin)")
     if not path.exists():
         old = path.with_name(path.name + ".old")
         if (old / ".metadata").exists():

@@ -51,6 +51,13 @@ def is_trainer_folder(path: str | os.PathLike) -> bool:
     return path.is_dir() and optimizer_file(path) is not None and any((path / w).is_file() for w in WEIGHTS)
 
 
+def is_adapter_folder(path: str | os.PathLike) -> bool:
+    """A PEFT adapter-only folder (``adapter_config.json``, the Trainer's ``checkpoint-N`` of a PEFT model): the
+    adapters' weights without the base model, and an optimizer state keyed by index whose order is the adapters'
+    order in the model, which the folder does not keep (safetensors sorts its keys). Refused by the readers."""
+    return Path(path).is_dir() and (Path(path) / "adapter_config.json").is_file()
+
+
 def _load(path: Path):
     regular_size(path)  # a FIFO or a device is refused before it is opened
     try:

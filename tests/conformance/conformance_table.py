@@ -69,9 +69,12 @@ REFUSED: dict[str, str] = {
     "lightning/*/*/export-hf": "a LightningModule has no Hugging Face config: export-fp32 writes the masters",
     "peft-trainer*/*/*/export-hf": "an adapter checkpoint is not a full model; merge the adapters and export "
                                    "the merged model",
-    "peft-trainer*/*/*/export-fp32": "an adapter checkpoint holds only the adapters: PEFT's adapter_model."
-                                     "safetensors is the export",
+    "peft-trainer*/*/*/export-fp32": "an adapter checkpoint holds only the adapters, and its optimizer.pt is "
+                                     "keyed by index in an order the folder does not keep (safetensors sorts its "
+                                     "keys): no masters can be attached; PEFT's adapter_model.safetensors is the "
+                                     "export, flashdist.checkpoint.save the exact masters",
     "peft-trainer*/*/*/inspect": "as export-fp32",
+    "peft-trainer*/*/*/save": "as export-fp32 (resume-same checks the Trainer's own resume)",
     "lightning/*/*/export-fp32": "a Lightning .ckpt is one pickle of Lightning's own layout, which flashdist's "
                                  "readers do not take; save with flashdist.checkpoint.save for export",
     "lightning/*/*/inspect": "as export-fp32",
@@ -81,9 +84,8 @@ REFUSED: dict[str, str] = {
        for path in ("plain/ddp", "plain/fsdp2", "peft-trainer*/*", "accelerate/*", "lightning/*", "torchtitan/*")},
 }
 
-XFAIL: dict[str, str] = {
-    "peft-trainer*/*/*/save": "issue 38 item 1: the Trainer's optimizer.pt is keyed by index",
-}
+XFAIL: dict[str, str] = {}
+"""Cell pattern -> the issue item whose fix the cell waits for (a strict xfail: it fails the suite once fixed)."""
 
 
 def cell_id(client: str, engine: str, optimizer: str, stage: str) -> str:
