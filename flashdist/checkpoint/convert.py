@@ -267,9 +267,9 @@ def _inspect(path: Path) -> dict[str, Any]:
         tops = sorted({str(r[0]) for r, _, _ in tensors.values()} | (
             set(map(str, source.rest)) if kind != "dcp" and isinstance(source.rest, dict) else set()))
         raise CheckpointError(
-            f"flashdist: {printable(info['path'])} holds no model weights and no optimizer state under the keys flashdist reads "
-            f"('model', 'optim'; it has: {shown(tops, 120) if tops else 'nothing'}): save it with flashdist.checkpoint.save, "
-            "or convert it to that layout first")
+            f"flashdist: {printable(info['path'])} holds no model weights and no optimizer state under the keys "
+            f"flashdist reads ('model', 'optim'; it has: {shown(tops, 120) if tops else 'nothing'}): save it with "
+            "flashdist.checkpoint.save, or convert it to that layout first")
     numel = lambda shape: int(torch.Size(shape).numel())  # noqa: E731
     n_params = sum(numel(size) for _, size, _ in model.values())
     dtypes: dict[str, int] = {}

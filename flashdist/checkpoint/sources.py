@@ -340,8 +340,9 @@ class _DcpSource(Source):
         super().__init__(rest, {route: (size, dtype) for route, size, dtype in entries.values() if size is not None})
 
     def _init_titan(self, entries: dict[str, tuple]) -> None:
-        """torchtitan's layout (:func:`titan_routes`) under flashdist's routes; the per-parameter options
-        grouped back into param groups (parameters with equal options share one), state keyed by FQN."""
+        """torchtitan's layout (:func:`titan_routes`) under flashdist's routes, state keyed by FQN; the
+        per-parameter options grouped back into param groups (consecutive parameters with equal options share
+        one, of at most as many parameters as its ``flashdist_param_dtypes`` lists)."""
         mapped = {key: (entries[key], route) for key, route in self.titan.items()}
         self.keys = {route: key for key, ((_, size, _), route) in mapped.items() if size is not None}
         self.stored = {route: stored for (stored, size, _), route in mapped.values() if size is not None}
@@ -356,10 +357,17 @@ class _DcpSource(Source):
                 state.setdefault(route[2], {})[route[3]] = value
             else:
                 options.setdefault(route[2], {})[route[3]] = value
-        groups: dict[str, dict] = {}
-        for fqn, opts in options.items():
-            groups.setdefault(repr(sorted(opts.items(), key=lambda kv: kv[0])), {**opts, "params": []})["params"].append(fqn)
-        rest = {"model": model, "optim": {"state": state, "param_groups": list(groups.values())}, "extra": {}}
+        groups: list[dict] = []
+        current: dict[str, dict] = {}
+        for fqn, opts in options.items():  # in the saved groups' order
+            key = repr(sorted(opts.items(), key=lambda kv: kv[0]))
+            group, dtypes = current.get(key), opts.get("flashdist_param_dtypes")
+            # a group records one dtype per parameter: a full one is followed by a group of the same options
+            if group is None or (isinstance(dtypes, list) and len(group["params"]) >= len(dtypes)):
+                group = current[key] = {**opts, "params": []}
+                groups.append(group)
+            group["params"].append(fqn)
+        rest = {"model": model, "optim": {"state": state, "param_groups": groups}, "extra": {}}
         Source.__init__(self, rest, {route: (size, dtype) for (_, size, dtype), route in mapped.values()
                                      if size is not None})
 

@@ -1,6 +1,6 @@
-"""A Hugging Face Trainer ``checkpoint-N`` folder, or an Accelerate ``save_state`` folder, as a checkpoint source (the interface of
-:class:`flashdist.checkpoint.sources.Source`: ``rest``, ``specs``, ``get``), read tensor by tensor:
-``{"model": {fqn: weight}, "optim": optimizer.pt, "extra": {"step": global_step}}``.
+"""A Hugging Face Trainer ``checkpoint-N`` folder, or an Accelerate ``save_state`` folder, as a checkpoint
+source (the interface of :class:`flashdist.checkpoint.sources.Source`: ``rest``, ``specs``, ``get``), read
+tensor by tensor: ``{"model": {fqn: weight}, "optim": optimizer.pt, "extra": {"step": global_step}}``.
 
 What the folder holds (transformers 5.x, ``Trainer._save_checkpoint``): the model's weights as
 ``model.safetensors``, shards ``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json``, or

@@ -558,8 +558,8 @@ def run_torchtitan(tmp: Path) -> dict[str, dict]:
 # ----- the cells ----------------------------------------------------------------------------------------------
 
 _RUNS: dict[tuple, dict] = {}
-_PROBED = {"lightning": ("export-fp32", "inspect"), "peft-trainer": ("save", "export-fp32", "inspect"),
-           "peft-trainer-bf16": ("save", "export-fp32", "inspect")}  # refused cells whose run checks the one-line refusal
+_PROBED = {"lightning": ("export-fp32", "inspect"),  # refused cells whose run checks the one-line refusal
+           "peft-trainer": ("save", "export-fp32", "inspect"), "peft-trainer-bf16": ("save", "export-fp32", "inspect")}
 
 
 def _results(client: str, engine: str, name: str, tmp_factory) -> dict:
