@@ -263,6 +263,8 @@ def _inspect(path: Path) -> dict[str, Any]:
                                     saved_world_size(where, metadata=metadata) if titan else None)  # a file: full
         if titan:
             info.update(path=str(where), layout="torchtitan")
+        elif kind == "trainer" and source.optimizer.name == "optimizer.bin":
+            info["layout"] = "Accelerate save_state"
     if not model and not optim:  # nothing flashdist reads: say so, never "0 parameters"
         tops = sorted({str(r[0]) for r, _, _ in tensors.values()} | (
             set(map(str, source.rest)) if kind != "dcp" and isinstance(source.rest, dict) else set()))

@@ -33,6 +33,7 @@ import torch
 
 from .errors import CheckpointError
 from .files import regular_size
+from .names import ORDER_UNKNOWN
 from .output import SAFETENSORS_DTYPES
 
 SAFETENSORS_INDEX, BIN_INDEX = "model.safetensors.index.json", "pytorch_model.bin.index.json"
@@ -136,6 +137,8 @@ class TrainerSource:
             first = [("model", n) for n in self.model_order if ("model", n) in specs]
             placed = set(first)
             specs = {r: specs[r] for r in first + [r for r in specs if r not in placed]}
+        else:  # kept with the checkpoint: its weights' order (sorted) must never be taken for the model's
+            rest["extra"][ORDER_UNKNOWN] = self.order_unknown
         rest["model"] = {r[1]: None for r in specs if r[0] == "model"}
         self.rest, self.specs = rest, specs
 
