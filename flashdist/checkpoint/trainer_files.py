@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from .errors import CheckpointError
-from .files import regular_size
+from .files import inside, printable, read_bounded, reason, regular_size
 from .names import ORDER_UNKNOWN
 from .output import SAFETENSORS_DTYPES
 
@@ -67,17 +67,36 @@ def _load(path: Path):
         raise CheckpointError(f"flashdist: could not read {path}: {str(e).splitlines()[0][:300]}") from None
 
 
+_JSON_LIMIT = 64 * 2**20  # an index of a model's shards, trainer_state.json: megabytes at most
+
+
+def _json(path: Path):
+    try:
+        return json.loads(read_bounded(path, _JSON_LIMIT))
+    except CheckpointError:
+        raise
+    except ValueError as e:
+        raise CheckpointError(f"flashdist: cannot read {printable(path)}: {reason(e)}") from None
+
+
 def _weight_files(folder: Path) -> list[Path]:
+    """The model's weight files, each confined to ``folder`` and a regular file (:mod:`.files`)."""
     for index in (SAFETENSORS_INDEX, BIN_INDEX):
         if (folder / index).is_file():
             try:
-                names = sorted(set(json.loads((folder / index).read_text())["weight_map"].values()))
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-                raise CheckpointError(f"flashdist: cannot read {folder / index}: {e}") from None
+                names = sorted(set(_json(inside(folder, index))["weight_map"].values()))
+            except (KeyError, TypeError, AttributeError) as e:
+                raise CheckpointError(f"flashdist: cannot read {folder / index}: {reason(e)}") from None
             if not all(isinstance(n, str) and n and Path(n).name == n for n in names):
                 raise CheckpointError(f"flashdist: {folder / index} names shard files outside its folder")
-            return [folder / n for n in names]
-    return [folder / ("model.safetensors" if (folder / "model.safetensors").is_file() else "pytorch_model.bin")]
+            files = [inside(folder, n, source=folder / index) for n in names]
+            break
+    else:
+        files = [inside(folder, "model.safetensors" if (folder / "model.safetensors").is_file()
+                        else "pytorch_model.bin")]
+    for file in files:
+        regular_size(file)
+    return files
 
 
 _DTYPES = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()}
@@ -91,7 +110,10 @@ class TrainerSource:
         from safetensors import safe_open
 
         self.folder = Path(path)
-        self.optimizer = optimizer_file(self.folder)
+        found = optimizer_file(self.folder)
+        if found is None:
+            raise CheckpointError(f"flashdist: {self.folder} has no {' or '.join(OPTIMIZERS)}")
+        self.optimizer = inside(self.folder, found.name)
         extra = [n for n in ("optimizer_1.bin", "model_1.safetensors", "pytorch_model_1.bin")
                  if (self.folder / n).exists()]
         if extra:
@@ -144,8 +166,8 @@ class TrainerSource:
 
     def _global_step(self):
         try:
-            return int(json.loads((self.folder / "trainer_state.json").read_text())["global_step"])
-        except (OSError, ValueError, KeyError, TypeError):
+            return int(_json(inside(self.folder, "trainer_state.json"))["global_step"])
+        except (CheckpointError, ValueError, KeyError, TypeError):
             return None
 
     def _model_order(self) -> tuple[list[str] | None, str | None]:
