@@ -3,7 +3,8 @@
 ``{"model": {fqn: tensor}, "optim": {"state": {fqn: {...}}, "param_groups": [...]}, "extra": {...}}``.
 
 - DCP directory: read through the safe reader (no code-running pickles), one tensor at a time where the
-  operation allows.
+  operation allows. torchtitan's layout (weights at top-level keys, the optimizer state flattened per
+  parameter name) is read under flashdist's routes (:func:`titan_routes`).
 - torch file: ``torch.save`` of that dict; read with ``weights_only=True``.
 - safetensors file: tensors under flat keys (``model.<fqn>``, ``optim.state.<fqn>.<key>``, ``extra.<key>``);
   everything else (param groups, plain extras) as JSON in the header metadata under ``flashdist``
@@ -11,8 +12,9 @@
 - DeepSpeed ZeRO 1/2/3 folder (``engine.save_checkpoint`` with a flashdist optimizer): read only, through
   :func:`flashdist.checkpoint.deepspeed_import.read_deepspeed` (every rank's partitions reassembled per
   parameter; portable optimizer state; parameter + rho).
-- Hugging Face Trainer ``checkpoint-N`` folder (model weights + ``optimizer.pt``): read only, tensor by tensor,
-  through :class:`flashdist.checkpoint.trainer_files.TrainerSource`.
+- Hugging Face Trainer ``checkpoint-N`` folder (model weights + ``optimizer.pt``) or Accelerate ``save_state``
+  folder (model weights + ``optimizer.bin``): read only, tensor by tensor, through
+  :class:`flashdist.checkpoint.trainer_files.TrainerSource`. A PEFT adapter-only folder is refused.
 - flashoptim torch file (``{"model": ..., "optimizer": ...}`` of the FlashOptim paper's library): read only,
   through :func:`flashdist.checkpoint.flashoptim_import.read_flashoptim`.
 """
