@@ -181,7 +181,7 @@ def _plan(args) -> int:
 
 def _print_inspect(info: dict) -> None:
     kind = info["kind"] + (f" (ZeRO-{info['zero_stage']}, {info['deepspeed_masters']} master partitions)"
-                           if info.get("zero_stage") else "")
+                           if info.get("zero_stage") else f" ({info['layout']})" if info.get("layout") else "")
     rows = [("path", info["path"]), ("kind", kind),
             ("saved world size", info.get("saved_world_size") or "-"),
             ("parameters", f"{info['parameters']:,} in {info['parameter_tensors']} tensors"),

@@ -198,3 +198,36 @@ def test_trainer_checkpoint_folder_exports_the_masters(tmp_path):
     rc, _, err = run_cli("convert", folder, tmp_path / "ck.pt", "--to", "torch")
     assert rc == 0, err
     assert_masters_equal(opt, model, master_weights(torch.load(tmp_path / "ck.pt", weights_only=True)))
+
+
+def test_accelerate_save_state_folder_exports_the_masters_or_refuses(tmp_path):
+    """An Accelerate ``save_state`` folder (model.safetensors + optimizer.bin, no config.json): named by
+    param_names; an optimizer built from ``model.parameters()`` leaves the order unknown: refused in one line;
+    a folder of two optimizers refused."""
+    accelerate = pytest.importorskip("accelerate")
+    for named in (True, False):
+        model = _model(torch.bfloat16)
+        opt = _train(model, model.named_parameters() if named else model.parameters())
+        accelerator = accelerate.Accelerator(cpu=True)
+        _, prepared = accelerator.prepare(model, opt)
+        folder = tmp_path / f"state-{named}"
+        accelerator.save_state(str(folder))
+        if named:
+            assert_masters_equal(opt, model, _export(folder, tmp_path))
+            info = inspect(folder)
+            assert info["layout"] == "Accelerate save_state" and "param_names" in info["masters"], info
+        else:
+            _refused(folder, tmp_path, "has no config.json to build the model's parameter order from")
+    (folder / "optimizer_1.bin").write_bytes((folder / "optimizer.bin").read_bytes())
+    rc, _, err = run_cli("inspect", folder)
+    assert rc == 1 and err.count("\n") == 1 and "several models or optimizers (optimizer_1.bin)" in err, err
+
+
+def test_inspect_refuses_a_checkpoint_with_nothing_it_reads(tmp_path):
+    """No model weights and no optimizer state under 'model' / 'optim' (a Lightning-style file): inspect exits
+    1 with one line naming the file and its keys, never "0 parameters"."""
+    path = tmp_path / "other.ckpt"
+    torch.save({"state_dict": {"w": torch.ones(2)}, "optimizer_states": [{}]}, path)
+    rc, out, err = run_cli("inspect", path)
+    assert rc == 1 and out == "" and err.count("\n") == 1, (rc, out, err)
+    assert str(path) in err and "'optimizer_states', 'state_dict'" in err, err

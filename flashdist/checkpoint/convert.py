@@ -26,12 +26,12 @@ from ..quant.moment import MomentLayout, QuantizedMoment
 
 from .dcp_files import SafeFileSystemReader
 from .errors import CheckpointError
-from .files import reason
+from .files import printable, reason, shown
 from .names import owners
 from .output import Fetch, Spec, atomic_output, check_destination, write_dcp, write_safetensors, write_torch
 from .publish import resolve
 from .sources import (KINDS, Fetcher, MemorySource, Progress, Source, dcp_entries, detect, json_header, open_source,
-                      quiet, read, read_dcp, value_at)
+                      quiet, read, read_dcp, titan_routes, value_at)
 from .state import FORMAT_VERSION, FORMATS
 
 # this module's public names, with the readers that moved to sources (their old import path)
@@ -229,11 +229,14 @@ def inspect(path: str | os.PathLike) -> dict[str, Any]:
 def _inspect(path: Path) -> dict[str, Any]:
     kind = detect(path)
     info: dict[str, Any] = {"path": str(path), "kind": kind}
+    titan = False
     if kind == "dcp":
         where = resolve(path)
         metadata = SafeFileSystemReader(str(where)).read_metadata()  # once: checking it costs a pass over it
         checked: set = set()
         entries = dcp_entries(where, metadata)
+        titan = titan_routes(entries) is not None  # torchtitan's layout: read as the other sources below
+    if kind == "dcp" and not titan:
         small = [k for k, (route, size, _) in entries.items()
                  if size is None and route[:2] == ("optim", "param_groups")]
         groups = (read_dcp(where, small, metadata=metadata, checked=checked).get("optim", {}).get("param_groups", [])
@@ -256,7 +259,19 @@ def _inspect(path: Path) -> dict[str, Any]:
         tensors = {".".join(map(str, r)): (r, shape, dtype) for r, (shape, dtype) in source.specs.items()}
         model = {k: v for k, v in tensors.items() if v[0][0] == "model"}
         optim = {k: v for k, v in tensors.items() if v[0][0] == "optim"}
-        info["saved_world_size"] = ds["world_size"] if kind == "deepspeed" else None  # a file: full tensors
+        info["saved_world_size"] = (ds["world_size"] if kind == "deepspeed" else
+                                    saved_world_size(where, metadata=metadata) if titan else None)  # a file: full
+        if titan:
+            info.update(path=str(where), layout="torchtitan")
+        elif kind == "trainer" and source.optimizer.name == "optimizer.bin":
+            info["layout"] = "Accelerate save_state"
+    if not model and not optim:  # nothing flashdist reads: say so, never "0 parameters"
+        tops = sorted({str(r[0]) for r, _, _ in tensors.values()} | (
+            set(map(str, source.rest)) if kind != "dcp" and isinstance(source.rest, dict) else set()))
+        raise CheckpointError(
+            f"flashdist: {printable(info['path'])} holds no model weights and no optimizer state under the keys "
+            f"flashdist reads ('model', 'optim'; it has: {shown(tops, 120) if tops else 'nothing'}): save it with "
+            "flashdist.checkpoint.save, or convert it to that layout first")
     numel = lambda shape: int(torch.Size(shape).numel())  # noqa: E731
     n_params = sum(numel(size) for _, size, _ in model.values())
     dtypes: dict[str, int] = {}
@@ -279,13 +294,13 @@ def _inspect(path: Path) -> dict[str, Any]:
     steps = [k for k, (route, size, _) in optim.items() if route[-1] == "step" and size == ()]
     if steps:
         first = steps[0]
-        if kind == "dcp":
+        if kind == "dcp" and not titan:
             node = value_at(read_dcp(where, [first], metadata=metadata, checked=checked), optim[first][0])
         else:
             node = source.get([optim[first][0]])[optim[first][0]]
         info["step"] = int(float(node))
     info["bytes_per_param"] = info["bytes_on_disk"] / n_params if n_params else None
-    if kind == "dcp":
+    if kind == "dcp" and not titan:
         state_specs = {route: (size, dtype) for route, size, dtype in tensors.values()}
         rest, order, unknown = {"optim": {"param_groups": groups}}, None, None
     else:

@@ -34,6 +34,12 @@ _FIX = ("build the optimizer from model.named_parameters() (torch >= 2.6 saves p
         "flashdist.checkpoint.save (state keyed by name)")
 
 
+ORDER_UNKNOWN = "flashdist_model_order_unknown"
+"""Key of a checkpoint's ``extra``: why its model entries are not in the model's parameter order (a folder whose
+weight files sort their keys, read without the model), kept by ``read`` and ``convert`` so that a later export
+never takes that order for the model's."""
+
+
 @dataclass
 class Owners:
     """The model weights of a checkpoint and the rho of each: ``model`` FQN -> route of the weight, ``rho`` FQN
@@ -61,6 +67,9 @@ def owners(rest, specs: dict[tuple, Spec], model_order: list[str] | None = None,
     order is not it (a safetensors file lists its tensors sorted by name); default: the order of ``specs``.
     ``order_unknown``: why neither order is the model's (then only names and ``param_names`` can be used)."""
     model = {route[1]: route for route in specs if route[0] == "model" and len(route) == 2}
+    extra = rest.get("extra") if isinstance(rest, dict) else None
+    if order_unknown is None and model_order is None and isinstance(extra, dict) and extra.get(ORDER_UNKNOWN):
+        order_unknown = str(extra[ORDER_UNKNOWN])
     okey = optim_key(rest)
     optim = rest[okey] if okey else {}
     state_keys: dict[Any, dict[str, tuple]] = {}

@@ -3,7 +3,8 @@
 ``{"model": {fqn: tensor}, "optim": {"state": {fqn: {...}}, "param_groups": [...]}, "extra": {...}}``.
 
 - DCP directory: read through the safe reader (no code-running pickles), one tensor at a time where the
-  operation allows.
+  operation allows. torchtitan's layout (weights at top-level keys, the optimizer state flattened per
+  parameter name) is read under flashdist's routes (:func:`titan_routes`).
 - torch file: ``torch.save`` of that dict; read with ``weights_only=True``.
 - safetensors file: tensors under flat keys (``model.<fqn>``, ``optim.state.<fqn>.<key>``, ``extra.<key>``);
   everything else (param groups, plain extras) as JSON in the header metadata under ``flashdist``
@@ -11,14 +12,16 @@
 - DeepSpeed ZeRO 1/2/3 folder (``engine.save_checkpoint`` with a flashdist optimizer): read only, through
   :func:`flashdist.checkpoint.deepspeed_import.read_deepspeed` (every rank's partitions reassembled per
   parameter; portable optimizer state; parameter + rho).
-- Hugging Face Trainer ``checkpoint-N`` folder (model weights + ``optimizer.pt``): read only, tensor by tensor,
-  through :class:`flashdist.checkpoint.trainer_files.TrainerSource`.
+- Hugging Face Trainer ``checkpoint-N`` folder (model weights + ``optimizer.pt``) or Accelerate ``save_state``
+  folder (model weights + ``optimizer.bin``): read only, tensor by tensor, through
+  :class:`flashdist.checkpoint.trainer_files.TrainerSource`. A PEFT adapter-only folder is refused.
 - flashoptim torch file (``{"model": ..., "optimizer": ...}`` of the FlashOptim paper's library): read only,
   through :func:`flashdist.checkpoint.flashoptim_import.read_flashoptim`.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from collections.abc import Callable
@@ -54,13 +57,20 @@ def detect(path: str | os.PathLike) -> str:
         if ((path / "latest").exists() or any(path.glob("*/mp_rank_*_model_states.pt"))
                 or any(path.glob("*/zero_pp_rank_*")) or any(path.glob("*_optim_states.pt"))):
             return "deepspeed"
-        from .trainer_files import is_trainer_folder
+        from .trainer_files import is_adapter_folder, is_trainer_folder
 
         if is_trainer_folder(path):
             return "trainer"
+        if is_adapter_folder(path):
+            raise CheckpointError(
+                f"flashdist: {path} is a PEFT adapter checkpoint (adapter_config.json, no full model weights): its "
+                "optimizer state is keyed by index and the adapters' order in the model is not in the folder, so "
+                "no masters can be attached; resume it with the Trainer, or save the model and optimizer with "
+                "flashdist.checkpoint.save (state keyed by name) to export")
         raise CheckpointError(f"flashdist: {path} is a directory but neither a DCP checkpoint (.metadata), a "
                               "DeepSpeed checkpoint (latest, */mp_rank_*_model_states.pt, *_optim_states.pt) nor a "
-                              "Trainer checkpoint-N folder (optimizer.pt and model.safetensors or pytorch_model.bin)")
+                              "Trainer checkpoint-N or Accelerate save_state folder (optimizer.pt or optimizer.bin "
+                              "and model.safetensors or pytorch_model.bin)")
     if not path.exists():
         old = path.with_name(path.name + ".old")
         if (old / ".metadata").exists():
@@ -200,7 +210,10 @@ def read(path: str | os.PathLike, *, tag: str | None = None, master_weight_bits:
 
         return _whole(path, read_flashoptim, path, master_weight_bits=master_weight_bits)
     if kind == "dcp":
-        return read_dcp(path)
+        metadata = SafeFileSystemReader(str(resolve(path))).read_metadata()
+        if titan_routes(dcp_entries(path, metadata)) is not None:
+            return _DcpSource(path).read()
+        return read_dcp(path, metadata=metadata)
     if kind == "trainer":
         from .trainer_files import TrainerSource
 
@@ -284,12 +297,42 @@ class MemorySource(Source):
         return {r: self.tensors[r] for r in routes}
 
 
+_TITAN_OTHERS = ("optimizer", "lr_scheduler", "dataloader", "train_state")
+
+
+def titan_routes(entries: dict[str, tuple]) -> dict[str, tuple] | None:
+    """torchtitan's DCP layout (``CheckpointManager.save``): the model's weights at top-level keys (``proj.weight``)
+    and the optimizer state dict flattened by torch (``optimizer.state.<fqn>.<field>``,
+    ``optimizer.param_groups.<fqn>.<option>``), beside ``lr_scheduler``, ``dataloader``, ``train_state``. Each
+    stored key of :func:`dcp_entries` -> its route in flashdist's layout (``("model", fqn)``, ``("optim",
+    "state", fqn, field)``, ``("optim", "by_name", fqn, option)``, grouped by :class:`_DcpSource`); None when the
+    checkpoint is not in that layout (it has ``model`` entries, or no flattened optimizer state)."""
+    routes = [route for route, _, _ in entries.values()]
+    if any(r[0] == "model" for r in routes) or not any(
+            r[0] == "optimizer" and len(r) == 2 and str(r[1]).startswith("state.") for r in routes):
+        return None
+    out = {}
+    for key, (route, size, _) in entries.items():
+        if route[0] == "optimizer" and len(route) == 2 and isinstance(route[1], str):
+            part, _, tail = route[1].partition(".")
+            fqn, _, field = tail.rpartition(".")  # a state field or an option has no dot in its name
+            if part in ("state", "param_groups") and fqn and field:
+                out[key] = ("optim", "state" if part == "state" else "by_name", fqn, field)
+        elif len(route) == 1 and size is not None and route[0] not in _TITAN_OTHERS:
+            out[key] = ("model", route[0])
+    return out
+
+
 class _DcpSource(Source):
     def __init__(self, path):
         self.path = resolve(path)
         self.metadata = SafeFileSystemReader(str(self.path)).read_metadata()
         self.checked: set = set()
         entries = dcp_entries(self.path, self.metadata)
+        self.titan = titan_routes(entries)
+        if self.titan is not None:
+            self._init_titan(entries)
+            return
         self.keys = {route: key for key, (route, size, _) in entries.items() if size is not None}
         plain = [k for k, (_, size, _) in entries.items() if size is None]
         rest = read_dcp(self.path, plain, metadata=self.metadata, checked=self.checked) if plain else {}
@@ -298,9 +341,51 @@ class _DcpSource(Source):
                 _set(rest, route, None)
         super().__init__(rest, {route: (size, dtype) for route, size, dtype in entries.values() if size is not None})
 
+    def _init_titan(self, entries: dict[str, tuple]) -> None:
+        """torchtitan's layout (:func:`titan_routes`) under flashdist's routes, state keyed by FQN; the
+        per-parameter options grouped back into param groups (consecutive parameters with equal options share
+        one, of at most as many parameters as its ``flashdist_param_dtypes`` lists)."""
+        mapped = {key: (entries[key], route) for key, route in self.titan.items()}
+        self.keys = {route: key for key, ((_, size, _), route) in mapped.items() if size is not None}
+        self.stored = {route: stored for (stored, size, _), route in mapped.values() if size is not None}
+        plain = [key for key, ((_, size, _), _) in mapped.items() if size is None]
+        nested = read_dcp(self.path, plain, metadata=self.metadata, checked=self.checked) if plain else {}
+        model, state, options = {}, {}, {}
+        for key, ((stored, size, _), route) in mapped.items():
+            value = None if size is not None else value_at(nested, stored)
+            if route[0] == "model":
+                model[route[1]] = None
+            elif route[1] == "state":
+                state.setdefault(route[2], {})[route[3]] = value
+            else:
+                options.setdefault(route[2], {})[route[3]] = value
+        groups: list[dict] = []
+        current: dict[str, dict] = {}
+        for fqn, opts in options.items():  # in the saved groups' order
+            key = repr(sorted(opts.items(), key=lambda kv: kv[0]))
+            group, dtypes = current.get(key), opts.get("flashdist_param_dtypes")
+            # a group records one dtype per parameter: a full one is followed by a group of the same options
+            if group is None or (isinstance(dtypes, list) and len(group["params"]) >= len(dtypes)):
+                group = current[key] = {**opts, "params": []}
+                groups.append(group)
+            group["params"].append(fqn)
+        rest = {"model": model, "optim": {"state": state, "param_groups": groups}, "extra": {}}
+        Source.__init__(self, rest, {route: (size, dtype) for (_, size, dtype), route in mapped.values()
+                                     if size is not None})
+
     def get(self, routes):
         nested = read_dcp(self.path, [self.keys[r] for r in routes], metadata=self.metadata, checked=self.checked)
+        if self.titan is not None:
+            return {r: value_at(nested, self.stored[r]) for r in routes}
         return {r: value_at(nested, r) for r in routes}
+
+    def read(self) -> dict:
+        """The whole checkpoint as a nested dict in flashdist's layout (full CPU tensors)."""
+        got = self.get(list(self.specs))
+        out = copy.deepcopy(self.rest)
+        for route, tensor in got.items():
+            _set(out, route, tensor)
+        return out
 
 
 class _TorchSource(Source):

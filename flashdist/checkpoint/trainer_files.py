@@ -1,6 +1,6 @@
-"""A Hugging Face Trainer ``checkpoint-N`` folder as a checkpoint source (the interface of
-:class:`flashdist.checkpoint.sources.Source`: ``rest``, ``specs``, ``get``), read tensor by tensor:
-``{"model": {fqn: weight}, "optim": optimizer.pt, "extra": {"step": global_step}}``.
+"""A Hugging Face Trainer ``checkpoint-N`` folder, or an Accelerate ``save_state`` folder, as a checkpoint
+source (the interface of :class:`flashdist.checkpoint.sources.Source`: ``rest``, ``specs``, ``get``), read
+tensor by tensor: ``{"model": {fqn: weight}, "optim": optimizer.pt, "extra": {"step": global_step}}``.
 
 What the folder holds (transformers 5.x, ``Trainer._save_checkpoint``): the model's weights as
 ``model.safetensors``, shards ``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json``, or
@@ -8,6 +8,13 @@ What the folder holds (transformers 5.x, ``Trainer._save_checkpoint``): the mode
 optimizer's ``optimizer.pt``, ``torch.save(optimizer.state_dict())``: state keyed by index, in the Trainer's
 groups (decay, then no decay, each in the model's order, frozen parameters left out), without ``param_names``;
 ``config.json``, ``trainer_state.json`` and files flashdist does not read (scheduler, rng, training args).
+
+An Accelerate ``save_state`` folder (accelerate 1.x, one model and one optimizer) has the same parts under
+other names: ``model.safetensors`` (or ``pytorch_model.bin``) and ``optimizer.bin``, the optimizer's
+``state_dict()`` keyed by index in its own groups, beside random states and scheduler files flashdist does not
+read. It usually has no ``config.json``: the indices are then named by the state dict's ``param_names`` (torch
+writes them when the optimizer was built from ``model.named_parameters()``), or the export refuses in one
+line. A folder of several models or optimizers (``model_1.safetensors``, ``optimizer_1.bin``) is refused.
 
 The names of the optimizer's indices come from the model's parameter order (see
 :mod:`flashdist.checkpoint.names`), which the weight files do not keep (safetensors sorts its keys): the model
@@ -25,37 +32,71 @@ from pathlib import Path
 import torch
 
 from .errors import CheckpointError
+from .files import inside, printable, read_bounded, reason, regular_size
+from .names import ORDER_UNKNOWN
 from .output import SAFETENSORS_DTYPES
 
 SAFETENSORS_INDEX, BIN_INDEX = "model.safetensors.index.json", "pytorch_model.bin.index.json"
 WEIGHTS = ("model.safetensors", SAFETENSORS_INDEX, "pytorch_model.bin", BIN_INDEX)
-OPTIMIZER = "optimizer.pt"
+OPTIMIZERS = ("optimizer.pt", "optimizer.bin")  # the Trainer's, Accelerate's save_state's
+
+
+def optimizer_file(path: str | os.PathLike) -> Path | None:
+    """The folder's optimizer state file (the Trainer's ``optimizer.pt``, Accelerate's ``optimizer.bin``)."""
+    return next((Path(path) / name for name in OPTIMIZERS if (Path(path) / name).is_file()), None)
 
 
 def is_trainer_folder(path: str | os.PathLike) -> bool:
-    """A folder with ``optimizer.pt`` and the model's weights as the Trainer writes them."""
+    """A folder with an optimizer state file and the model's weights as the Trainer or Accelerate write them."""
     path = Path(path)
-    return path.is_dir() and (path / OPTIMIZER).is_file() and any((path / w).is_file() for w in WEIGHTS)
+    return path.is_dir() and optimizer_file(path) is not None and any((path / w).is_file() for w in WEIGHTS)
+
+
+def is_adapter_folder(path: str | os.PathLike) -> bool:
+    """A PEFT adapter-only folder (``adapter_config.json``, the Trainer's ``checkpoint-N`` of a PEFT model): the
+    adapters' weights without the base model, and an optimizer state keyed by index whose order is the adapters'
+    order in the model, which the folder does not keep (safetensors sorts its keys). Refused by the readers."""
+    return Path(path).is_dir() and (Path(path) / "adapter_config.json").is_file()
 
 
 def _load(path: Path):
+    regular_size(path)  # a FIFO or a device is refused before it is opened
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # noqa: BLE001 - truncated zip, refused pickle global, ...
         raise CheckpointError(f"flashdist: could not read {path}: {str(e).splitlines()[0][:300]}") from None
 
 
+_JSON_LIMIT = 64 * 2**20  # an index of a model's shards, trainer_state.json: megabytes at most
+
+
+def _json(path: Path):
+    try:
+        return json.loads(read_bounded(path, _JSON_LIMIT))
+    except CheckpointError:
+        raise
+    except ValueError as e:
+        raise CheckpointError(f"flashdist: cannot read {printable(path)}: {reason(e)}") from None
+
+
 def _weight_files(folder: Path) -> list[Path]:
+    """The model's weight files, each confined to ``folder`` and a regular file (:mod:`.files`)."""
     for index in (SAFETENSORS_INDEX, BIN_INDEX):
         if (folder / index).is_file():
             try:
-                names = sorted(set(json.loads((folder / index).read_text())["weight_map"].values()))
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-                raise CheckpointError(f"flashdist: cannot read {folder / index}: {e}") from None
+                names = sorted(set(_json(inside(folder, index))["weight_map"].values()))
+            except (KeyError, TypeError, AttributeError) as e:
+                raise CheckpointError(f"flashdist: cannot read {folder / index}: {reason(e)}") from None
             if not all(isinstance(n, str) and n and Path(n).name == n for n in names):
                 raise CheckpointError(f"flashdist: {folder / index} names shard files outside its folder")
-            return [folder / n for n in names]
-    return [folder / ("model.safetensors" if (folder / "model.safetensors").is_file() else "pytorch_model.bin")]
+            files = [inside(folder, n, source=folder / index) for n in names]
+            break
+    else:
+        files = [inside(folder, "model.safetensors" if (folder / "model.safetensors").is_file()
+                        else "pytorch_model.bin")]
+    for file in files:
+        regular_size(file)
+    return files
 
 
 _DTYPES = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()}
@@ -69,6 +110,16 @@ class TrainerSource:
         from safetensors import safe_open
 
         self.folder = Path(path)
+        found = optimizer_file(self.folder)
+        if found is None:
+            raise CheckpointError(f"flashdist: {self.folder} has no {' or '.join(OPTIMIZERS)}")
+        self.optimizer = inside(self.folder, found.name)
+        extra = [n for n in ("optimizer_1.bin", "model_1.safetensors", "pytorch_model_1.bin")
+                 if (self.folder / n).exists()]
+        if extra:
+            raise CheckpointError(f"flashdist: {self.folder} holds several models or optimizers ({extra[0]}); "
+                                  "flashdist reads a folder of one model and one optimizer: save each with "
+                                  "flashdist.checkpoint.save")
         self.where: dict[str, Path] = {}
         specs: dict[tuple, tuple] = {}
         for file in _weight_files(self.folder):
@@ -89,9 +140,9 @@ class TrainerSource:
                 for key, t in _load(file).items():
                     specs[("model", key)] = (tuple(t.shape), t.dtype)
                     self.where[key] = file
-        optim = _load(self.folder / OPTIMIZER)
+        optim = _load(self.optimizer)
         if not isinstance(optim, dict) or not isinstance(optim.get("state"), dict):
-            raise CheckpointError(f"flashdist: {self.folder / OPTIMIZER} is not an optimizer state dict")
+            raise CheckpointError(f"flashdist: {self.optimizer} is not an optimizer state dict")
         state = {}
         for key, entry in optim["state"].items():  # the tensors are all here: torch's packing keeps no others
             state[key] = {}
@@ -108,13 +159,15 @@ class TrainerSource:
             first = [("model", n) for n in self.model_order if ("model", n) in specs]
             placed = set(first)
             specs = {r: specs[r] for r in first + [r for r in specs if r not in placed]}
+        else:  # kept with the checkpoint: its weights' order (sorted) must never be taken for the model's
+            rest["extra"][ORDER_UNKNOWN] = self.order_unknown
         rest["model"] = {r[1]: None for r in specs if r[0] == "model"}
         self.rest, self.specs = rest, specs
 
     def _global_step(self):
         try:
-            return int(json.loads((self.folder / "trainer_state.json").read_text())["global_step"])
-        except (OSError, ValueError, KeyError, TypeError):
+            return int(_json(inside(self.folder, "trainer_state.json"))["global_step"])
+        except (CheckpointError, ValueError, KeyError, TypeError):
             return None
 
     def _model_order(self) -> tuple[list[str] | None, str | None]:
@@ -143,7 +196,7 @@ class TrainerSource:
         out: dict[tuple, torch.Tensor] = {}
         by_file: dict[Path, list[tuple]] = {}
         for r in routes:
-            by_file.setdefault(self.where[r[1]] if r[0] == "model" else self.folder / OPTIMIZER, []).append(r)
+            by_file.setdefault(self.where[r[1]] if r[0] == "model" else self.optimizer, []).append(r)
         for file, rs in by_file.items():
             if file.suffix == ".safetensors":
                 with safe_open(str(file), framework="pt") as f:  # mapped for this read only

@@ -69,9 +69,12 @@ REFUSED: dict[str, str] = {
     "lightning/*/*/export-hf": "a LightningModule has no Hugging Face config: export-fp32 writes the masters",
     "peft-trainer*/*/*/export-hf": "an adapter checkpoint is not a full model; merge the adapters and export "
                                    "the merged model",
-    "peft-trainer*/*/*/export-fp32": "an adapter checkpoint holds only the adapters: PEFT's adapter_model."
-                                     "safetensors is the export",
+    "peft-trainer*/*/*/export-fp32": "an adapter checkpoint holds only the adapters, and its optimizer.pt is "
+                                     "keyed by index in an order the folder does not keep (safetensors sorts its "
+                                     "keys): no masters can be attached; PEFT's adapter_model.safetensors is the "
+                                     "export, flashdist.checkpoint.save the exact masters",
     "peft-trainer*/*/*/inspect": "as export-fp32",
+    "peft-trainer*/*/*/save": "as export-fp32 (resume-same checks the Trainer's own resume)",
     "lightning/*/*/export-fp32": "a Lightning .ckpt is one pickle of Lightning's own layout, which flashdist's "
                                  "readers do not take; save with flashdist.checkpoint.save for export",
     "lightning/*/*/inspect": "as export-fp32",
@@ -81,21 +84,8 @@ REFUSED: dict[str, str] = {
        for path in ("plain/ddp", "plain/fsdp2", "peft-trainer*/*", "accelerate/*", "lightning/*", "torchtitan/*")},
 }
 
-XFAIL: dict[str, str] = {
-    "accelerate/*/*/save": "issue 38 item 1: flashdist's readers do not take an Accelerate save_state folder",
-    "accelerate/*/*/export-*": "issue 38 item 1 (as the Trainer's checkpoint-N): the CLI does not read an "
-                               "Accelerate save_state folder (model.safetensors + optimizer.bin)",
-    "accelerate/*/*/inspect": "issue 38 item 1 (as the Trainer's checkpoint-N): the CLI does not read an "
-                              "Accelerate save_state folder",
-    "torchtitan/*/*/save": "found by this matrix (beyond issue 38's list): flashdist's DCP reader expects "
-                           "'model.*' keys; torchtitan saves the weights at the top level and the optimizer flat",
-    "torchtitan/*/*/export-fp32": "found by this matrix: export of a torchtitan DCP checkpoint says 'no model weights'",
-    "torchtitan/*/*/inspect": "found by this matrix: inspect of a torchtitan DCP checkpoint reports 0 parameters "
-                              "and no optimizer, exit 0",
-    "lightning/*/*/inspect": "found by this matrix: inspect of a Lightning .ckpt reports 0 parameters, exit 0, "
-                             "where export refuses it in one line",
-    "peft-trainer*/*/*/save": "issue 38 item 1: the Trainer's optimizer.pt is keyed by index",
-}
+XFAIL: dict[str, str] = {}
+"""Cell pattern -> the issue item whose fix the cell waits for (a strict xfail: it fails the suite once fixed)."""
 
 
 def cell_id(client: str, engine: str, optimizer: str, stage: str) -> str:

@@ -335,7 +335,13 @@ def _trainer_run(name: str, tmp: Path, client: str) -> dict:
     live = seen["live"]
     from flashdist.checkpoint.convert import master_weights, read
 
-    _attempt(results, "save", lambda: assert_masters_from(f"Trainer {ckpt.name}", master_weights(read(ckpt)), live))
+    if client == "trainer":
+        _attempt(results, "save", lambda: assert_masters_from(f"Trainer {ckpt.name}", master_weights(read(ckpt)),
+                                                              live))
+    else:  # refused cells: an adapter-only folder gives no masters, and flashdist says so in one line
+        _attempt(results, "save", _read_refused_in_one_line, ckpt)
+        _attempt(results, "export-fp32", _refused_in_one_line, "export", ckpt, tmp / "export.safetensors")
+        _attempt(results, "inspect", _refused_in_one_line, "inspect", ckpt)
 
     def resume():
         if client == "peft-trainer-bf16":  # the promise: the adapters resume on their exact masters
@@ -471,6 +477,16 @@ def _refused_in_one_line(*command) -> None:
     assert len(lines) == 1 and lines[0].startswith("flashdist"), lines
 
 
+def _read_refused_in_one_line(path: Path) -> None:
+    from flashdist.checkpoint.convert import master_weights, read
+    from flashdist.checkpoint.errors import CheckpointError
+
+    with pytest.raises(CheckpointError) as refused:
+        master_weights(read(path))
+    text = str(refused.value)
+    assert "\n" not in text and text.startswith("flashdist") and str(path) in text, text
+
+
 # ----- torchtitan under FSDP2 ----------------------------------------------------------------------------------
 
 
@@ -542,7 +558,8 @@ def run_torchtitan(tmp: Path) -> dict[str, dict]:
 # ----- the cells ----------------------------------------------------------------------------------------------
 
 _RUNS: dict[tuple, dict] = {}
-_PROBED = {"lightning": ("export-fp32", "inspect")}  # refused cells whose run checks the one-line refusal
+_PROBED = {"lightning": ("export-fp32", "inspect"),  # refused cells whose run checks the one-line refusal
+           "peft-trainer": ("save", "export-fp32", "inspect"), "peft-trainer-bf16": ("save", "export-fp32", "inspect")}
 
 
 def _results(client: str, engine: str, name: str, tmp_factory) -> dict:

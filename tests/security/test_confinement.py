@@ -151,3 +151,26 @@ def test_names_with_control_characters_are_printed_escaped(victims, tmp_path):
     error = attempt("inspect", folder, tmp_path / "out")
     assert error is not None and "\x1b" not in str(error) and "\x07" not in str(error), repr(error)
     assert "\\x1b" in str(error), repr(error)
+
+
+@pytest.mark.parametrize("linked", ["model.safetensors", "optimizer.bin"])
+def test_trainer_and_accelerate_folder_files_linked_from_elsewhere_are_refused(tmp_path, linked):
+    """A Trainer / Accelerate folder's weight or optimizer file that is a link out of the folder: refused in one
+    line by inspect and export, naming the link."""
+    from safetensors.torch import save_file
+
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    folder = tmp_path / "state"
+    folder.mkdir()
+    save_file({"w": torch.zeros(2, dtype=torch.bfloat16)}, str(outside / "model.safetensors"))
+    torch.save({"state": {}, "param_groups": [{"params": [], "param_names": []}]}, outside / "optimizer.bin")
+    for name in ("model.safetensors", "optimizer.bin"):
+        if name == linked:
+            os.symlink(outside / name, folder / name)
+        else:
+            os.link(outside / name, folder / name)
+    for command in (("inspect", folder), ("export", folder, tmp_path / "out.safetensors")):
+        rc, _, err = run_cli(*command)
+        assert rc == 1 and err.count("\n") == 1 and "symbolic link that leads outside" in err, err
+        assert str(folder / linked) in err, err
