@@ -94,6 +94,12 @@ def test_never_stepped_and_no_grad_params(tmp_path):
     model2 = _model(seed=3)
     opt2 = FlashAdamW(model2.parameters())
     checkpoint.load(tmp_path / "ck", model2, opt2)
+    # the loaded never-stepped state is the state a first step makes: none is held until then
+    assert len(opt2.state) == 0
+    for m, o in ((model, opt), (model2, opt2)):
+        for i, p in enumerate(m.parameters()):
+            p.grad = torch.full_like(p, 0.01 * (i + 1))
+        o.step()
     _equal(_snapshot(model, opt), _snapshot(model2, opt2))
 
 
