@@ -169,6 +169,21 @@ def test_moved_names_keep_their_old_import_paths():
     assert scalars.f32 is codes.f32
 
 
+def test_optimizer_base_is_split_by_responsibility():
+    """FlashOptimizer's state lifecycle, outside-write tracking and state-dict methods live in their own modules
+    (mixins), and base.py keeps construction, queries and the step within a few screens."""
+    from flashdist.optim import base, lifecycle, outside_writes, state_io
+
+    cls = base.FlashOptimizer
+    for owner, names in ((lifecycle.StateLifecycle, ("sync_state", "ensure_state", "_init_state", "_forget")),
+                         (outside_writes.OutsideWrites, ("adopt_outside_writes", "_reset_written_outside")),
+                         (state_io.StateIO, ("state_dict", "load_state_dict", "state_dict_format_override",
+                                             "__getstate__", "__setstate__"))):
+        for name in names:
+            assert getattr(cls, name) is getattr(owner, name), name
+    assert len(module_files()["flashdist.optim.base"].read_text().splitlines()) < 500
+
+
 def test_split_checkpoint_modules_keep_their_old_import_paths():
     """checkpoint/dcp.py and checkpoint/convert.py were split by responsibility: every public name they had is
     still importable from them (the same objects), and each lives in the one module that owns its job."""

@@ -1,28 +1,27 @@
-"""What every flashdist optimizer shares: parameter checks, state creation, layout, step bookkeeping."""
+"""FlashOptimizer, the base of every flashdist optimizer: construction (parameter and hyper-parameter checks,
+layout options), queries (master weights) and the fused step over cached plans. Its other jobs are mixins:
+state that follows ``param_groups`` (optim/lifecycle.py), weights written outside the optimizer
+(optim/outside_writes.py), state dicts, copies and pickling (optim/state_io.py)."""
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import itertools
 import operator
 import warnings
-import weakref
 from collections import defaultdict
-from typing import Any
 
 import torch
 
 from .. import distributed as D
-from ..errors import CaptureRefused
 from ..quant import rho as R
-from ..quant.moment import MomentLayout, QuantizedMoment
 from .layout import LAYOUT_OPTIONS, LayoutOptions
+from .lifecycle import StateLifecycle, _synced_entry
+from .outside_writes import OutsideWrites
 from .params import check_overlaps, check_param, param_name
-from .plan import Bucket, StepPlan, versions
+from .plan import Bucket, StepPlan, refuse_while_capturing, versions
 from .precision import (caller_stacklevel, fp32_group_warning, fsdp_low_precision_fp32, fsdp_warning,
                         warn_precision)
-from .state_dict import FORMATS, export_state_dict, load_state_dict
+from .state_io import StateIO, _check_format
 
 # Public names that lived in this module before they moved; their old import path keeps working.
 from ..quant.moment import state_layout  # noqa: F401,E402
@@ -39,62 +38,7 @@ _EAGER_STEP = ("flashdist: the optimizer step runs eagerly (it is one fused laun
                "call torch.compile without fullgraph=True, or leave optimizer.step out of the compiled function")
 
 
-# (id(optimizer), format) pairs set by FlashOptimizer.state_dict_format_override in this thread or task
-_FORMAT_OVERRIDES: contextvars.ContextVar[tuple[tuple[int, str], ...]] = contextvars.ContextVar(
-    "flashdist_state_dict_format_overrides", default=())
-
-
-def _refuse_while_capturing(device: torch.device, why: str) -> None:
-    """Refuse, before anything changes, a step being captured in a CUDA graph that would need host work a graph
-    cannot replay (building plans and state, reading step counts)."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise CaptureRefused(f"flashdist: the optimizer step is being captured in a CUDA graph, but {why}; run one "
-                           "step with the same parameters, gradients and state before capturing (a warm-up step, as "
-                           "torch.cuda.graphs requires), in an optimizer built with capturable=True")
-
-
-class _State(defaultdict):
-    """``optimizer.state``: torch's ``defaultdict(dict)``, except that it is true while the optimizer has a
-    trainable parameter, stepped or not. State is made at the first step, and
-    torch.distributed.checkpoint's ``get_optimizer_state_dict`` makes the state of an optimizer whose state
-    is false by a zero-gradient step, which would count as step 1; ``state_dict()`` makes the (zero) state
-    itself instead. Pickled and copied as a plain ``defaultdict``."""
-
-    def __init__(self, owner=None):
-        super().__init__(dict)
-        self._owner = weakref.ref(owner) if owner is not None else None
-
-    def __bool__(self) -> bool:
-        if len(self):
-            return True
-        owner = self._owner() if self._owner is not None else None
-        return owner is not None and any(p.requires_grad for g in owner.param_groups for p in g["params"])
-
-    def __reduce__(self):
-        return defaultdict, (dict,), None, None, iter(self.items())
-
-
-def _fresh(state: dict) -> bool:
-    """Is this the state a parameter's first step starts from: step 0, every tensor zero (moments, scales,
-    rho)?"""
-    step = state.get("step")
-    if step is None or float(step) != 0:
-        return False
-    return all(not bool(D.local(v).any()) for k, v in state.items()
-               if k != "step" and isinstance(v, torch.Tensor) and v.numel())
-
-
-def _synced_entry(group: dict) -> tuple[dict, int, list]:
-    return group, id(group["params"]), [weakref.ref(p) for p in group["params"]]
-
-
-def _check_format(value: Any, name: str) -> None:
-    """One of the state-dict formats, or a ValueError naming ``name``."""
-    if value not in FORMATS:
-        raise ValueError(f"flashdist: {name} must be one of {FORMATS}, got {value!r}")
-
-
-class FlashOptimizer(torch.optim.Optimizer):
+class FlashOptimizer(StateLifecycle, OutsideWrites, StateIO, torch.optim.Optimizer):
     """Base class. Subclasses set ``_moments`` (state names of their moments, e.g. ("exp_avg", "exp_avg_sq"),
     or override ``moments_of`` when a group's hyper-parameters decide them) and implement
     ``_check_hyperparameters`` and ``_step_bucket``.
@@ -140,11 +84,6 @@ class FlashOptimizer(torch.optim.Optimizer):
         self._reset_caches()
         super().__init__(params, defaults)
         self._wrap_state()
-
-    def _wrap_state(self) -> None:
-        state = _State(self)
-        state.update(self.state)
-        self.state = state
 
     def _reset_caches(self) -> None:
         """Everything derived from ``param_groups`` and ``state`` that ``sync_state`` rebuilds (and that a
@@ -272,164 +211,7 @@ class FlashOptimizer(torch.optim.Optimizer):
             self._precision_warned = warn_precision(fsdp_warning(type(self).__name__, found))
         return found
 
-    # ----- state that follows param_groups ------------------------------------------------------------
-
-    def _groups_changed(self, thorough: bool = True) -> bool:
-        """Whether ``param_groups`` holds other parameters than when last synced. ``thorough``: one identity
-        comparison per parameter, in C (``map``); otherwise (every step) the same group dicts holding the
-        same list objects of the same lengths: a list changed in place is caught when the step's plan no
-        longer matches the parameters with gradients (``_step_params``), or by ``state_dict``."""
-        synced = self._synced
-        if len(synced) != len(self.param_groups):
-            return True
-        for group, (seen_group, seen_list, seen) in zip(self.param_groups, synced):
-            params = group["params"]
-            if group is not seen_group or id(params) != seen_list or len(params) != len(seen):
-                return True
-            # (a list object freed and another made at its address is caught by the identities below, which
-            # the step's plan compares too when it is rebuilt)
-            if thorough and not all(map(operator.is_, params, [ref() for ref in seen])):
-                return True
-        return False
-
-    def sync_state(self) -> None:
-        """Bring the state in line with the parameters in ``param_groups`` now: check parameters never seen
-        before (their state is made at their first step, or by ``state_dict`` / ``load_state_dict``), drop the
-        state of parameters no longer in any group (not of tensors once in a ``flat_layout`` group: DeepSpeed
-        ZeRO-3 swaps its partitions in and out of the group around each step, and the state is its to keep),
-        and forget every cached plan. Called by ``step``, ``state_dict``, ``load_state_dict`` and
-        ``flashdist.memory_report`` when the groups changed; cheap to call again."""
-        if not self._groups_changed():
-            return
-        seen = {id(ref()) for _, _, refs in self._synced for ref in refs if ref() is not None}
-        new = [(group, i, p) for group in self.param_groups for i, p in enumerate(group["params"])
-               if id(p) not in seen]
-        for group, i, p in new:
-            check_param(group, i, p)
-            self._check_not_flat_partition(group, i, p)
-        check_overlaps([(g, i, q) for g in self.param_groups for i, q in enumerate(g["params"])])  # (twice, too)
-        # a group dict put into param_groups directly is validated here, before anything changes
-        layouts = {id(g): self._layouts.get(id(g)) or LayoutOptions.from_group(g) for g in self.param_groups}
-        live = {id(p) for group in self.param_groups for p in group["params"]}
-        self._flat_ids.update(id(p) for group in self.param_groups if group.get("flat_layout", False)
-                              for p in group["params"])
-        for p in [p for p in self.state if id(p) not in live and id(p) not in self._flat_ids]:
-            del self.state[p]
-        self._invalidate_plans()
-        live_state = set(map(id, self.state))
-        self._written = {k: v for k, v in self._written.items() if k in live_state}
-        self._dtensor_groups = {id(g) for g in self.param_groups if any(D.is_dtensor(p) for p in g["params"])}
-        self._layouts = layouts
-        self._synced = [_synced_entry(group) for group in self.param_groups]
-        for group in self.param_groups:
-            self._warn_precision([p for g, i, p in new if g is group], group)
-
-    def _check_not_flat_partition(self, group: dict, index: int, p: torch.Tensor) -> None:
-        """Refuse a plain 1-d tensor swapped into a row-layout group after construction: that is how DeepSpeed
-        ZeRO hands an optimizer its flat partitions, whose moments the row-aligned layout would keep in fp32
-        (1-d tensors have no rows): silently unquantized. A user's own 1-d parameters are ``nn.Parameter``s, or
-        are given at construction."""
-        if (p.ndim != 1 or group.get("flat_layout", False) or not group["quantize_states"]
-                or isinstance(p, torch.nn.Parameter) or D.is_dtensor(p)):
-            return
-        raise ValueError(f"flashdist: {param_name(group, index, p)}, a plain 1-d tensor, was put into a param group "
-                         "built for row-aligned 8-bit moments (as DeepSpeed ZeRO does with its flat partitions), "
-                         "where its moments would stay fp32: build the optimizer with flat_layout=True, or name it "
-                         "in the DeepSpeed config (\"type\": \"FlashAdamW\") and call "
-                         "flashdist.integrations.deepspeed.initialize (or register() before Accelerate or the "
-                         "Trainer starts DeepSpeed)")
-
-    def _ensure_trainable_state(self) -> None:
-        """State for every parameter that requires a gradient (one unfrozen since the last step may have
-        none yet): before a state dict is taken, so that every rank saves the same keys (dcp.save)."""
-        self.sync_state()
-        for group in self.param_groups:
-            if not group.get("flat_layout", False):
-                for p in group["params"]:
-                    if p.requires_grad and not self._state_ready(p, group):
-                        self._init_state(p, group)
-                        self._invalidate_plans()
-
-    def _forget(self, params: list[torch.Tensor]) -> None:
-        """Drop the state of ``params`` (loaded, never stepped): the next step makes the same again, so that
-        the optimizer holds no state before its first step, as torch.optim holds none."""
-        if params:
-            for p in params:
-                self.state.pop(p, None)
-                self._written.pop(id(p), None)
-            self._invalidate_plans()
-
-    def ensure_state(self, p: torch.Tensor, group: dict | None = None) -> None:
-        """Create whatever part of ``p``'s state its group's layout needs and ``p`` lacks: ``step``, the
-        moments (8-bit codes and scales, or fp32) and ``rho``; nothing when it is complete. State that a
-        loader wrote straight into ``optimizer.state`` is adopted: a plain-number ``step`` becomes a tensor,
-        float moments where codes belong are quantized (DeepSpeed's universal checkpoints load that way).
-
-        ``group``: the param group whose layout applies, one of ``param_groups``; by default the one that
-        holds ``p``. Pass it for a tensor the group holds only during its step (DeepSpeed ZeRO-3's flat
-        partitions). Cached step plans that held ``p``'s old state tensors are dropped.
-
-        A loader that writes ``p``'s weights and its rho together calls this first: the weights ``p`` holds at
-        its next step are then taken as the ones its state belongs to, not as a write from outside the
-        optimizer (which would reset rho: :meth:`adopt_outside_writes`)."""
-        if group is None:
-            group = self._group_of(p)
-        elif not any(g is group for g in self.param_groups):
-            raise ValueError("flashdist: ensure_state takes one of this optimizer's param_groups as group")
-        before = {k: id(v) for k, v in self.state.get(p, {}).items()}
-        self._init_state(p, group)
-        if id(p) in self._plan_keys:
-            self._invalidate_plans()  # (its plan's record of p's version goes to self._written, then away)
-        elif {k: id(v) for k, v in self.state[p].items()} != before:
-            self._invalidate_plans()
-        self._written.pop(id(p), None)
-
-    def _init_state(self, p: torch.Tensor, group: dict) -> None:
-        """Create the missing parts of ``p``'s state. Called by the first step of ``p``, by ``state_dict`` for
-        every trainable parameter (every rank, so that a checkpoint saved before the first step has the same
-        keys on every rank: dcp.save) and by loads.
-
-        It also adopts state that a loader wrote straight into ``self.state`` without ``load_state_dict``
-        (DeepSpeed's universal checkpoints: a plain-number ``step`` and float ``exp_avg``/``exp_avg_sq`` of
-        the parameter's shape): float moments where codes belong are quantized and dropped."""
-        state = self.state[p]
-        shape = tuple(D.global_shape(p))
-        lp = D.local(p)
-        step = state.get("step")
-        if not isinstance(step, torch.Tensor):
-            state["step"] = torch.tensor(float(step or 0.0))
-        layout = MomentLayout.of(shape, group.get("flat_layout", False)) if group["quantize_states"] else None
-        for name in self.moments_of(group):
-            loaded = state.get(name)
-            if loaded is not None and tuple(loaded.shape) != shape:
-                raise ValueError(f"flashdist: state '{name}' of a parameter of shape {shape} has shape "
-                                 f"{tuple(loaded.shape)}: it was written for another parameter layout")
-            if layout is None:
-                if loaded is None:
-                    state[name] = D.state_like(p, torch.zeros_like(lp, dtype=torch.float32), shape)
-                elif loaded.dtype != torch.float32:
-                    state[name] = loaded.float()
-                continue
-            if not QuantizedMoment.held_in(state, name):
-                QuantizedMoment.zeros(name, p, layout, group["companded"]).store(state)
-            if loaded is not None:
-                moment = QuantizedMoment.from_state(state, name, flat=layout.flat, companded=group["companded"])
-                moment.quantize_(D.local(loaded).to(lp.device, torch.float32))
-                del state[name]
-        if R.splits(p.dtype, group["master_weight_bits"]) and "rho" not in state:
-            rho_dtype = R.rho_dtype(group["master_weight_bits"])
-            state["rho"] = D.state_like(p, torch.zeros_like(lp, dtype=rho_dtype), shape)
-
-    def _state_ready(self, p: torch.Tensor, group: dict) -> bool:
-        """Cheap check, once per step: does ``p`` hold exactly the state its group's layout makes?"""
-        state = self.state.get(p)
-        if not state or not isinstance(state.get("step"), torch.Tensor):
-            return False
-        quantized = group["quantize_states"] and MomentLayout.of(p.shape, group.get("flat_layout", False)) is not None
-        size = 1 + sum(len(QuantizedMoment.keys(name)) if quantized else 1 for name in self.moments_of(group))
-        return len(state) == size + R.splits(p.dtype, group["master_weight_bits"])
-
-    # ----- queries -------------------------------------------------------------------------------------
+    # ----- queries ------------------------------------------------------------------------------------
 
     def _group_of(self, p: torch.Tensor) -> dict:
         for group in self.param_groups:
@@ -450,7 +232,7 @@ class FlashOptimizer(torch.optim.Optimizer):
         master = R.merge(D.local(p).detach(), D.local(rho))
         return D.state_like(p, master, tuple(D.global_shape(p)))
 
-    # ----- step ----------------------------------------------------------------------------------------
+    # ----- step ---------------------------------------------------------------------------------------
 
     def _check_grads(self) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
         """All checks that can fail, before anything changes. Returns the parameters with a grad and their
@@ -487,7 +269,7 @@ class FlashOptimizer(torch.optim.Optimizer):
 
     def _skipped_counter(self, device: torch.device) -> torch.Tensor:
         if self.skipped is None or self.skipped.device != device:
-            _refuse_while_capturing(device, "its skip counter does not exist yet")
+            refuse_while_capturing(device, "its skip counter does not exist yet")
             self.skipped = torch.zeros((), dtype=torch.int32, device=device)
         return self.skipped
 
@@ -553,8 +335,8 @@ class FlashOptimizer(torch.optim.Optimizer):
         key = (id(group), len(params), id(params[0]))
         plan = self._plans.get(key)
         if plan is None or not plan.matches(self, params):
-            _refuse_while_capturing(D.local(params[0]).device, "its plan is new (first step, or the parameters with "
-                                    "gradients, their state or optimizer.capturable changed)")
+            refuse_while_capturing(D.local(params[0]).device, "its plan is new (first step, or the parameters with "
+                                   "gradients, their state or optimizer.capturable changed)")
             if self._groups_changed():  # (gradient release steps through here, not through step())
                 self.sync_state()
             for p in params:
@@ -577,8 +359,8 @@ class FlashOptimizer(torch.optim.Optimizer):
                     self._plans.pop(old, None)
                 self._plan_keys[id(p)] = key
         if not plan.capturable:  # its step counts live on the host: a graph would replay the first one's
-            _refuse_while_capturing(D.local(params[0]).device, "the optimizer is not capturable (build it with "
-                                    "capturable=True)")
+            refuse_while_capturing(D.local(params[0]).device, "the optimizer is not capturable (build it with "
+                                   "capturable=True)")
         if plan.versions is not None and versions(plan.watched) != plan.versions:  # one list compare per step
             self._reset_written_outside(plan.params, plan.versions)
         plan.counts.add_(1.0)  # every state["step"] of the plan is a view into this one tensor
@@ -620,7 +402,7 @@ class FlashOptimizer(torch.optim.Optimizer):
     def _step_plan(self, group: dict, plan: "StepPlan", params: list[torch.Tensor],
                    grads: list[torch.Tensor] | None) -> None:
         if plan.step is None:  # parameters at different step counts: bucket by count (rare)
-            _refuse_while_capturing(D.local(params[0]).device, "its parameters are at different step counts")
+            refuse_while_capturing(D.local(params[0]).device, "its parameters are at different step counts")
             counts = [int(t) for t in plan.counts.tolist()]
             for bucket in plan.buckets:
                 by_count = defaultdict(list)
@@ -659,175 +441,7 @@ class FlashOptimizer(torch.optim.Optimizer):
         self._plan_keys.clear()
         self.plan_generation = next(_GENERATIONS)
 
-    # ----- weights written outside the optimizer -------------------------------------------------------
-
-    def _flush_versions(self, plan: StepPlan | None) -> None:
-        """Keep a plan's record of its parameters' versions in ``self._written`` (the plan is dropped)."""
-        if plan is not None and plan.versions is not None:
-            self._written.update(zip(map(id, plan.params), plan.versions))
-
-    def _recorded_versions(self) -> dict[int, int]:
-        """id(param) -> its local tensor's version after the optimizer's last write, for every parameter."""
-        recorded = dict(self._written)
-        for plan in self._plans.values():
-            if plan.versions is not None:
-                recorded.update(zip(map(id, plan.params), plan.versions))
-        return recorded
-
-    def _recorded_version(self, p: torch.Tensor) -> int | None:
-        key = self._plan_keys.get(id(p))
-        plan = self._plans.get(key) if key is not None else None
-        if plan is not None and plan.versions is not None:
-            return plan.versions[plan.position(p)]
-        return self._written.get(id(p))
-
-    def _record_version(self, p: torch.Tensor, version: int) -> None:
-        key = self._plan_keys.get(id(p))
-        plan = self._plans.get(key) if key is not None else None
-        if plan is not None and plan.versions is not None:
-            plan.versions[plan.position(p)] = version
-        if id(p) in self._written:
-            self._written[id(p)] = version
-
-    def _reset_written_outside(self, params, recorded) -> int:
-        """Reset to 0 the rho of each parameter whose version moved since ``recorded`` (None: no record): the
-        weights written there (``model.load_state_dict``, SWA's copy-back, ``torch.nn.init``) are their own
-        master now, and an old rho added to them would move them by up to one bf16 spacing."""
-        reset = 0
-        for p, was, now in zip(params, recorded, versions(params)):
-            if was is None or was == now:
-                continue
-            self._record_version(p, now)
-            rho = self.state.get(p, {}).get("rho")
-            if rho is not None:
-                _refuse_while_capturing(D.local(p).device, "a parameter was written outside the optimizer since the last "
-                                        "step (its rho must be reset first)")
-                D.local(rho).zero_()
-                reset += 1
-        return reset
-
-    @torch.no_grad()
-    def adopt_outside_writes(self) -> int:
-        """Make every parameter written outside the optimizer since the optimizer last wrote it (its tensor's
-        version counter moved: ``copy_``, ``load_state_dict``, ``torch.nn.init``, SWA's copy-back) its own
-        master weight: its rho is reset to 0, so the next step and :meth:`master_weight` start from the new
-        weights. Returns how many were reset. ``step()`` does this for the parameters it steps (one list
-        comparison per group), ``state_dict()`` and :meth:`master_weight` for all; call it yourself after
-        writing weights while steps are replayed from a CUDA graph (a replay runs no Python). Writes through
-        ``p.data`` (its own version counter) are not seen."""
-        recorded = self._recorded_versions()
-        params = [p for g in self.param_groups if not g.get("flat_layout", False) for p in g["params"]
-                  if id(p) in recorded]
-        return self._reset_written_outside(params, [recorded[id(p)] for p in params])
-
-    # ----- state dict ----------------------------------------------------------------------------------
-
-    @torch._disable_dynamo
-    def state_dict(self, *, format: str | None = None) -> dict:
-        """torch's state dict in ``format``: "portable" (fp32 moments under torch.optim.AdamW's names, plus
-        rho) or "compressed" (codes, scales, rho); see flashdist.optim.state_dict. Without ``format``: the
-        format set by an enclosing :meth:`state_dict_format_override`, else ``state_dict_format`` (the
-        optimizer's setting, "portable" by default), which this never changes. Every trainable parameter has
-        state in it, stepped or not (dcp.save needs the same keys on every rank); frozen parameters never
-        stepped have none, as in torch.optim. Hooks run as in torch.optim: ``register_state_dict_pre_hook``
-        hooks before, ``register_state_dict_post_hook`` hooks on the dict that is returned (and may replace
-        it)."""
-        if format is None:
-            format = next((f for i, f in _FORMAT_OVERRIDES.get() if i == id(self)), self.state_dict_format)
-        else:
-            _check_format(format, "state_dict's format")
-        for hook in self._optimizer_state_dict_pre_hooks.values():
-            hook(self)
-        self._ensure_trainable_state()
-        self.adopt_outside_writes()  # (a saved rho belongs to the weights saved beside it)
-        state_dict = export_state_dict(self, self._packed_state_dict(), format)
-        for hook in self._optimizer_state_dict_post_hooks.values():
-            result = hook(self, state_dict)
-            if result is not None:
-                state_dict = result
-        return state_dict
-
-    def _packed_state_dict(self) -> dict:
-        """torch.optim.Optimizer.state_dict's packing (parameters numbered in group order, state keyed by
-        those numbers), without its hooks: they must see the exported dict."""
-        index: dict[int, int] = {}
-        groups = []
-        start = 0
-        for group in self.param_groups:
-            packed = {k: v for k, v in group.items() if k != "params"}
-            index.update({id(p): i for i, p in enumerate(group["params"], start) if id(p) not in index})
-            packed["params"] = [index[id(p)] for p in group["params"]]
-            start += len(packed["params"])
-            groups.append(packed)
-        state = {(index[id(k)] if isinstance(k, torch.Tensor) else k): v for k, v in self.state.items()}
-        return {"state": state, "param_groups": groups}
-
-    @contextlib.contextmanager
-    def state_dict_format_override(self, format: str):
-        """Within this block, ``state_dict()`` calls on this optimizer that pass no ``format`` (as
-        torch.distributed.checkpoint's ``get_optimizer_state_dict`` calls it) return ``format``. The
-        optimizer's ``state_dict_format`` stays as it is, and the override holds for the calling thread (or
-        asyncio task) only: a checkpoint saved from another thread meanwhile keeps the optimizer's format.
-        flashdist.checkpoint.dcp.load reads a checkpoint in the format it was saved in this way."""
-        _check_format(format, "state_dict_format_override's format")
-        token = _FORMAT_OVERRIDES.set(((id(self), format),) + _FORMAT_OVERRIDES.get())
-        try:
-            yield self
-        finally:
-            _FORMAT_OVERRIDES.reset(token)
-
-    @torch._disable_dynamo
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load a portable, compressed or torch.optim.AdamW state dict, keeping int8/uint8/bf16 state in its
-        dtype (torch's Optimizer would cast it to the parameter dtype). Shapes, dtypes, format version and
-        master_weight_bits are checked for every parameter before anything is copied: a mismatch raises an
-        error naming the parameter and leaves the optimizer unchanged. A state dict without rho (e.g.
-        torch.optim.AdamW's) keeps the current rho: set the fp32 weights with
-        flashdist.load_fp32_state_dict. ``register_load_state_dict_pre_hook`` hooks run first (and may
-        replace the dict), ``register_load_state_dict_post_hook`` hooks after the load, as in torch.optim."""
-        state_dict = dict(state_dict) if isinstance(state_dict, dict) else state_dict
-        for hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = hook(self, state_dict)
-            if result is not None:
-                state_dict = result
-        self.sync_state()
-        self._invalidate_plans()
-        had_state = {id(p) for p, s in self.state.items() if s}
-        try:
-            load_state_dict(self, state_dict)
-            # the loaded rho belongs to the weights the parameters hold at their next step (a checkpoint load
-            # copies the model's weights before or after this): no earlier record applies
-            self._written.clear()
-            # a never-stepped state loaded (Accelerate's prepare round-trips the state dict of a new optimizer;
-            # a checkpoint saved before the first step) is the state the first step makes: keep none until then
-            # (torch's DCP loader reads the keys a state dict made, so a state dict alone keeps its state)
-            self._forget([p for p, s in list(self.state.items()) if _fresh(s)])
-        except BaseException:
-            for p in [p for p in self.state if id(p) not in had_state]:
-                del self.state[p]  # a refused load leaves no state it made for the checks behind
-            raise
-        finally:
-            self._invalidate_plans()
-        for hook in self._optimizer_load_state_dict_post_hooks.values():
-            hook(self)
-
-    # ----- copies, pickling, torch.compile ------------------------------------------------------------
-
-    def __getstate__(self) -> dict:
-        # torch.optim.Optimizer pickles defaults, state and param_groups only; the settings ride along,
-        # the caches (plans and sets keyed by id(), which a copy would get stale) are rebuilt on arrival
-        state = super().__getstate__()
-        state.update(backend=self.backend, state_dict_format=self.state_dict_format, skipped=self.skipped,
-                     _precision_warned=self._precision_warned, _graph_warned=self._graph_warned,
-                     capturable=self.capturable,
-                     graphed=self.graphed)
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        super().__setstate__(state)
-        self._wrap_state()
-        self._reset_caches()
-        self.sync_state()
+    # ----- torch.compile ------------------------------------------------------------------------------
 
     def _patch_step_function(self) -> None:
         """Make ``step`` (torch's hook-running wrapper included) opaque to torch.compile.
@@ -844,5 +458,3 @@ class FlashOptimizer(torch.optim.Optimizer):
             step.hooked = True  # torch's wrapper is inside: do not wrap again
             step.flashdist_eager = True
             cls.step = step
-
-

@@ -10,7 +10,17 @@ from collections import defaultdict
 import torch
 
 from .. import distributed as D
+from ..errors import CaptureRefused
 from ..quant.moment import MomentLayout, QuantizedMoment
+
+
+def refuse_while_capturing(device: torch.device, why: str) -> None:
+    """Refuse, before anything changes, a step being captured in a CUDA graph that would need host work a graph
+    cannot replay (building plans and state, reading step counts)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise CaptureRefused(f"flashdist: the optimizer step is being captured in a CUDA graph, but {why}; run one "
+                           "step with the same parameters, gradients and state before capturing (a warm-up step, as "
+                           "torch.cuda.graphs requires), in an optimizer built with capturable=True")
 
 
 class Bucket:
