@@ -25,7 +25,6 @@ import argparse
 import datetime
 import gc
 import json
-import statistics
 import sys
 
 import torch
@@ -34,28 +33,14 @@ import flashdist
 from flashdist.kernels.reference import newton_schulz
 from flashdist.optim.muon import NS_COEFFICIENTS
 
-WARMUP, ITERS = 5, 20
-
+if __package__:  # python -m launch.bench.bench_muon
+    from .bench_step import time_cuda
+else:  # python launch/bench/bench_muon.py: its own folder is on sys.path
+    from bench_step import time_cuda
 
 def muon_shapes():
     h, inter, kv, layers = 2048, 8192, 512, 16
     return [(h, h), (kv, h), (kv, h), (h, h), (inter, h), (inter, h), (h, inter)] * layers
-
-
-def timed(fn) -> float:
-    """Median ms of ``fn`` over ITERS calls after WARMUP, each between CUDA events."""
-    for _ in range(WARMUP):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(ITERS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def held_bytes(params, opt) -> int:
@@ -75,7 +60,7 @@ def run_case(name: str, dtype: torch.dtype, build) -> dict:
     for p in params:
         p.grad = (1e-3 * torch.randn(p.shape, device="cuda", generator=gen)).to(dtype)
     opt = build(params)
-    ms = timed(opt.step)
+    ms = time_cuda(opt.step)[0]
     numel = sum(p.numel() for p in params)
     row = {"case": name, "step_ms": round(ms, 3), "bytes_per_param_held": round(held_bytes(params, opt) / numel, 4),
            "numel": numel}
@@ -91,7 +76,7 @@ def newton_schulz_only() -> dict:
         for u in updates:
             newton_schulz(u, coefficients=NS_COEFFICIENTS, steps=5, eps=1e-7)
 
-    return {"case": "Newton-Schulz only (bf16, 5 steps)", "step_ms": round(timed(all_ns), 3)}
+    return {"case": "Newton-Schulz only (bf16, 5 steps)", "step_ms": round(time_cuda(all_ns)[0], 3)}
 
 
 def main(argv=None) -> int:
