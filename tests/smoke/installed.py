@@ -37,7 +37,8 @@ def check_import_location(source: Path | None) -> None:
     import flashdist
 
     where = Path(flashdist.__file__).resolve()
-    if source is not None and source.resolve() in where.parents:
+    if source is not None and (source / "flashdist").resolve() in where.parents:  # (an environment may sit
+        # inside the checkout, .venv-versions/ say: only the checkout's own package counts)
         raise SystemExit(f"flashdist imported from the checkout ({where}), not from the installed package")
     prefix = Path(sys.prefix).resolve()
     if prefix not in where.parents:
