@@ -67,6 +67,7 @@ from torchtitan.components.optimizer.utils import init_optim_state, load_flat_op
 from ..checkpoint.state import FORMATS
 from ..functional.backend import BACKENDS
 from ..optim import FlashAdam, FlashAdamW, FlashLion, FlashMuon, FlashOptimizer, FlashSGD, FlashSGDW
+from ..optim.muon import HEAD_NAMES
 
 FLASH_OPTIMIZERS: dict[str, type[FlashOptimizer]] = {
     "FlashAdamW": FlashAdamW, "FlashAdam": FlashAdam, "FlashSGD": FlashSGD, "FlashSGDW": FlashSGDW,
@@ -298,9 +299,10 @@ def flash_muon(lr: float = 0.02, *, adamw_lr: float = 8e-4,
                              optimizer_kwargs={"lr": lr, "weight_decay": 0.1, **kwargs})])
 
 
-NON_MUON_PATTERN = r"embed|norm|bias|^output\.|lm_head"
-"""Parameter names :func:`flash_muon` gives FlashAdamW's update (torchtitan's ``tok_embeddings``, ``*norm*``,
-``output``; Hugging Face's ``embed_tokens``, ``lm_head``)."""
+NON_MUON_PATTERN = r"embed|norm|bias|(^|\.)(" + "|".join(HEAD_NAMES) + r")\."
+"""Parameter names :func:`flash_muon` gives FlashAdamW's update: embeddings (torchtitan's ``tok_embeddings``,
+Hugging Face's ``embed_tokens``), norms, biases, and the output layers :func:`flashdist.muon_param_groups`
+leaves to AdamW (a module named one of ``HEAD_NAMES``: torchtitan's ``output``, ``lm_head``, ...)."""
 
 
 HELPERS: dict[str, Callable[..., FlashOptimizersContainer.Config]] = {
