@@ -115,3 +115,45 @@ def exit_now(code: int = 0):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+class MuonWithAdamW(torch.optim.Optimizer):
+    """torch.optim.Muon on the matrices and torch.optim.AdamW on the rest, as one optimizer (what FlashMuon is
+    in one object): ``param_groups`` is both optimizers' groups, so one LR scheduler drives both.
+
+    torch.optim.Muon is a one-device optimizer: under FSDP2 on one rank it steps the local tensors (each the
+    whole matrix, sharing the DTensor's storage), which keeps DTensor dispatch out of Newton-Schulz."""
+
+    def __init__(self, matrices, adamw_groups, **muon_kwargs):
+        from torch.distributed.tensor import DTensor
+
+        if any(isinstance(p, DTensor) and p.to_local().shape != p.shape for p in matrices):
+            raise ValueError("--optimizer muon: torch.optim.Muon needs whole matrices; run it on one rank")
+        self.matrices = matrices
+        self.local = [p.to_local().detach() if isinstance(p, DTensor) else p for p in matrices]  # same storage
+        self.muon = torch.optim.Muon(self.local, **muon_kwargs)
+        self.adamw = torch.optim.AdamW(adamw_groups, lr=muon_kwargs["lr"], betas=(0.9, 0.95), foreach=True)
+        super().__init__([{"params": []}], {"lr": muon_kwargs["lr"]})
+        self.param_groups = self.muon.param_groups + self.adamw.param_groups
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for p, local in zip(self.matrices, self.local):
+            if p is not local:
+                local.grad = None if p.grad is None else p.grad.to_local().detach()
+        self.muon.step()
+        self.adamw.step()
+
+    def zero_grad(self, set_to_none: bool = True):
+        for p in self.matrices:
+            if p.grad is not None:
+                p.grad = None if set_to_none else p.grad.zero_()
+        self.muon.zero_grad(set_to_none)
+        self.adamw.zero_grad(set_to_none)
+
+    def state_dict(self):
+        return {"muon": self.muon.state_dict(), "adamw": self.adamw.state_dict()}
+
+    def load_state_dict(self, state_dict):
+        self.muon.load_state_dict(state_dict["muon"])
+        self.adamw.load_state_dict(state_dict["adamw"])

@@ -45,7 +45,18 @@ VARIANTS = {
     "FlashAdamW 24-bit, linear moments": ["--optimizer", "flash_adamw", "--no-companding"],
     NO_RHO: ["--optimizer", "flash_adamw", "--master-weight-bits", "none"],
 }
-SEEDED = (ADAMW, FLASH24)  # the variants run with every seed of --seeds
+# Muon: torch.optim.Muon (+ AdamW on the embedding, head and 1-D parameters) with fp32 masters, against FlashMuon and
+# its ablations; lr is AdamW's through adjust_lr_fn="match_rms_adamw" (launch/train.py)
+MUON, FLASHMUON = "torch Muon (fp32 master)", "FlashMuon 24-bit"
+VARIANTS.update({
+    MUON: ["--optimizer", "muon"],
+    FLASHMUON: ["--optimizer", "flash_muon", "--master-weight-bits", "24"],
+    "FlashMuon, bf16 without rho": ["--optimizer", "flash_muon", "--master-weight-bits", "none"],
+    "FlashMuon 24-bit, fp32 momentum": ["--optimizer", "flash_muon", "--no-quantize-states"],
+})
+ADAMW_FAMILY = [name for name in VARIANTS if "Muon" not in name]
+REFERENCE = {name: MUON if "Muon" in name else ADAMW for name in VARIANTS}  # the "vs" column's baseline
+SEEDED = (ADAMW, FLASH24, MUON, FLASHMUON)  # the variants run with every seed of --seeds
 RHO_VARIANTS = (ADAMW, FLASH24, NO_RHO)
 
 # Shapes. gpt2-small: GPT-2 small's 12 layers, d_model 768, 12 heads and 1024 context, with a 256-byte vocabulary
@@ -73,8 +84,8 @@ def parse_args(argv=None):
     ap.add_argument("--phases", nargs="+", choices=["main", "rho"], default=["main", "rho"])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help=f"main phase seeds of {' and '.join(SEEDED)}")
     ap.add_argument("--ablation-seeds", type=int, nargs="+", default=[0], help="main phase seeds of the others")
-    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), metavar="NAME",
-                    help="main phase subset of: " + "; ".join(VARIANTS))
+    ap.add_argument("--variants", nargs="+", default=ADAMW_FAMILY, metavar="NAME",
+                    help="main phase subset of: " + "; ".join(VARIANTS) + " (default: the AdamW family)")
     ap.add_argument("--steps", type=int, default=None, help="main phase steps (the cosine horizon)")
     ap.add_argument("--lr", type=float, default=None, help="main phase peak learning rate")
     ap.add_argument("--rho-seeds", type=int, nargs="+", default=[0, 1])
@@ -192,9 +203,9 @@ def read_run(run: dict) -> dict:
 
 def phase_stats(results: list[dict]) -> dict:
     """Per-variant validation loss at the last evaluation every run of the phase reached (so partial runs compare
-    at equal tokens), its mean and seed spread, the gap to AdamW (paired by seed: the mean over the seeds both ran of
-    variant minus AdamW, in units of the pooled seed sd, and of variant over AdamW in %), and the gain from the
-    starting weights."""
+    at equal tokens), its mean and seed spread, the gap to its reference (AdamW, or torch Muon for the Muon
+    variants; paired by seed: the mean over the seeds both ran of variant minus reference, in units of the pooled
+    seed sd, and of variant over reference in %), and the gain from the starting weights."""
     curves = [dict(r["val_curve"]) for r in results if r["val_curve"]]
     common = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
     at = common[-1] if common else None  # None: no evaluation in common, each run's last one is used
@@ -213,13 +224,14 @@ def phase_stats(results: list[dict]) -> dict:
     dev = [(v - statistics.mean(vals)) ** 2 for vals in by_variant.values() if len(vals) > 1 for v in vals]
     dof = sum(len(vals) - 1 for vals in by_variant.values() if len(vals) > 1)
     seed_sd = (sum(dev) / dof) ** 0.5 if dof else None
-    adamw = {r["seed"]: value(r) for r in results if r["variant"] == ADAMW and r["val_curve"]}
     rows = []
     for name, vals in by_variant.items():
         mean = statistics.mean(vals)
-        # paired by seed (same initialisation and data order): a one-seed ablation meets AdamW's run of that seed
-        paired = [(value(r), adamw[r["seed"]]) for r in results
-                  if r["variant"] == name and r["val_curve"] and r["seed"] in adamw]
+        ref = {r["seed"]: value(r) for r in results if r["variant"] == REFERENCE[name] and r["val_curve"]}
+        # paired by seed (same initialisation and data order): a one-seed ablation meets its reference's run of
+        # that seed
+        paired = [(value(r), ref[r["seed"]]) for r in results
+                  if r["variant"] == name and r["val_curve"] and r["seed"] in ref]
         gap = statistics.mean(v - a for v, a in paired) if paired else None
         rows.append({"variant": name, "val_losses": vals, "mean": mean, "range": max(vals) - min(vals),
                      "gap": gap, "gap_pct": statistics.mean(100 * (v / a - 1) for v, a in paired) if paired else None,
@@ -237,8 +249,10 @@ def table(stats: dict) -> list[str]:
              "at each run's last evaluation (the runs share none: compare with care)")
     lines = [f"validation loss (nats/byte) {where}; pooled seed sd "
              f"{_fmt(stats['seed_sd'], '.4f')}", "",
-             "| variant | val loss per seed | mean | range | vs AdamW | gap / seed sd | gain from the start |",
+             "| variant | val loss per seed | mean | range | vs reference | gap / seed sd | gain from the start |",
              "|---|---|---|---|---|---|---|"]
+    if any("Muon" in r["variant"] for r in stats["rows"]):
+        lines.insert(1, "reference: torch Muon for the Muon rows, AdamW for the others")
     for r in stats["rows"]:
         lines.append(f"| {r['variant']} | {' / '.join(f'{v:.4f}' for v in r['val_losses'])} | {r['mean']:.4f} | "
                      f"{r['range']:.4f} | {_fmt(r['gap_pct'], '+.2f')}% | {_fmt(r['gap_in_seed_sd'], '+.1f')} | "
@@ -258,17 +272,18 @@ def plot(results: list[dict], path: Path, title: str, moved: bool) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    adamw = {r["seed"]: dict(r["val_curve"]) for r in results if r["variant"] == ADAMW and r["val_curve"]}
+    curve_of = {(r["variant"], r["seed"]): dict(r["val_curve"]) for r in results if r["val_curve"]}
     keys = ["val_curve", "bf16_moved" if moved else "vs_adamw"]
-    if not moved and not adamw:
+    if not moved and not any(v in (ADAMW, MUON) for v, _ in curve_of):
         keys = keys[:1]
     fig, axes = plt.subplots(1, len(keys), figsize=(6.5 * len(keys), 4.2), squeeze=False)
     finals = []  # the gaps at the end that set the relative panel's scale
     for key, ax in zip(keys, axes[0]):
         for name in dict.fromkeys(r["variant"] for r in results):
             if key == "vs_adamw":
-                curves = [{x: 100 * (v / adamw[r["seed"]][x] - 1) for x, v in r["val_curve"] if x in adamw[r["seed"]]}
-                          for r in results if r["variant"] == name and r["seed"] in adamw]
+                ref = {seed: c for (v, seed), c in curve_of.items() if v == REFERENCE[name]}
+                curves = [{x: 100 * (v / ref[r["seed"]][x] - 1) for x, v in r["val_curve"] if x in ref[r["seed"]]}
+                          for r in results if r["variant"] == name and r["seed"] in ref]
                 curves = [c for c in curves if c]
             else:
                 curves = [dict(r[key]) for r in results if r["variant"] == name and r[key]]
@@ -283,7 +298,7 @@ def plot(results: list[dict], path: Path, title: str, moved: bool) -> bool:
                 finals += [v for y in ys[len(ys) // 2:] for v in y]
         ax.set_xlabel("tokens (bytes) per run")
         ax.set_ylabel({"val_curve": "validation loss (nats/byte)", "bf16_moved": "share of bf16 weights moved by a step",
-                       "vs_adamw": "validation loss vs AdamW, same seed (%)"}[key])
+                       "vs_adamw": "validation loss vs reference (AdamW; Muon rows: torch Muon), same seed (%)"}[key])
         if key == "bf16_moved":
             ax.set_yscale("log")
         if key == "vs_adamw" and finals:

@@ -3,6 +3,7 @@
 #
 #   OUT=/some/dir bash launch/convergence_h200.sh            # partial: every phase in one command
 #   OUT=/some/dir bash launch/convergence_h200.sh full       # full: again until convergence.md says "Partial: none"
+#   OUT=/some/dir bash launch/convergence_h200.sh muon --seeds 0 --variants ...   # Muon against AdamW, main phase
 #
 # partial: the five variants side by side (AdamW and FlashAdamW 24-bit with seeds 0 and 1), a short cosine
 #   schedule, then the low-learning-rate phase from AdamW's weights; whatever the time budget cuts is reported
@@ -27,7 +28,9 @@ case $MODE in
              --steps 480 --rho-steps 240 --rho-share 0.38 --compile off "$@" ;;
   full) "$PY" launch/convergence.py --config gpt2-small --out "$RUNS" --time-budget "$BUDGET" \
           --steps 6400 --rho-steps 2000 --rho-share 0 --ckpt "$@" ;;
-  *) echo "convergence_h200.sh: unknown mode '$MODE': use partial or full" >&2; exit 2 ;;
+  muon) "$PY" launch/convergence.py --config gpt2-small --out "$RUNS" --time-budget "$BUDGET" \
+          --phases main --steps "${STEPS:-1500}" --rho-share 0 --compile off "$@" ;;
+  *) echo "convergence_h200.sh: unknown mode '$MODE': use partial, full or muon" >&2; exit 2 ;;
 esac
 rc=$?
 for f in convergence.md convergence.json convergence.png rho.png corpus.json; do

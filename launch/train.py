@@ -46,11 +46,11 @@ from flashdist import checkpoint
 from flashdist import distributed as D
 
 if __package__:  # python -m launch.train
-    from .benchlib import exit_now
+    from .benchlib import MuonWithAdamW, exit_now
     from .data import VOCAB, batch, load_corpus
     from .model import GPT, GPTConfig, clip_grad_norm_, tensor_parallel
 else:  # run as a file (python or torchrun launch/train.py): its own folder is on sys.path
-    from benchlib import exit_now
+    from benchlib import MuonWithAdamW, exit_now
     from data import VOCAB, batch, load_corpus
     from model import GPT, GPTConfig, clip_grad_norm_, tensor_parallel
 
@@ -60,15 +60,20 @@ STARTED = time.perf_counter()  # --time-limit counts from here: imports and the 
 # AdamW's and a 3x larger decay (the same lr * weight_decay). SGD's update is lr times a gradient-sized momentum
 # buffer, and its decay is L2 (added to the gradient, as torch.optim.SGD), so a small one. Measured on the CPU
 # model of launch/convergence.py, 100 steps: SGD lr 0.1 beat 0.03, 0.3 and 1; Lion 1e-3 beat 3e-4.
-DEFAULTS = {"flash_adamw": (3e-3, 0.1), "adamw": (3e-3, 0.1), "flash_lion": (1e-3, 0.3), "flash_sgd": (0.1, 1e-4)}
+# Muon (both): lr is AdamW's, through adjust_lr_fn="match_rms_adamw" (the update's RMS matched to AdamW's, so one lr
+# and one decay serve the matrices and the AdamW-updated rest alike).
+DEFAULTS = {"flash_adamw": (3e-3, 0.1), "adamw": (3e-3, 0.1), "flash_lion": (1e-3, 0.3), "flash_sgd": (0.1, 1e-4),
+            "flash_muon": (3e-3, 0.1), "muon": (3e-3, 0.1)}
 OPTIMIZERS = list(DEFAULTS) + ["flash"]  # flash: FlashAdamW's old name here
+FP32_MASTERS = ("adamw", "muon")  # torch's optimizers: fp32 parameters, bf16 compute
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--optimizer", choices=OPTIMIZERS, default="flash_adamw",
-                    help="flash_adamw (FlashAdamW), flash_sgd (FlashSGD), flash_lion (FlashLion) on bf16 "
-                         "parameters, or adamw (torch.optim.AdamW, fp32 parameters); flash = flash_adamw")
+                    help="flash_adamw (FlashAdamW), flash_sgd (FlashSGD), flash_lion (FlashLion), flash_muon "
+                         "(FlashMuon) on bf16 parameters, or adamw (torch.optim.AdamW) / muon (torch.optim.Muon "
+                         "+ AdamW) on fp32 parameters; flash = flash_adamw")
     ap.add_argument("--master-weight-bits", choices=["24", "32", "none"], default="24",
                     help="flash optimizers: rho bits (none = plain bf16 weights)")
     ap.add_argument("--no-companding", action="store_true", help="flash optimizers: linear 8-bit moments (ablation)")
@@ -148,7 +153,7 @@ def parse_args(argv=None):
     for name in ("replicas", "shards", "threads", "tp"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             ap.error(f"--{name} must be a positive integer, got {getattr(args, name)}")
-    if args.optimizer == "adamw" and (args.grad_release or args.no_companding or args.master_weight_bits != "24"):
+    if args.optimizer in FP32_MASTERS and (args.grad_release or args.no_companding or args.master_weight_bits != "24"):
         ap.error("--grad-release, --no-companding and --master-weight-bits are options of the flash optimizers")
     if args.time_limit is not None and args.time_limit <= 0:
         ap.error(f"--time-limit must be a positive number of seconds, got {args.time_limit}")
@@ -283,7 +288,7 @@ def build(args, run: Run):
         weights = {k: v.to(torch.bfloat16).float() for k, v in load_file(args.init_from).items()}
         model.load_state_dict(weights)
     model = model.to(run.device)
-    if args.optimizer != "adamw":
+    if args.optimizer not in FP32_MASTERS:
         model = model.to(torch.bfloat16)
     if args.compile == "on" or (args.compile == "auto" and run.cuda):
         from torch._dynamo import config as dynamo_config
@@ -314,8 +319,22 @@ def build(args, run: Run):
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and n != "pos"]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2 or n == "pos"]
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # Muon: the block matrices; embedding, head, position table and 1-D parameters take AdamW (muon_param_groups)
+    matrices = [p for n, p in model.named_parameters() if p.ndim == 2 and n.startswith("blocks.")]
+    rest = [{"params": [p for p in g["params"] if not any(p is m for m in matrices)],
+             "weight_decay": g["weight_decay"]} for g in groups]
+    muon_kwargs = dict(lr=args.lr, weight_decay=args.weight_decay, adjust_lr_fn="match_rms_adamw")
     if args.optimizer == "adamw":
         opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), foreach=True)
+    elif args.optimizer == "muon":
+        opt = MuonWithAdamW(matrices, rest, **muon_kwargs)
+    elif args.optimizer == "flash_muon":
+        bits = None if args.master_weight_bits == "none" else int(args.master_weight_bits)
+        opt = flashdist.FlashMuon([{"params": matrices, "use_muon": True}]
+                                  + [{**g, "use_muon": False} for g in rest], **muon_kwargs,
+                                  adamw_betas=(0.9, 0.95), master_weight_bits=bits,
+                                  quantize_states=not args.no_quantize_states,
+                                  state_dict_format=args.state_dict_format)
     else:
         bits = None if args.master_weight_bits == "none" else int(args.master_weight_bits)
         common = dict(lr=args.lr, master_weight_bits=bits, companded=not args.no_companding,
@@ -530,7 +549,7 @@ def main(argv=None) -> dict:
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
         png = out / "loss.png"
         summary["plot"] = str(png) if plot(log, png, f"{args.optimizer} ({run.world} ranks)") else None
-        rows = [("optimizer", args.optimizer + ("" if args.optimizer == "adamw" else f" ({args.master_weight_bits}-bit)")),
+        rows = [("optimizer", args.optimizer + ("" if args.optimizer in FP32_MASTERS else f" ({args.master_weight_bits}-bit)")),
                 ("ranks x device", f"{run.world} x {run.device.type}"), ("parameters", f"{n_params:,}"),
                 ("steps", f"{start} -> {end}"), ("final train loss", f"{summary['final_train_loss'] or float('nan'):.4f}"),
                 ("final val loss", f"{last_val:.4f}"),

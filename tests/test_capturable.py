@@ -196,6 +196,33 @@ def test_graphed_step_replays_and_falls_back_with_the_same_bits():
 
 
 
+
+@gpu
+def test_graphed_step_resets_rho_of_weights_written_between_replays():
+    """A weight written outside the optimizer (``copy_``, as ``model.load_state_dict`` and SWA's copy-back
+    write) between two replays is its own master from then on, as with eager steps: the replay after it
+    starts from the new weight with rho reset, with the same bits as an eager optimizer given the same writes
+    (also a write just before the call that captures)."""
+    plain, capt = _params("cuda"), _params("cuda")
+    a = OPTIMIZERS["adamw"](plain, capturable=True)
+    b = OPTIMIZERS["adamw"](capt, capturable=True)
+    graphed = flashdist.GraphedStep(b)
+    new = [torch.randn(p.shape, generator=torch.Generator().manual_seed(9)).to("cuda", p.dtype) for p in plain]
+    for k, grads in enumerate(_grads(8, plain, 3), start=1):
+        if k in (2, 5):  # 2: before the capture; 5: between replays
+            with torch.no_grad():
+                for p, q, w in zip(plain, capt, new):
+                    p.copy_(w)
+                    q.copy_(w)
+        for p, q, g in zip(plain, capt, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        a.step()
+        graphed()
+        torch.cuda.synchronize()
+        _same_bits(_snapshot(a, plain), _snapshot(b, capt), f"graphed step {k}")
+    assert graphed.captures == 1 and graphed.replays == 7, (graphed.captures, graphed.replays)
+
+
 @gpu
 def test_graphed_step_under_fsdp2_is_the_eager_step(tmp_path):
     """FSDP2 (one NCCL rank, DTensor parameters and gradients): GraphedStep's steps against eager steps of an

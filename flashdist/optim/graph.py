@@ -329,6 +329,7 @@ class GraphedStep:
             # the last call stepped eagerly with these very parameters and settings (a warm-up): capture (it
             # runs nothing), then point the graph at this call's gradients and replay below
             self._write_lrs()
+            self.optimizer._adopt_outside_writes_of_plans()  # (a reset inside the capture would refuse it)
             try:
                 self._capture()
             except CaptureRefused as e:  # nothing changed: step eagerly, and try again once something has
@@ -338,6 +339,9 @@ class GraphedStep:
         if unchanged and self.graph is not None:
             if self._retarget():
                 self._write_lrs()
+                # weights written outside the optimizer since the last call (load_state_dict, SWA's
+                # copy-back): their rho reset, as an eager step would reset it, before the graph reads it
+                self.optimizer._adopt_outside_writes_of_plans()
                 self.graph.replay()
                 self.replays += 1
                 self._misses = 0

@@ -58,15 +58,22 @@ class OutsideWrites:
                 reset += 1
         return reset
 
+    def _adopt_outside_writes_of_plans(self) -> None:
+        """``step()``'s check for every live plan at once (one list comparison per plan): GraphedStep runs it
+        before each replay, which runs no Python of the step."""
+        for plan in list(self._plans.values()):
+            if plan.versions is not None and versions(plan.watched) != plan.versions:
+                self._reset_written_outside(plan.params, plan.versions)
+
     @torch.no_grad()
     def adopt_outside_writes(self) -> int:
         """Make every parameter written outside the optimizer since the optimizer last wrote it (its tensor's
         version counter moved: ``copy_``, ``load_state_dict``, ``torch.nn.init``, SWA's copy-back) its own
         master weight: its rho is reset to 0, so the next step and :meth:`master_weight` start from the new
         weights. Returns how many were reset. ``step()`` does this for the parameters it steps (one list
-        comparison per group), ``state_dict()`` and :meth:`master_weight` for all; call it yourself after
-        writing weights while steps are replayed from a CUDA graph (a replay runs no Python). Writes through
-        ``p.data`` (its own version counter) are not seen."""
+        comparison per group), ``state_dict()`` and :meth:`master_weight` for all, and :class:`GraphedStep`
+        before each replay; call it yourself after writing weights between replays of a graph you captured
+        yourself (a replay runs no Python). Writes through ``p.data`` (its own version counter) are not seen."""
         recorded = self._recorded_versions()
         params = [p for g in self.param_groups if not g.get("flat_layout", False) for p in g["params"]
                   if id(p) in recorded]

@@ -298,7 +298,7 @@ def print_table(result: dict, args, cfg: LlamaConfig) -> None:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="8b", choices=["8b", "1b", "tiny"])
-    ap.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
+    ap.add_argument("--cases", nargs="+", default=list(CASES), choices=bench_fsdp.ALL_CASES)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8, 12, 16, 24, 32],
                     help="sequences per rank to try, in increasing order")

@@ -29,14 +29,19 @@ import torch.distributed as dist
 import flashdist
 
 if __package__:  # python -m launch.bench.bench_fsdp
-    from ..benchlib import exit_now, run_or_record
+    from ..benchlib import MuonWithAdamW, exit_now, run_or_record
     from ..llama import Llama, LlamaConfig, tensor_parallel
 else:  # run as a file (python or torchrun launch/bench/bench_fsdp.py): its own folder is on sys.path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # launch/: benchlib, llama
-    from benchlib import exit_now, run_or_record
+    from benchlib import MuonWithAdamW, exit_now, run_or_record
     from llama import Llama, LlamaConfig, tensor_parallel
 
 CASES = ("adamw_fp32_master", "flash_24bit", "flash_24bit_release", "flashoptim_24bit")
+# Muon (on request: --cases): torch.optim.Muon (+ AdamW on the embedding, head and norms) with fp32 parameters on one
+# rank, and FlashMuon; both split the model with flashdist.muon_param_groups and use adjust_lr_fn="match_rms_adamw"
+MUON_CASES = ("muon_fp32_master", "flash_muon_24bit")
+ALL_CASES = CASES + MUON_CASES
+FP32_CASES = ("adamw_fp32_master", "muon_fp32_master")
 
 
 def build(case: str, cfg: LlamaConfig, device: torch.device, cpu: bool, *, activation_checkpointing: bool = False,
@@ -51,7 +56,7 @@ def build(case: str, cfg: LlamaConfig, device: torch.device, cpu: bool, *, activ
     torch.manual_seed(0)
     with torch.device(device):
         model = Llama(cfg)
-    if case != "adamw_fp32_master":
+    if case not in FP32_CASES:
         model = model.to(torch.bfloat16)  # bf16 parameters; FlashAdamW keeps the rest of the master weight in rho
     mesh = None  # fully_shard's default: every rank
     if tp > 1:
@@ -73,6 +78,14 @@ def build(case: str, cfg: LlamaConfig, device: torch.device, cpu: bool, *, activ
     fully_shard(model, mesh=mesh, mp_policy=mp)
     if case == "adamw_fp32_master":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=not cpu)
+    elif case in MUON_CASES:
+        groups = flashdist.muon_param_groups(model)
+        muon = dict(lr=1e-4, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+        if case == "flash_muon_24bit":
+            opt = flashdist.FlashMuon(groups, **muon)
+        else:
+            opt = MuonWithAdamW([p for _, p in groups[0]["params"]],
+                                [{"params": [p for _, p in g["params"]]} for g in groups[1:]], **muon)
     elif case.startswith("flash_"):
         opt = flashdist.FlashAdamW(model.parameters(), lr=1e-4, state_dict_format=state_dict_format)
     else:
@@ -237,7 +250,7 @@ def paired_summary(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="1b", choices=["1b", "8b", "tiny"])
-    ap.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
+    ap.add_argument("--cases", nargs="+", default=list(CASES), choices=ALL_CASES)
     ap.add_argument("--batch", type=int, default=2, help="sequences per rank")
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--warmup", type=int, default=3)

@@ -56,7 +56,8 @@ else:  # run as a file (python or torchrun launch/bench/bench_scaling.py): its o
 CASES = ("adamw_fp32_master", "flash_24bit", "flash_24bit_release")
 LABELS = {"adamw_fp32_master": "torch.optim.AdamW, fp32 master weights", "flash_24bit": "FlashAdamW 24-bit",
           "flash_24bit_release": "FlashAdamW 24-bit + gradient release",
-          "flashoptim_24bit": "flashoptim FlashAdamW 24-bit"}
+          "flashoptim_24bit": "flashoptim FlashAdamW 24-bit",
+          "muon_fp32_master": "torch.optim.Muon + AdamW, fp32 master weights", "flash_muon_24bit": "FlashMuon 24-bit"}
 PAPER = "paper (FlashOptim, Llama-3.1-8B finetuning): peak 175 GiB with AdamW -> 113 GiB with FlashOptim"
 
 
