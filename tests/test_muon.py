@@ -279,9 +279,11 @@ def test_checkpoint_inspect_export_and_convert(tmp_path, fmt):
     masters = {name: opt.master_weight(p) for name, p in model.named_parameters()}
     rc, _, err = run_cli("export", tmp_path / "ck", tmp_path / "w.safetensors")
     assert rc == 0, err
-    rc, _, err = run_cli("export", tmp_path / "ck", tmp_path / "hf", "--hf", "--config", tmp_path / "cfg" / "config.json")
+    rc, _, err = run_cli("export", tmp_path / "ck", tmp_path / "hf", "--hf", "--config",
+                         tmp_path / "cfg" / "config.json")
     assert rc == 0, err
-    for exported in (load_file(str(tmp_path / "w.safetensors")), load_file(str(tmp_path / "hf" / "model.safetensors"))):
+    for exported in (load_file(str(tmp_path / "w.safetensors")),
+                     load_file(str(tmp_path / "hf" / "model.safetensors"))):
         for name, master in masters.items():
             assert torch.equal(exported[name], master), name
     other = {"portable": "compressed", "compressed": "portable"}[fmt]
