@@ -336,17 +336,22 @@ def test_empty_matrices_step_and_save():
 
 def test_gradient_release_in_one_process_matches_the_ordinary_step():
     """enable_gradient_release steps each matrix (whole in one process) during backward: the ordinary
-    step's bits. (FSDP2: tests/distributed/test_muon_sharded.py.)"""
+    step's bits, and memory_report measures the analytic 4.0625 bytes per parameter (no gradient) between
+    steps. (FSDP2: tests/distributed/test_muon_sharded.py.)"""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8)).bfloat16()
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64, bias=False), torch.nn.ReLU(),
+                                torch.nn.Linear(64, 32, bias=False)).bfloat16()
     ref = copy.deepcopy(model)
     released = FlashMuon(muon_param_groups(model), lr=0.02)
     ordinary = FlashMuon(muon_param_groups(ref), lr=0.02)
     handle = flashdist.enable_gradient_release(model, released)
     for step in range(3):
-        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step)).bfloat16()
+        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(step)).bfloat16()
         for net, opt in ((model, released), (ref, ordinary)):
             net(x).float().square().mean().backward()
+            if opt is released:
+                assert flashdist.memory_report(opt)["bytes_per_param"] == \
+                    flashdist.bytes_per_param("flash_muon", gradient_release=True)["total"]
             opt.step()
             opt.zero_grad()
     handle.remove()
