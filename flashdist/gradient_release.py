@@ -14,6 +14,11 @@ Usage::
 Byte budget: no gradient outlives the backward pass, so FlashAdamW holds 5.125 bytes per parameter
 instead of 7.125 (bf16 parameter 2, int8 rho 1, two 8-bit moments with their scales 2 x 1.0625). Under
 FSDP2 the unsharded gradients of one FSDP group still exist until their reduce-scatter, as without release.
+FlashMuon's matrices hold 4.0625 instead of 6.0625 (parameter 2, rho 1, the 8-bit momentum 1.0625): release
+saves the gradient's 2 bytes and nothing of Muon's whole-matrix update, whose bf16 copy (a rank's part of
+the matrices being orthogonalized, the whole matrix on its owner, plus Newton-Schulz's work space) exists
+during that group's step with or without release; under FSDP2 each group's matrices are gathered to their
+owners inside backward (every rank makes the same calls in the same order).
 
 How it works. A ``register_post_accumulate_grad_hook`` on every trainable parameter of ``model`` that the
 optimizer holds records the parameter as pending once its gradient is final; pending parameters are

@@ -5,6 +5,7 @@ Sharded runs against one process: tests/distributed/test_muon_sharded.py."""
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -244,39 +245,119 @@ def test_state_dict_round_trip_mid_run(fmt):
         assert torch.equal(p, q) and all(torch.equal(a.state[p][k], b.state[q][k]) for k in a.state[p])
 
 
-def test_checkpoint_inspect_and_fp32_export(tmp_path):
-    """A FlashMuon DCP checkpoint: `flashdist inspect` reads it, `flashdist export` writes the master weights
-    (parameter + rho) bit for bit, and `flashdist convert --format portable` gives a checkpoint that loads
-    back to the same state."""
+@pytest.mark.parametrize("fmt", ["portable", "compressed"])
+def test_checkpoint_inspect_export_and_convert(tmp_path, fmt):
+    """A FlashMuon DCP checkpoint of a tiny Llama in either state format: `flashdist inspect` reads it, `flashdist
+    export` (safetensors and `--hf` folder) writes the master weights (parameter + rho) bit for bit, and
+    `flashdist convert` to the other format gives a checkpoint that loads back to the same state."""
+    transformers = pytest.importorskip("transformers")
     from safetensors.torch import load_file
 
     from _cli import run_cli
     from flashdist import checkpoint
 
-    model = _Tiny().bfloat16()
-    opt = FlashMuon(muon_param_groups(model), lr=0.02, state_dict_format="compressed")
-    gen = torch.Generator().manual_seed(6)
-    for _ in range(2):
-        for p in model.parameters():
-            p.grad = torch.randn(p.shape, generator=gen).bfloat16()
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+
+    def build():
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(config).bfloat16()
+        return model, FlashMuon(muon_param_groups(model, adamw_lr=3e-3), lr=0.02, state_dict_format=fmt)
+
+    model, opt = build()
+    for step in range(2):
+        ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(step))
+        model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
+        opt.zero_grad()
     checkpoint.save(str(tmp_path / "ck"), model, opt)
-    rc, out, err = run_cli("inspect", tmp_path / "ck")
-    assert rc == 0 and "compressed" in out, err
-    rc, out, err = run_cli("export", tmp_path / "ck", tmp_path / "w.safetensors")
+    config.save_pretrained(tmp_path / "cfg")
+    rc, out, err = run_cli("inspect", tmp_path / "ck", "--json")
     assert rc == 0, err
-    exported = load_file(str(tmp_path / "w.safetensors"))
-    for name, p in model.named_parameters():
-        assert torch.equal(exported[name], opt.master_weight(p)), name
-    # converted to the portable format and loaded back: the same codes, scales, rho and weights
-    rc, out, err = run_cli("convert", tmp_path / "ck", tmp_path / "portable", "--to", "dcp", "--format", "portable")
+    info = json.loads(out)
+    assert info["optimizer_format"] == fmt and info["master_weight_bits"] == [24], info
+    masters = {name: opt.master_weight(p) for name, p in model.named_parameters()}
+    rc, _, err = run_cli("export", tmp_path / "ck", tmp_path / "w.safetensors")
     assert rc == 0, err
-    fresh = _Tiny().bfloat16()
-    loaded = FlashMuon(muon_param_groups(fresh), lr=0.02, state_dict_format="portable")
-    checkpoint.load(str(tmp_path / "portable"), fresh, loaded)
+    rc, _, err = run_cli("export", tmp_path / "ck", tmp_path / "hf", "--hf", "--config",
+                         tmp_path / "cfg" / "config.json")
+    assert rc == 0, err
+    for exported in (load_file(str(tmp_path / "w.safetensors")),
+                     load_file(str(tmp_path / "hf" / "model.safetensors"))):
+        for name, master in masters.items():
+            assert torch.equal(exported[name], master), name
+    other = {"portable": "compressed", "compressed": "portable"}[fmt]
+    rc, _, err = run_cli("convert", tmp_path / "ck", tmp_path / other, "--to", "dcp", "--format", other)
+    assert rc == 0, err
+    fresh, loaded = build()
+    checkpoint.load(str(tmp_path / other), fresh, loaded)
     for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
         assert torch.equal(p, q), name
+        assert opt.state[p].keys() == loaded.state[q].keys(), name
         assert all(torch.equal(opt.state[p][k], loaded.state[q][k]) for k in opt.state[p]), name
+
+
+def test_names_and_defaults_are_torch_muons():
+    """Every option of torch.optim.Muon is an option of FlashMuon, with the same name and default (the
+    learning-rate adjustment included: adjust_lr_fn None, "original" or "match_rms_adamw")."""
+    import inspect
+
+    ours = inspect.signature(FlashMuon.__init__).parameters
+    theirs = {n: p.default for n, p in inspect.signature(torch.optim.Muon.__init__).parameters.items()
+              if n not in ("self", "params")}
+    assert {n: ours[n].default for n in theirs if n in ours} == theirs
+    assert flashdist.optim.muon.ADJUST_LR_FNS == (None, "original", "match_rms_adamw")
+
+
+def test_empty_matrices_step_and_save():
+    """Matrices with a zero dim (torch.optim.Muon divides by zero on (3, 0)) step as no-ops beside a real one,
+    whose bits are those of a run without them, and their state saves and loads in both formats."""
+    gen = torch.Generator().manual_seed(8)
+    w = torch.randn(8, 40, generator=gen).bfloat16()
+    empties = [torch.nn.Parameter(torch.zeros(s, dtype=torch.bfloat16)) for s in ((3, 0), (0, 5), (2, 0, 3))]
+    params = [torch.nn.Parameter(w.clone()), *empties]
+    alone = torch.nn.Parameter(w.clone())
+    a, b = FlashMuon(params, lr=0.02), FlashMuon([alone], lr=0.02)
+    for _ in range(2):
+        g = torch.randn(8, 40, generator=gen).bfloat16()
+        params[0].grad, alone.grad = g.clone(), g
+        for p in empties:
+            p.grad = torch.zeros_like(p)
+        a.step()
+        b.step()
+    assert torch.equal(params[0], alone) and torch.equal(a.master_weight(params[0]), b.master_weight(alone))
+    for fmt in ("portable", "compressed"):
+        again = FlashMuon([torch.nn.Parameter(p.detach().clone()) for p in params], lr=0.02)
+        again.load_state_dict(a.state_dict(format=fmt))
+        for p, q in zip(params, again.param_groups[0]["params"]):
+            assert a.state[p].keys() == again.state[q].keys()
+            assert all(torch.equal(a.state[p][k], again.state[q][k]) for k in a.state[p])
+
+
+def test_gradient_release_in_one_process_matches_the_ordinary_step():
+    """enable_gradient_release steps each matrix (whole in one process) during backward: the ordinary
+    step's bits, and memory_report measures the analytic 4.0625 bytes per parameter (no gradient) between
+    steps. (FSDP2: tests/distributed/test_muon_sharded.py.)"""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64, bias=False), torch.nn.ReLU(),
+                                torch.nn.Linear(64, 32, bias=False)).bfloat16()
+    ref = copy.deepcopy(model)
+    released = FlashMuon(muon_param_groups(model), lr=0.02)
+    ordinary = FlashMuon(muon_param_groups(ref), lr=0.02)
+    handle = flashdist.enable_gradient_release(model, released)
+    for step in range(3):
+        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(step)).bfloat16()
+        for net, opt in ((model, released), (ref, ordinary)):
+            net(x).float().square().mean().backward()
+            if opt is released:
+                assert flashdist.memory_report(opt)["bytes_per_param"] == \
+                    flashdist.bytes_per_param("flash_muon", gradient_release=True)["total"]
+            opt.step()
+            opt.zero_grad()
+    handle.remove()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+        assert all(torch.equal(released.state[p][k], ordinary.state[q][k]) for k in released.state[p])
 
 
 def test_training_tracks_torch_muon_and_rho_matters():

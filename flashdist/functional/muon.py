@@ -106,12 +106,16 @@ def flash_muon(
     chunk = max(1, getattr(orthogonalize, "chunk", 1))
     for start in range(0, len(params), chunk):
         indices = range(start, min(start + chunk, len(params)))
+        # an empty local tensor (an empty shard, or a matrix with a zero dim) has no momentum to update and no
+        # weight to change; its empty update still takes part in the exchange, which every rank makes alike
         updates = [
             momentum_(grads[i], momentum_buffers[i], momentum_scales[i] if momentum_scales is not None else None,
                       cols=cols[i] if cols is not None else None, scalars=scalars[i], companded=companded)
+            if params[i].numel() else grads[i].bfloat16()
             for i in indices
         ]
         orthos = orthogonalize(indices, updates, whole)
         del updates
         for i, ortho in zip(indices, orthos):
-            apply_(params[i], rhos[i] if rhos is not None else None, ortho, scalars=scalars[i], skipped=skipped)
+            if params[i].numel():
+                apply_(params[i], rhos[i] if rhos is not None else None, ortho, scalars=scalars[i], skipped=skipped)

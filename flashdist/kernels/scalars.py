@@ -195,9 +195,10 @@ class MuonScalars:
 def muon_lr_ratio(adjust_lr_fn: str | None, rows: int, cols: int) -> float:
     """torch.optim.Muon's learning-rate adjustment of a (rows, cols) matrix: ``"original"`` (None)
     ``sqrt(max(1, rows / cols))`` (Keller Jordan's), ``"match_rms_adamw"`` ``0.2 * sqrt(max(rows, cols))``
-    (Moonshot's: reuse AdamW's lr and weight decay)."""
+    (Moonshot's: reuse AdamW's lr and weight decay). A matrix with no columns has no update to scale: 1
+    (torch.optim.Muon divides by zero there)."""
     if adjust_lr_fn is None or adjust_lr_fn == "original":
-        return math.sqrt(max(1, rows / cols))
+        return math.sqrt(max(1, rows / cols)) if cols else 1.0
     if adjust_lr_fn == "match_rms_adamw":
         return 0.2 * math.sqrt(max(rows, cols))
     raise ValueError(f"flashdist: adjust_lr_fn must be None, 'original' or 'match_rms_adamw', got {adjust_lr_fn!r}")

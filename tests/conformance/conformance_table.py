@@ -10,19 +10,34 @@ one line."""
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from flashdist import FlashAdam, FlashAdamW, FlashLion, FlashSGD, FlashSGDW
+import torch
+
+from flashdist import FlashAdam, FlashAdamW, FlashLion, FlashMuon, FlashSGD, FlashSGDW, muon_param_groups
 
 
 @dataclass(frozen=True)
 class Entry:
-    """One optimizer of the family: its class and the options a cell trains with."""
+    """One optimizer of the family: its class, the options a cell trains with, how a user builds its param
+    groups from a model (``groups``; None: ``model.named_parameters()``), and, where the class refuses
+    ``graphed=True`` outright, why (the noop-option cell then asserts that refusal is one line)."""
 
     cls: type
     kwargs: dict = field(default_factory=dict)
+    groups: Callable[[torch.nn.Module], list] | None = None
+    refuses_graphed: str | None = None
 
-    def build(self, params, **overrides):
+    def build(self, model, **overrides):
+        """The optimizer for ``model`` (a module: its param groups as a user builds them) or for parameters
+        given as any torch optimizer takes them (only where the entry needs no model to build its groups)."""
+        if isinstance(model, torch.nn.Module):
+            params = self.groups(model) if self.groups else model.named_parameters()
+        elif self.groups:
+            raise TypeError(f"{self.cls.__name__}'s param groups come from the model: pass the module to build()")
+        else:
+            params = model
         return self.cls(params, **{**self.kwargs, **overrides})
 
 
@@ -32,13 +47,20 @@ OPTIMIZERS: dict[str, Entry] = {
     "FlashSGD": Entry(FlashSGD, dict(lr=1e-2, momentum=0.9, nesterov=True)),
     "FlashSGDW": Entry(FlashSGDW, dict(lr=1e-2, momentum=0.9, weight_decay=0.1)),
     "FlashLion": Entry(FlashLion, dict(lr=1e-3, weight_decay=0.1)),
+    # matrices (>= 2 dims, the 3-d one too) take Muon, biases AdamW (flashdist.muon_param_groups); the clients
+    # that choose by name build the same split themselves (optim="flash_muon", torchtitan's flash_muon)
+    "FlashMuon": Entry(FlashMuon, dict(lr=2e-2, weight_decay=0.1, momentum=0.9), groups=muon_param_groups,
+                       refuses_graphed="FlashMuon refuses graphed=True (and capturable=True) when it is built: its "
+                                       "Newton-Schulz step gathers whole matrices between ranks, which no CUDA "
+                                       "graph captures yet"),
 }
 
 STAGES = ("train", "first-step-memory", "outside-write", "noop-option", "save", "resume-same", "resume-other",
           "export-fp32", "export-hf", "inspect")
 """train: state only for trainable parameters in param_groups; first-step-memory: before the first step the
 optimizer holds no more than AdamW; outside-write: a weight written outside the optimizer is its own master;
-noop-option: ``graphed=True`` where no graph can be made says so once;
+noop-option: ``graphed=True`` where no graph can be made says so once (an optimizer that refuses the option,
+``Entry.refuses_graphed``, refuses it in one line when built);
 save: the masters read back from the checkpoint the client writes equal the live ones; resume-same /
 resume-other: a run resumed at the same / another world size equals the uninterrupted one; export-fp32 /
 export-hf: ``flashdist export`` (safetensors / ``--hf`` folder) of that checkpoint gives the live masters;

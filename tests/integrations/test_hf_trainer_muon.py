@@ -1,6 +1,6 @@
 """optim="flash_muon" through the Trainer (after flashdist.integrations.transformers.register()): the param
-groups come from the model (matrices Muon, embeddings, head and norms AdamW), training lowers the loss, and a
-resume from a checkpoint gives the same bits as the run it continues."""
+groups come from the model (matrices Muon, embeddings, head and norms AdamW) and training lowers the loss. The
+checkpoint, the bit-exact resume and the export are cells of tests/conformance/test_matrix.py."""
 
 from __future__ import annotations
 
@@ -30,24 +30,14 @@ def test_flash_muon_groups_come_from_the_model(tmp_path):
         fd_hf.optimizer_cls_and_kwargs("flash_muon", args)
 
 
-def test_trainer_trains_with_flash_muon_and_resumes_bit_exactly(tmp_path):
-    data = _data()
+def test_trainer_trains_with_flash_muon(tmp_path):
     full = transformers.Trainer(model=tiny_llama(), args=_args(tmp_path / "run", optim="flash_muon"),
-                                train_dataset=data)
+                                train_dataset=_data())
     full.train()
-    weights, state, opt = _state(full)
+    _, state, opt = _state(full)
     assert isinstance(opt, FlashMuon)
     losses = [log["loss"] for log in full.state.log_history if "loss" in log]
     assert len(losses) == 4 and losses[-1] < losses[0] - 0.2, losses
     w = "model.layers.0.mlp.up_proj.weight"
     assert state[w]["rho"].dtype == torch.int8 and state[w]["momentum_buffer_codes"].dtype == torch.int8
     assert "exp_avg_codes" in state["model.embed_tokens.weight"]
-    resumed = transformers.Trainer(model=tiny_llama(), args=_args(tmp_path / "resumed", optim="flash_muon"),
-                                   train_dataset=data)
-    resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
-    weights2, state2, _ = _state(resumed)
-    for name in weights:
-        assert torch.equal(weights[name], weights2[name]), name
-    for name in state:
-        for key in state[name]:
-            assert torch.equal(torch.as_tensor(state[name][key]), torch.as_tensor(state2[name][key])), (name, key)
