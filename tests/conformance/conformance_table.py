@@ -52,6 +52,7 @@ PATHS: dict[str, tuple[str, ...]] = {
     "accelerate": ("one-process",),
     "lightning": ("one-process",),
     "torchtitan": ("fsdp2",),
+    "deepspeed": ("zero2", "zero3"),        # flashdist.integrations.deepspeed.initialize, bf16 masters + rho
 }
 """Client -> the engines the matrix runs it under. DeepSpeed ZeRO-2/3 (fds.initialize, Accelerate, the
 Trainer) and the Trainer / Accelerate under FSDP2 are tested in tests/test_deepspeed.py,
@@ -82,6 +83,18 @@ REFUSED: dict[str, str] = {
     **{f"{path}/*/noop-option": "an option's effect does not depend on the client or engine: checked in "
                                 "plain/one-process and trainer/one-process"
        for path in ("plain/ddp", "plain/fsdp2", "peft-trainer*/*", "accelerate/*", "lightning/*", "torchtitan/*")},
+    "deepspeed/*/*/noop-option": "an option's effect does not depend on the client or engine: checked in "
+                                 "plain/one-process and trainer/one-process",
+    "deepspeed/*/*/export-hf": "the DeepSpeed cells train a plain torch model (no Hugging Face config): "
+                               "export-fp32 writes the masters",
+    "deepspeed/*/FlashMuon/*": "ZeRO hands the optimizer flat 1-d partitions of many parameters, so no rank holds "
+                               "the whole matrices Newton-Schulz needs: the config is refused before DeepSpeed "
+                               "starts (docs/deepspeed.md); train FlashMuon under FSDP2",
+    **{f"deepspeed/*/{name}/resume-other": "DeepSpeed changes the world size through universal checkpoints, whose "
+                                           "converter carries Adam's moments only: flashdist.integrations."
+                                           "deepspeed.to_universal refuses the checkpoint; resume it at its world "
+                                           "size, or move it to FSDP2 with flashdist convert --from deepspeed"
+       for name in ("FlashSGD", "FlashSGDW", "FlashLion")},
 }
 
 XFAIL: dict[str, str] = {}

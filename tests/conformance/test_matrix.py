@@ -555,6 +555,192 @@ def run_torchtitan(tmp: Path) -> dict[str, dict]:
     return runs
 
 
+# ----- DeepSpeed ZeRO-2 and ZeRO-3 through fds.initialize, 2 gloo ranks ----------------------------------------
+
+DS_ENGINES = {"zero2": 2, "zero3": 3}
+DS_UNIVERSAL = ("FlashAdamW", "FlashAdam")  # ds_to_universal carries Adam's moments only (docs/deepspeed.md)
+
+
+def _ds_model():
+    """Every trainable tensor a multiple of 64 values, so that ZeRO's partitions on 2 ranks and on 1 cut the
+    8-bit moments' groups of 32 alike (a universal resume can then be exact); a frozen layer between."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(64, 16), torch.nn.Linear(16, 16, bias=False),
+                                torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64, bias=False))
+    model[1].requires_grad_(False)
+    return model
+
+
+def _ds_config(engine: str, name: str, universal: bool = False) -> dict:
+    """bf16 master partitions + rho (24-bit masters), the mode where flashdist holds part of the master."""
+    config = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 9,
+              "zero_optimization": {"stage": DS_ENGINES[engine]},
+              "bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True},
+              "optimizer": {"type": name, "params": dict(OPTIMIZERS[name].kwargs)}}
+    if universal:
+        config["checkpoint"] = {"load_universal": True}
+    return config
+
+
+def _ds_engine(engine: str, name: str, universal: bool = False):
+    from flashdist.integrations import deepspeed as fds
+
+    model = _ds_model()
+    ds, *_ = fds.initialize(model=model, model_parameters=model.parameters(),
+                            config=_ds_config(engine, name, universal))
+    return ds
+
+
+def _ds_train(ds, first: int, n: int = STEPS) -> None:
+    """Every rank trains on the same batch: the gradient average is exact, so 2 ranks and 1 step alike."""
+    for step in range(first, first + n):
+        x = torch.randint(0, 64, (8,), generator=torch.Generator().manual_seed(step))
+        loss = torch.nn.functional.cross_entropy(ds(x).float(), (7 * x + 3) % 64)
+        ds.backward(loss)
+        ds.step()
+
+
+def _ds_masters(ds) -> dict[str, torch.Tensor]:
+    """The live fp32 masters (bf16 partition + rho, gathered) of the trainable parameters; every rank calls it."""
+    from flashdist.integrations import deepspeed as fds
+
+    trainable = {n for n, p in ds.module.named_parameters() if p.requires_grad}
+    return {n: t for n, t in fds.fp32_master_weights(ds).items() if n in trainable}
+
+
+def _ds_snapshot(ds) -> dict[str, torch.Tensor]:
+    """This rank's master partitions and their optimizer state, and the full masters: what a resume must give."""
+    from flashdist.integrations import deepspeed as fds
+
+    out = {f"master:{n}": t for n, t in _ds_masters(ds).items()}
+    opt = ds.basic_optimizer
+    for i, part in enumerate(fds.master_partitions(ds)):
+        out[f"partition{i}"] = part.detach().clone()
+        for key, value in opt.state.get(part, {}).items():
+            out[f"partition{i}:{key}"] = torch.as_tensor(value).clone()
+    return out
+
+
+def _ds_state_only_for_partitions(ds) -> None:
+    """The flashdist optimizer holds state for this rank's master partitions only, and those hold the
+    trainable parameters (the frozen layer is in no partition: the partitions of all ranks add up to the
+    trainable values plus ZeRO's padding, under 64 values per rank)."""
+    from flashdist.integrations import deepspeed as fds
+
+    opt, parts = ds.basic_optimizer, fds.master_partitions(ds)
+    stray = [tuple(k.shape) for k in opt.state if not any(k is p for p in parts) and opt.state[k]]
+    assert not stray, f"state for {len(stray)} tensors that are not this rank's master partitions: {stray[:3]}"
+    assert all(p in opt.state for p in parts), "a master partition has no state after the steps"
+    total = torch.tensor(sum(p.numel() for p in parts))
+    torch.distributed.all_reduce(total)
+    trainable = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in ds.module.parameters()
+                    if p.requires_grad)
+    assert 0 <= int(total) - trainable < 64 * torch.distributed.get_world_size(), \
+        f"the master partitions hold {int(total)} values for {trainable} trainable ones"
+
+
+def _ds_outside_write(ds) -> None:
+    """DeepSpeed's own way to write a master weight from outside the optimizer (safe_set_full_fp32_param; a
+    write into the model is overwritten from the masters at the next step): the written value, bf16 so that
+    the bf16 master partition holds it exactly, is the master from then on."""
+    from deepspeed.utils import safe_set_full_fp32_param
+
+    name, p = max(((n, q) for n, q in ds.module.named_parameters() if q.requires_grad),
+                  key=lambda item: item[1].ds_numel if hasattr(item[1], "ds_numel") else item[1].numel())
+    shape = tuple(p.ds_shape) if hasattr(p, "ds_shape") else tuple(p.shape)
+    value = torch.randn(shape, generator=torch.Generator().manual_seed(7)).bfloat16().float()
+    safe_set_full_fp32_param(p, value)
+    got = _ds_masters(ds)[name]
+    assert torch.equal(got, value), \
+        f"{name}: master after safe_set_full_fp32_param is {(got - value).abs().max().item():.3g} off the written value"
+
+
+def _ds_job(rank: int, world: int, root: str) -> dict:
+    from test_deepspeed import _setup_rank
+
+    from flashdist.integrations import deepspeed as fds
+
+    _setup_rank(rank, world)
+    out = {}
+    for engine in DS_ENGINES:
+        for name in OPTIMIZERS:
+            results = {}
+            ds = _ds_engine(engine, name)
+            _attempt(results, "first-step-memory", assert_memory_before_first_step_within_adamw, ds.basic_optimizer,
+                     ds.module)
+            _ds_train(ds, 0)
+            _attempt(results, "train", _ds_state_only_for_partitions, ds)
+            path = f"{root}/{engine}-{name}"
+            ds.save_checkpoint(path, tag="saved")
+            live = _ds_masters(ds)
+            _ds_train(ds, STEPS)
+            uninterrupted = _ds_snapshot(ds)
+
+            def resume():
+                ds2 = _ds_engine(engine, name)
+                fds.load_checkpoint(ds2, path, tag="saved")
+                _ds_train(ds2, STEPS)
+                assert_resume_exact(uninterrupted, _ds_snapshot(ds2), f"DeepSpeed {engine} on 2 ranks")
+
+            _attempt(results, "resume-same", resume)
+            _attempt(results, "outside-write", _ds_outside_write, ds)
+            masters = {k[len("master:"):]: v for k, v in uninterrupted.items() if k.startswith("master:")}
+            out[(engine, name)] = dict(results=results, live=live, masters=masters, path=path)
+    return out
+
+
+def _ds_universal_job(rank: int, world: int, root: str) -> dict:
+    """The Adam checkpoints of _ds_job, made universal, resumed on ``world`` ranks: the masters after STEPS."""
+    from test_deepspeed import _setup_rank
+
+    from flashdist.integrations import deepspeed as fds
+
+    _setup_rank(rank, world)
+    out = {}
+    for engine in DS_ENGINES:
+        for name in DS_UNIVERSAL:
+            try:
+                ds = _ds_engine(engine, name, universal=True)
+                fds.load_checkpoint(ds, f"{root}/{engine}-{name}")
+                _ds_train(ds, STEPS)
+                out[(engine, name)] = _ds_masters(ds)
+            except Exception:  # noqa: BLE001 - recorded for the cell
+                out[(engine, name)] = traceback.format_exc(limit=-6)
+    return out
+
+
+def run_deepspeed(tmp: Path) -> dict[tuple, dict]:
+    """Every optimizer under ZeRO-2 and ZeRO-3 in one spawn of 2 ranks; the Adam checkpoints made universal
+    and resumed on 1 rank in a second; the CLI on each checkpoint folder."""
+    from flashdist._compat import HAS_DEEPSPEED
+
+    if not HAS_DEEPSPEED:
+        pytest.skip("deepspeed is not installed")
+    from flashdist.integrations import deepspeed as fds
+
+    saved = run_ranks(_ds_job, 2, str(tmp), timeout=600)
+    runs = {key: run["results"] for key, run in saved[0].items()}
+    for key, run in saved[1].items():  # a stage fails if it failed on either rank
+        for stage, failure in run["results"].items():
+            runs[key][stage] = runs[key][stage] or failure
+    for name in DS_UNIVERSAL:
+        for engine in DS_ENGINES:
+            fds.to_universal(saved[0][(engine, name)]["path"], tag="saved")
+    other = run_ranks(_ds_universal_job, 1, str(tmp), timeout=600)[0]
+    for (engine, name), run in saved[0].items():
+        results, path = runs[(engine, name)], Path(run["path"])
+        if name in DS_UNIVERSAL:
+            resumed = other[(engine, name)]
+
+            def resume_other():
+                assert not isinstance(resumed, str), resumed
+                assert_resume_exact(run["masters"], resumed, f"DeepSpeed {engine}, universal checkpoint 2 -> 1")
+
+            _attempt(results, "resume-other", resume_other)
+        _check_torch_save_file(results, path, run["live"], tmp / f"out-{engine}-{name}")
+    return runs
+
+
 # ----- the cells ----------------------------------------------------------------------------------------------
 
 _RUNS: dict[tuple, dict] = {}
@@ -564,10 +750,12 @@ _PROBED = {"lightning": ("export-fp32", "inspect"),  # refused cells whose run c
 
 def _results(client: str, engine: str, name: str, tmp_factory) -> dict:
     key = (client, engine) if (client, engine) in (("plain", "ddp"), ("plain", "fsdp2"), ("torchtitan", "fsdp2")) \
-        else (client, engine, name)
+        else (client,) if client == "deepspeed" else (client, engine, name)
     if key not in _RUNS:
         tmp = tmp_factory.mktemp("-".join(key))
-        if client == "plain" and engine == "one-process":
+        if client == "deepspeed":
+            _RUNS[key] = run_deepspeed(tmp)
+        elif client == "plain" and engine == "one-process":
             _RUNS[key] = run_plain_one_process(name, tmp)
         elif client == "plain":
             _RUNS[key] = run_plain_multi_rank(engine, tmp)
@@ -580,7 +768,7 @@ def _results(client: str, engine: str, name: str, tmp_factory) -> dict:
         elif client == "lightning":
             _RUNS[key] = run_lightning(name, tmp)
     runs = _RUNS[key]
-    return runs[name] if len(key) == 2 else runs
+    return runs[(engine, name)] if len(key) == 1 else runs[name] if len(key) == 2 else runs
 
 
 def _param(cell):
