@@ -14,7 +14,9 @@
   parameter; portable optimizer state; parameter + rho).
 - Hugging Face Trainer ``checkpoint-N`` folder (model weights + ``optimizer.pt``) or Accelerate ``save_state``
   folder (model weights + ``optimizer.bin``): read only, tensor by tensor, through
-  :class:`flashdist.checkpoint.trainer_files.TrainerSource`. A PEFT adapter-only folder is refused.
+  :class:`flashdist.checkpoint.trainer_files.TrainerSource`. A PEFT adapter-only folder is refused. The same
+  folders written under FSDP with a sharded state dict (``pytorch_model_fsdp_0`` and ``optimizer_0``, two DCP
+  checkpoints): read only, whole, through :func:`flashdist.checkpoint.trainer_files.read_fsdp_folder`.
 - flashoptim torch file (``{"model": ..., "optimizer": ...}`` of the FlashOptim paper's library): read only,
   through :func:`flashdist.checkpoint.flashoptim_import.read_flashoptim`.
 """
@@ -40,7 +42,7 @@ from .files import check_routes, open_regular, reason
 from .output import Spec
 from .publish import resolve
 
-KINDS = ("dcp", "torch", "safetensors", "deepspeed", "flashoptim", "trainer")
+KINDS = ("dcp", "torch", "safetensors", "deepspeed", "flashoptim", "trainer", "fsdp-folder")
 Progress = Callable[[str, int, int], None]
 
 
@@ -57,10 +59,12 @@ def detect(path: str | os.PathLike) -> str:
         if ((path / "latest").exists() or any(path.glob("*/mp_rank_*_model_states.pt"))
                 or any(path.glob("*/zero_pp_rank_*")) or any(path.glob("*_optim_states.pt"))):
             return "deepspeed"
-        from .trainer_files import is_adapter_folder, is_trainer_folder
+        from .trainer_files import is_adapter_folder, is_fsdp_folder, is_trainer_folder
 
         if is_trainer_folder(path):
             return "trainer"
+        if is_fsdp_folder(path):
+            return "fsdp-folder"
         if is_adapter_folder(path):
             raise CheckpointError(
                 f"flashdist: {path} is a PEFT adapter checkpoint (adapter_config.json, no full model weights): its "
@@ -70,7 +74,8 @@ def detect(path: str | os.PathLike) -> str:
         raise CheckpointError(f"flashdist: {path} is a directory but neither a DCP checkpoint (.metadata), a "
                               "DeepSpeed checkpoint (latest, */mp_rank_*_model_states.pt, *_optim_states.pt) nor a "
                               "Trainer checkpoint-N or Accelerate save_state folder (optimizer.pt or optimizer.bin "
-                              "and model.safetensors or pytorch_model.bin)")
+                              "and model.safetensors or pytorch_model.bin; under FSDP pytorch_model_fsdp_0 and "
+                              "optimizer_0)")
     if not path.exists():
         old = path.with_name(path.name + ".old")
         if (old / ".metadata").exists():
@@ -218,6 +223,10 @@ def read(path: str | os.PathLike, *, tag: str | None = None, master_weight_bits:
         from .trainer_files import TrainerSource
 
         return TrainerSource(path).read()
+    if kind == "fsdp-folder":
+        from .trainer_files import read_fsdp_folder
+
+        return read_fsdp_folder(path)
     if kind == "torch":
         try:
             return torch.load(path, map_location="cpu", weights_only=True)

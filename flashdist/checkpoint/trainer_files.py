@@ -9,6 +9,10 @@ optimizer's ``optimizer.pt``, ``torch.save(optimizer.state_dict())``: state keye
 groups (decay, then no decay, each in the model's order, frozen parameters left out), without ``param_names``;
 ``config.json``, ``trainer_state.json`` and files flashdist does not read (scheduler, rng, training args).
 
+Under FSDP with a sharded state dict (FSDP2's, Accelerate's ``SHARDED_STATE_DICT``) both write the model and the
+optimizer as two DCP checkpoints instead, ``pytorch_model_fsdp_0`` and ``optimizer_0`` (the state keyed by
+parameter name): :func:`read_fsdp_folder` reads them.
+
 An Accelerate ``save_state`` folder (accelerate 1.x, one model and one optimizer) has the same parts under
 other names: ``model.safetensors`` (or ``pytorch_model.bin``) and ``optimizer.bin``, the optimizer's
 ``state_dict()`` keyed by index in its own groups, beside random states and scheduler files flashdist does not
@@ -57,6 +61,45 @@ def is_adapter_folder(path: str | os.PathLike) -> bool:
     adapters' weights without the base model, and an optimizer state keyed by index whose order is the adapters'
     order in the model, which the folder does not keep (safetensors sorts its keys). Refused by the readers."""
     return Path(path).is_dir() and (Path(path) / "adapter_config.json").is_file()
+
+
+FSDP_MODEL, FSDP_OPTIMIZER = "pytorch_model_fsdp_0", "optimizer_0"  # Accelerate's sharded FSDP save
+
+
+def is_fsdp_folder(path: str | os.PathLike) -> bool:
+    """A folder the Trainer (``checkpoint-N``) or Accelerate's ``save_state`` wrote under FSDP with a sharded
+    state dict: the model and the optimizer each as a DCP checkpoint of its own."""
+    path = Path(path)
+    return all((path / name / ".metadata").is_file() for name in (FSDP_MODEL, FSDP_OPTIMIZER))
+
+
+def read_fsdp_folder(path: str | os.PathLike) -> dict:
+    """The checkpoint in an FSDP folder (:func:`is_fsdp_folder`), whole, as flashdist's nested dict. Accelerate
+    writes ``{"model": model.state_dict()}`` to ``pytorch_model_fsdp_0`` and ``{"optimizer":
+    get_optimizer_state_dict(model, optimizer)}`` to ``optimizer_0``: the optimizer state keyed by parameter
+    name (torch's distributed state dict), so the masters need no parameter order. Read through flashdist's
+    safe DCP reader; a folder of several models or optimizers is refused."""
+    from .sources import read_dcp
+
+    folder = Path(path)
+    extra = [n for n in ("pytorch_model_fsdp_1", "optimizer_1") if (folder / n).exists()]
+    if extra:
+        raise CheckpointError(f"flashdist: {folder} holds several models or optimizers ({extra[0]}); flashdist reads "
+                              "a folder of one model and one optimizer: save each with flashdist.checkpoint.save")
+    model = read_dcp(inside(folder, FSDP_MODEL)).get("model")
+    optim = read_dcp(inside(folder, FSDP_OPTIMIZER)).get("optimizer")
+    if not isinstance(model, dict) or not isinstance(optim, dict) or not isinstance(optim.get("state"), dict):
+        raise CheckpointError(f"flashdist: {folder} does not hold Accelerate's FSDP layout ('model' in {FSDP_MODEL}, "
+                              f"'optimizer' with its state in {FSDP_OPTIMIZER}); it is damaged or was written by "
+                              "another program")
+    step = None
+    if (folder / "trainer_state.json").is_file():
+        try:
+            step = int(_json(inside(folder, "trainer_state.json"))["global_step"])
+        except (CheckpointError, ValueError, KeyError, TypeError):
+            step = None
+    return {"model": model, "optim": {"state": optim["state"], "param_groups": optim.get("param_groups", [])},
+            "extra": {"step": step}}
 
 
 def _load(path: Path):

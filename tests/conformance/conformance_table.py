@@ -46,10 +46,10 @@ inspect: ``flashdist inspect`` reads it."""
 
 PATHS: dict[str, tuple[str, ...]] = {
     "plain": ("one-process", "ddp", "fsdp2"),
-    "trainer": ("one-process",),
+    "trainer": ("one-process", "fsdp2"),     # fsdp2: optim= builds the optimizer before Accelerate shards
     "peft-trainer": ("one-process",),       # PEFT's default fp32 adapters
     "peft-trainer-bf16": ("one-process",),  # adapters cast to bf16
-    "accelerate": ("one-process",),
+    "accelerate": ("one-process", "fsdp2"),  # fsdp2: the optimizer built before prepare
     "lightning": ("one-process",),
     "torchtitan": ("fsdp2",),
     "deepspeed": ("zero2", "zero3"),        # flashdist.integrations.deepspeed.initialize, bf16 masters + rho
@@ -83,6 +83,8 @@ REFUSED: dict[str, str] = {
     **{f"{path}/*/noop-option": "an option's effect does not depend on the client or engine: checked in "
                                 "plain/one-process and trainer/one-process"
        for path in ("plain/ddp", "plain/fsdp2", "peft-trainer*/*", "accelerate/*", "lightning/*", "torchtitan/*")},
+    "trainer/fsdp2/*/noop-option": "an option's effect does not depend on the client or engine: checked in "
+                                   "plain/one-process and trainer/one-process",
     "deepspeed/*/*/noop-option": "an option's effect does not depend on the client or engine: checked in "
                                  "plain/one-process and trainer/one-process",
     "deepspeed/*/*/export-hf": "the DeepSpeed cells train a plain torch model (no Hugging Face config): "

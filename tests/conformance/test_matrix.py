@@ -741,6 +741,184 @@ def run_deepspeed(tmp: Path) -> dict[tuple, dict]:
     return runs
 
 
+# ----- Accelerate and the Trainer under FSDP2 on 2 gloo ranks: the optimizer built on the unsharded model -----
+
+
+def _launch_env(rank: int, world: int) -> None:
+    """What a launcher sets, read by Accelerate's state (the process group itself is the harness's)."""
+    import os
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+
+
+def _assert_nothing_full_size(opt, model) -> None:
+    """Under FSDP2 built on the unsharded model, after the client's prepare and before the first step: no state
+    (as AdamW), and every tensor the optimizer refers to is the sharded DTensor, none the unsharded parameter
+    (which a reference would keep alive: 2 bytes per full-model parameter on every rank)."""
+    assert_memory_before_first_step_within_adamw(opt, model)
+    held = [p for g in opt.param_groups for p in g["params"]] + list(opt.state)
+    full = [tuple(p.shape) for p in held if not D.is_dtensor(p)]
+    assert not full, f"{type(opt).__name__} refers to {len(full)} unsharded tensors before the first step: {full[:3]}"
+
+
+def _accelerate_fsdp_build(name: str):
+    from test_accelerate_fsdp2 import _accelerator
+
+    accelerator = _accelerator()
+    model = _plain_model()
+    opt = OPTIMIZERS[name].build(model.named_parameters())  # before prepare, as the Trainer does
+    model, prepared = accelerator.prepare(model, opt)
+    return accelerator, model, prepared, opt
+
+
+def _accelerate_fsdp_job(rank: int, world: int, root: str, resume_only: bool) -> dict:
+    _launch_env(rank, world)
+    out = {}
+    for name in OPTIMIZERS:
+        folder = f"{root}/accelerate-{name}"
+        if resume_only:  # another world size: Accelerate's load_state of the 2-rank folder
+            accelerator, model, prepared, opt = _accelerate_fsdp_build(name)
+            accelerator.load_state(folder)
+            _plain_train(model, prepared, STEPS)
+            out[name] = snapshot(model, opt)
+            continue
+        results = {}
+        accelerator, model, prepared, opt = _accelerate_fsdp_build(name)
+        _attempt(results, "first-step-memory", _assert_nothing_full_size, opt, model)
+        _plain_train(model, prepared, 0)
+        _attempt(results, "train", assert_state_only_for_trainable, opt)
+        accelerator.save_state(folder)
+        live = live_masters(model, opt)
+        _plain_train(model, prepared, STEPS)
+        uninterrupted = snapshot(model, opt)
+
+        def resume():
+            accelerator2, model2, prepared2, opt2 = _accelerate_fsdp_build(name)
+            accelerator2.load_state(folder)
+            _plain_train(model2, prepared2, STEPS)
+            assert_resume_exact(uninterrupted, snapshot(model2, opt2), "Accelerate FSDP2 on 2 ranks")
+
+        _attempt(results, "resume-same", resume)
+        _attempt(results, "outside-write", _outside_write, opt, model)
+        out[name] = dict(results=results, live=live, uninterrupted=uninterrupted, path=folder)
+    return out
+
+
+def _merge_ranks(ranks: list[dict]) -> dict[str, dict]:
+    """Rank 0's runs, each stage failed if it failed on any rank."""
+    runs = {name: dict(run) for name, run in ranks[0].items()}
+    for other in ranks[1:]:
+        for name, run in other.items():
+            runs[name]["results"] = {stage: runs[name]["results"].get(stage) or failure
+                                     for stage, failure in run["results"].items()}
+    return runs
+
+
+def run_accelerate_fsdp2(tmp: Path) -> dict[str, dict]:
+    pytest.importorskip("accelerate")
+    runs = _merge_ranks(run_ranks(_accelerate_fsdp_job, 2, str(tmp), False, timeout=600))
+    other = run_ranks(_accelerate_fsdp_job, 1, str(tmp), True, timeout=600)[0]
+    out = {}
+    for name, run in runs.items():
+        results = run["results"]
+        _attempt(results, "resume-other", assert_resume_exact, run["uninterrupted"], other[name],
+                 "Accelerate FSDP2, 2 -> 1 rank")
+        _check_torch_save_file(results, Path(run["path"]), run["live"], tmp / f"out-{name}")
+        out[name] = results
+    return out
+
+
+def _trainer_fsdp(name: str, out: str, callbacks=()):
+    """The Trainer with ``optim=`` the flashdist name of ``name``, switched to FSDP2 as a GPU launch would have
+    it (tests/integrations/test_hf_trainer_fsdp2.py: Accelerate refuses FSDP on a CPU launch)."""
+    import transformers
+    from _tiny_llama import tiny_llama
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+    from test_hf_trainer import _data
+
+    import flashdist.integrations.transformers as fd_hf
+
+    fd_hf.register(deepspeed=False)
+    entry = OPTIMIZERS[name]
+    extra = {k: v for k, v in entry.kwargs.items() if k not in ("lr", "weight_decay")}
+    args = transformers.TrainingArguments(
+        output_dir=out, optim={cls: key for key, cls in fd_hf.OPTIMIZERS.items()}[name],
+        optim_args=",".join(f"{k}={v}" for k, v in extra.items()), learning_rate=entry.kwargs["lr"],
+        weight_decay=entry.kwargs.get("weight_decay", 0.0), max_steps=2 * STEPS, save_steps=STEPS,
+        per_device_train_batch_size=4, report_to=[], seed=0, dataloader_num_workers=0, disable_tqdm=True,
+        logging_strategy="no", max_grad_norm=0.0)  # (no clipping: the sharded norms add up in another order)
+    trainer = transformers.Trainer(model=tiny_llama(), args=args, train_dataset=_data(), callbacks=list(callbacks))
+    state = trainer.accelerator.state
+    state.distributed_type = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    state.fsdp_plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2, reshard_after_forward=True, auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=["LlamaDecoderLayer"], cpu_ram_efficient_loading=False)
+    trainer.is_fsdp_enabled = True
+    return trainer
+
+
+def _trainer_fsdp_job(rank: int, world: int, root: str, resume_only: bool) -> dict:
+    import transformers
+
+    _launch_env(rank, world)
+    out = {}
+    for name in OPTIMIZERS:
+        ckpt = f"{root}/trainer-{name}/checkpoint-{STEPS}"
+        if resume_only:  # another world size: the Trainer's own resume of the 2-rank checkpoint
+            resumed = _trainer_fsdp(name, f"{root}/resumed-{world}-{name}")
+            resumed.train(resume_from_checkpoint=ckpt)
+            out[name] = snapshot(resumed.model, resumed.optimizer.optimizer)
+            continue
+        results, seen = {}, {}
+
+        class Watch(transformers.TrainerCallback):
+            def on_train_begin(self, args, state, control, model=None, optimizer=None, **kw):
+                _attempt(results, "first-step-memory", _assert_nothing_full_size, optimizer.optimizer, model)
+
+            def on_save(self, args, state, control, model=None, optimizer=None, **kw):
+                if state.global_step == STEPS:
+                    seen["live"] = live_masters(model, optimizer.optimizer)
+
+        full = _trainer_fsdp(name, f"{root}/trainer-{name}", [Watch()])
+        full.train()
+        opt = full.optimizer.optimizer
+        _attempt(results, "train", assert_state_only_for_trainable, opt)
+        uninterrupted = snapshot(full.model, opt)
+
+        def resume():
+            resumed = _trainer_fsdp(name, f"{root}/resumed-{name}")
+            resumed.train(resume_from_checkpoint=ckpt)
+            assert_resume_exact(uninterrupted, snapshot(resumed.model, resumed.optimizer.optimizer),
+                                "Trainer FSDP2 on 2 ranks")
+
+        _attempt(results, "resume-same", resume)
+        _attempt(results, "outside-write", _outside_write, opt, full.model)
+        out[name] = dict(results=results, live=seen["live"], uninterrupted=uninterrupted, path=ckpt)
+    return out
+
+
+def run_trainer_fsdp2(tmp: Path) -> dict[str, dict]:
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from _tiny_llama import tiny_llama
+
+    runs = _merge_ranks(run_ranks(_trainer_fsdp_job, 2, str(tmp), False, timeout=600))
+    other = run_ranks(_trainer_fsdp_job, 1, str(tmp), True, timeout=600)[0]
+    tiny_llama().config.save_pretrained(tmp / "config")  # the checkpoint folder has no config.json under FSDP
+    out = {}
+    for name, run in runs.items():
+        results, ckpt = run["results"], Path(run["path"])
+        _attempt(results, "resume-other", assert_resume_exact, run["uninterrupted"], other[name],
+                 "Trainer FSDP2, 2 -> 1 rank")
+        _check_torch_save_file(results, ckpt, run["live"], tmp / f"out-{name}")
+        _attempt(results, "export-hf", _export_hf, ckpt, tmp / f"hf-{name}", run["live"], tmp / "config" / "config.json")
+        out[name] = results
+    return out
+
+
 # ----- the cells ----------------------------------------------------------------------------------------------
 
 _RUNS: dict[tuple, dict] = {}
@@ -749,7 +927,8 @@ _PROBED = {"lightning": ("export-fp32", "inspect"),  # refused cells whose run c
 
 
 def _results(client: str, engine: str, name: str, tmp_factory) -> dict:
-    key = (client, engine) if (client, engine) in (("plain", "ddp"), ("plain", "fsdp2"), ("torchtitan", "fsdp2")) \
+    key = (client, engine) if (client, engine) in (("plain", "ddp"), ("plain", "fsdp2"), ("torchtitan", "fsdp2"),
+                                                   ("accelerate", "fsdp2"), ("trainer", "fsdp2")) \
         else (client,) if client == "deepspeed" else (client, engine, name)
     if key not in _RUNS:
         tmp = tmp_factory.mktemp("-".join(key))
@@ -759,6 +938,10 @@ def _results(client: str, engine: str, name: str, tmp_factory) -> dict:
             _RUNS[key] = run_plain_one_process(name, tmp)
         elif client == "plain":
             _RUNS[key] = run_plain_multi_rank(engine, tmp)
+        elif (client, engine) == ("accelerate", "fsdp2"):
+            _RUNS[key] = run_accelerate_fsdp2(tmp)
+        elif (client, engine) == ("trainer", "fsdp2"):
+            _RUNS[key] = run_trainer_fsdp2(tmp)
         elif client == "torchtitan":
             _RUNS[key] = run_torchtitan(tmp)
         elif client in ("trainer", "peft-trainer", "peft-trainer-bf16"):
