@@ -11,7 +11,7 @@ groups (decay, then no decay, each in the model's order, frozen parameters left 
 
 Under FSDP with a sharded state dict (FSDP2's, Accelerate's ``SHARDED_STATE_DICT``) both write the model and the
 optimizer as two DCP checkpoints instead, ``pytorch_model_fsdp_0`` and ``optimizer_0`` (the state keyed by
-parameter name): :func:`read_fsdp_folder` reads them.
+parameter name): :func:`flashdist.checkpoint.sources.read_fsdp_folder` reads them.
 
 An Accelerate ``save_state`` folder (accelerate 1.x, one model and one optimizer) has the same parts under
 other names: ``model.safetensors`` (or ``pytorch_model.bin``) and ``optimizer.bin``, the optimizer's
@@ -73,33 +73,14 @@ def is_fsdp_folder(path: str | os.PathLike) -> bool:
     return all((path / name / ".metadata").is_file() for name in (FSDP_MODEL, FSDP_OPTIMIZER))
 
 
-def read_fsdp_folder(path: str | os.PathLike) -> dict:
-    """The checkpoint in an FSDP folder (:func:`is_fsdp_folder`), whole, as flashdist's nested dict. Accelerate
-    writes ``{"model": model.state_dict()}`` to ``pytorch_model_fsdp_0`` and ``{"optimizer":
-    get_optimizer_state_dict(model, optimizer)}`` to ``optimizer_0``: the optimizer state keyed by parameter
-    name (torch's distributed state dict), so the masters need no parameter order. Read through flashdist's
-    safe DCP reader; a folder of several models or optimizers is refused."""
-    from .sources import read_dcp
-
-    folder = Path(path)
-    extra = [n for n in ("pytorch_model_fsdp_1", "optimizer_1") if (folder / n).exists()]
-    if extra:
-        raise CheckpointError(f"flashdist: {folder} holds several models or optimizers ({extra[0]}); flashdist reads "
-                              "a folder of one model and one optimizer: save each with flashdist.checkpoint.save")
-    model = read_dcp(inside(folder, FSDP_MODEL)).get("model")
-    optim = read_dcp(inside(folder, FSDP_OPTIMIZER)).get("optimizer")
-    if not isinstance(model, dict) or not isinstance(optim, dict) or not isinstance(optim.get("state"), dict):
-        raise CheckpointError(f"flashdist: {folder} does not hold Accelerate's FSDP layout ('model' in {FSDP_MODEL}, "
-                              f"'optimizer' with its state in {FSDP_OPTIMIZER}); it is damaged or was written by "
-                              "another program")
-    step = None
-    if (folder / "trainer_state.json").is_file():
-        try:
-            step = int(_json(inside(folder, "trainer_state.json"))["global_step"])
-        except (CheckpointError, ValueError, KeyError, TypeError):
-            step = None
-    return {"model": model, "optim": {"state": optim["state"], "param_groups": optim.get("param_groups", [])},
-            "extra": {"step": step}}
+def fsdp_global_step(folder: Path) -> int | None:
+    """The Trainer's ``global_step`` of an FSDP folder (``trainer_state.json``), or None (Accelerate's)."""
+    if not (folder / "trainer_state.json").is_file():
+        return None
+    try:
+        return int(_json(inside(folder, "trainer_state.json"))["global_step"])
+    except (CheckpointError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _load(path: Path):

@@ -261,7 +261,7 @@ def initialize(*args, **kwargs):
     checked for a flashdist optimizer passed as ``optimizer=`` too), an ``optimizer=`` argument together with a
     flashdist optimizer in the config, or a flashdist optimizer passed as ``optimizer=`` without
     ``flat_layout=True`` (a callable that builds one is checked when DeepSpeed calls it). The flashdist optimizer
-    itself is ``engine.basic_optimizer``."""
+    itself is ``engine.basic_optimizer``; the engine's master writers are wrapped (:func:`keep_master_writes`)."""
     _require_deepspeed()
     ds_initialize = _deepspeed_initialize()
     bound = inspect.signature(ds_initialize).bind(*args, **kwargs)

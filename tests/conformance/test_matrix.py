@@ -7,7 +7,9 @@ cells read those records. The multi-rank engines run every optimizer in one spaw
 
 from __future__ import annotations
 
+import fnmatch
 import json
+import re
 import sys
 import traceback
 import warnings
@@ -26,7 +28,7 @@ from conformance_invariants import (assert_bitwise_equal, assert_masters_from,
                                     assert_memory_before_first_step_within_adamw, assert_noop_option_says_so_once,
                                     assert_outside_write_is_own_master, assert_resume_exact,
                                     assert_state_only_for_trainable, live_masters, snapshot)
-from conformance_table import CELLS, OPTIMIZERS, cell_id, expected_failure, refused
+from conformance_table import CELLS, OPTIMIZERS, REFUSED, STAGES, cell_id, expected_failure, refused
 from harness import run_ranks
 
 from flashdist import distributed as D
@@ -919,7 +921,8 @@ def run_trainer_fsdp2(tmp: Path) -> dict[str, dict]:
         _attempt(results, "resume-other", assert_resume_exact, run["uninterrupted"], other[name],
                  "Trainer FSDP2, 2 -> 1 rank")
         _check_torch_save_file(results, ckpt, run["live"], tmp / f"out-{name}")
-        _attempt(results, "export-hf", _export_hf, ckpt, tmp / f"hf-{name}", run["live"], tmp / "config" / "config.json")
+        _attempt(results, "export-hf", _export_hf, ckpt, tmp / f"hf-{name}", run["live"],
+                 tmp / "config" / "config.json")
         out[name] = results
     return out
 
@@ -978,3 +981,35 @@ def test_cell(client, engine, optimizer, stage, tmp_path_factory):
     assert stage in results, f"the {client}/{engine} run has no {stage} stage: add it, or list the cell as refused"
     if results[stage] is not None:
         raise StageFailure(results[stage])
+
+
+def _documented_refusals() -> list[str]:
+    """The cell patterns of docs/integrations.md's table of refused cells. A row's first column lists patterns
+    in backquotes; a short one (no ``/``) repeats the pattern before it with its stage or optimizer replaced
+    (```peft-trainer*/*/*/save`, `export-fp32```); a client/engine pair names an exception, not a pattern."""
+    text = (_TESTS.parent / "docs" / "integrations.md").read_text()
+    table = text.split("Cells that are not paths", 1)[1].split("\n\n", 2)[1]
+    patterns = []
+    for row in table.splitlines()[2:]:
+        last = None
+        for token in re.findall(r"`([^`]+)`", row.split("|")[1]):
+            if token.count("/") == 3:
+                last = token
+            elif "/" not in token and last is not None:
+                parts = last.split("/")
+                parts[3 if token in STAGES else 2] = token
+                token = "/".join(parts)
+            else:
+                continue
+            patterns.append(token)
+    return patterns
+
+
+def test_refused_cells_are_the_documented_ones():
+    """Every REFUSED pattern is covered by a row of the docs' table, and every documented pattern by REFUSED."""
+    documented = _documented_refusals()
+    missing = [k for k in REFUSED if not any(fnmatch.fnmatchcase(k, d) for d in documented)]
+    stale = [d for d in documented if not any(fnmatch.fnmatchcase(k, d) or fnmatch.fnmatchcase(d, k)
+                                              for k in REFUSED)]
+    assert not missing, f"REFUSED cells not in docs/integrations.md's table: {missing}"
+    assert not stale, f"docs/integrations.md lists refused cells that REFUSED does not have: {stale}"
