@@ -678,14 +678,17 @@ def _ds_job(rank: int, world: int, root: str) -> dict:
             _ds_train(ds, STEPS)
             uninterrupted = _ds_snapshot(ds)
 
+            resumed = {}
+
             def resume():
-                ds2 = _ds_engine(engine, name)
+                resumed["ds"] = ds2 = _ds_engine(engine, name)
                 fds.load_checkpoint(ds2, path, tag="saved")
                 _ds_train(ds2, STEPS)
                 assert_resume_exact(uninterrupted, _ds_snapshot(ds2), f"DeepSpeed {engine} on 2 ranks")
 
             _attempt(results, "resume-same", resume)
-            _attempt(results, "outside-write", _ds_outside_write, ds)
+            # on the resumed engine: a load links DeepSpeed's parameters to the partitions again
+            _attempt(results, "outside-write", _ds_outside_write, resumed.get("ds", ds))
             masters = {k[len("master:"):]: v for k, v in uninterrupted.items() if k.startswith("master:")}
             out[(engine, name)] = dict(results=results, live=live, masters=masters, path=path)
     return out
