@@ -728,9 +728,11 @@ def run_deepspeed(tmp: Path) -> dict[tuple, dict]:
     for key, run in saved[1].items():  # a stage fails if it failed on either rank
         for stage, failure in run["results"].items():
             runs[key][stage] = runs[key][stage] or failure
-    for name in DS_UNIVERSAL:
-        for engine in DS_ENGINES:
-            fds.to_universal(saved[0][(engine, name)]["path"], tag="saved")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DS_ACCELERATOR", "cpu")  # as the ranks run (tests/test_deepspeed.py)
+        for name in DS_UNIVERSAL:
+            for engine in DS_ENGINES:
+                fds.to_universal(saved[0][(engine, name)]["path"], tag="saved")
     other = run_ranks(_ds_universal_job, 1, str(tmp), timeout=600)[0]
     for (engine, name), run in saved[0].items():
         results, path = runs[(engine, name)], Path(run["path"])
