@@ -46,10 +46,10 @@ inspect: ``flashdist inspect`` reads it."""
 
 PATHS: dict[str, tuple[str, ...]] = {
     "plain": ("one-process", "ddp", "fsdp2"),
-    "trainer": ("one-process", "fsdp2"),     # fsdp2: optim= builds the optimizer before Accelerate shards
+    "trainer": ("one-process", "fsdp2"),    # fsdp2: optim= builds the optimizer before Accelerate shards
     "peft-trainer": ("one-process",),       # PEFT's default fp32 adapters
     "peft-trainer-bf16": ("one-process",),  # adapters cast to bf16
-    "accelerate": ("one-process", "fsdp2"),  # fsdp2: the optimizer built before prepare
+    "accelerate": ("one-process", "fsdp2"),  # fsdp2: the optimizer built before prepare, as documented
     "lightning": ("one-process",),
     "torchtitan": ("fsdp2",),
     "deepspeed": ("zero2", "zero3"),        # flashdist.integrations.deepspeed.initialize, bf16 masters + rho
