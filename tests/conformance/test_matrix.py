@@ -3,7 +3,9 @@ the invariants of conformance_invariants.py, is refused with its reason, or wait
 fix of the issue item it names.
 
 Cost: a run per (client, engine, optimizer) does every stage at once and records each stage's outcome; the
-cells read those records. The multi-rank engines run every optimizer in one spawn per engine."""
+cells read those records. The multi-rank engines run every optimizer in one spawn per (client, engine) (DeepSpeed:
+one spawn for ZeRO-2 and ZeRO-3), and a resume at another world size in one more spawn of 1 rank. Measured on 2
+CPU cores: DeepSpeed 22 s, the Trainer under FSDP2 33 s, Accelerate under FSDP2 8 s."""
 
 from __future__ import annotations
 
