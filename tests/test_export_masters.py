@@ -231,3 +231,25 @@ def test_inspect_refuses_a_checkpoint_with_nothing_it_reads(tmp_path):
     rc, out, err = run_cli("inspect", path)
     assert rc == 1 and out == "" and err.count("\n") == 1, (rc, out, err)
     assert str(path) in err and "'optimizer_states', 'state_dict'" in err, err
+
+
+def test_fsdp_sharded_folder_exports_the_masters(tmp_path):
+    """The folder the Trainer (checkpoint-N) and Accelerate's save_state write under FSDP with a sharded state
+    dict: the model and the optimizer as two DCP checkpoints, the state keyed by name (the layout of
+    accelerate.utils.save_fsdp_model / save_fsdp_optimizer). The conformance matrix checks the folders the
+    real clients write on 2 ranks; a folder of two optimizers is refused."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    model = _model(torch.bfloat16)
+    opt = _train(model, model.parameters())
+    folder = tmp_path / "checkpoint-3"
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(folder / "pytorch_model_fsdp_0"), no_dist=True)
+    dcp.save({"optimizer": get_optimizer_state_dict(model, opt)}, checkpoint_id=str(folder / "optimizer_0"),
+             no_dist=True)
+    assert_masters_equal(opt, model, _export(folder, tmp_path))
+    info = inspect(folder)
+    assert info["kind"] == "fsdp-folder" and info["master_weight_bits"] == [24], info
+    (folder / "optimizer_1").mkdir()
+    rc, _, err = run_cli("inspect", folder)
+    assert rc == 1 and err.count("\n") == 1 and "several models or optimizers (optimizer_1)" in err, err

@@ -265,6 +265,11 @@ def _inspect(path: Path) -> dict[str, Any]:
             info.update(path=str(where), layout="torchtitan")
         elif kind == "trainer" and source.optimizer.name == "optimizer.bin":
             info["layout"] = "Accelerate save_state"
+        elif kind == "fsdp-folder":
+            from .trainer_files import FSDP_OPTIMIZER
+
+            info.update(layout="Trainer / Accelerate under FSDP (sharded)",
+                        saved_world_size=saved_world_size(Path(path) / FSDP_OPTIMIZER))
     if not model and not optim:  # nothing flashdist reads: say so, never "0 parameters"
         tops = sorted({str(r[0]) for r, _, _ in tensors.values()} | (
             set(map(str, source.rest)) if kind != "dcp" and isinstance(source.rest, dict) else set()))

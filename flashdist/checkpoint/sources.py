@@ -14,7 +14,9 @@
   parameter; portable optimizer state; parameter + rho).
 - Hugging Face Trainer ``checkpoint-N`` folder (model weights + ``optimizer.pt``) or Accelerate ``save_state``
   folder (model weights + ``optimizer.bin``): read only, tensor by tensor, through
-  :class:`flashdist.checkpoint.trainer_files.TrainerSource`. A PEFT adapter-only folder is refused.
+  :class:`flashdist.checkpoint.trainer_files.TrainerSource`. A PEFT adapter-only folder is refused. The same
+  folders written under FSDP with a sharded state dict (``pytorch_model_fsdp_0`` and ``optimizer_0``, two DCP
+  checkpoints): read only, whole, through :func:`read_fsdp_folder`.
 - flashoptim torch file (``{"model": ..., "optimizer": ...}`` of the FlashOptim paper's library): read only,
   through :func:`flashdist.checkpoint.flashoptim_import.read_flashoptim`.
 """
@@ -36,11 +38,11 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from .dcp_files import SafeFileSystemReader, SafeLoadPlanner
 from .errors import CheckpointError, error_summary
-from .files import check_routes, open_regular, reason
+from .files import check_routes, inside, open_regular, reason
 from .output import Spec
 from .publish import resolve
 
-KINDS = ("dcp", "torch", "safetensors", "deepspeed", "flashoptim", "trainer")
+KINDS = ("dcp", "torch", "safetensors", "deepspeed", "flashoptim", "trainer", "fsdp-folder")
 Progress = Callable[[str, int, int], None]
 
 
@@ -57,10 +59,12 @@ def detect(path: str | os.PathLike) -> str:
         if ((path / "latest").exists() or any(path.glob("*/mp_rank_*_model_states.pt"))
                 or any(path.glob("*/zero_pp_rank_*")) or any(path.glob("*_optim_states.pt"))):
             return "deepspeed"
-        from .trainer_files import is_adapter_folder, is_trainer_folder
+        from .trainer_files import is_adapter_folder, is_fsdp_folder, is_trainer_folder
 
         if is_trainer_folder(path):
             return "trainer"
+        if is_fsdp_folder(path):
+            return "fsdp-folder"
         if is_adapter_folder(path):
             raise CheckpointError(
                 f"flashdist: {path} is a PEFT adapter checkpoint (adapter_config.json, no full model weights): its "
@@ -70,7 +74,8 @@ def detect(path: str | os.PathLike) -> str:
         raise CheckpointError(f"flashdist: {path} is a directory but neither a DCP checkpoint (.metadata), a "
                               "DeepSpeed checkpoint (latest, */mp_rank_*_model_states.pt, *_optim_states.pt) nor a "
                               "Trainer checkpoint-N or Accelerate save_state folder (optimizer.pt or optimizer.bin "
-                              "and model.safetensors or pytorch_model.bin)")
+                              "and model.safetensors or pytorch_model.bin; under FSDP pytorch_model_fsdp_0 and "
+                              "optimizer_0)")
     if not path.exists():
         old = path.with_name(path.name + ".old")
         if (old / ".metadata").exists():
@@ -179,6 +184,30 @@ def read_dcp(path: str | os.PathLike, keys: list[str] | None = None, *, metadata
     return nested
 
 
+def read_fsdp_folder(path: str | os.PathLike) -> dict:
+    """The checkpoint in an FSDP folder (:func:`flashdist.checkpoint.trainer_files.is_fsdp_folder`), whole, as
+    flashdist's nested dict. Accelerate writes ``{"model": model.state_dict()}`` to ``pytorch_model_fsdp_0`` and
+    ``{"optimizer": get_optimizer_state_dict(model, optimizer)}`` to ``optimizer_0``: the optimizer state keyed
+    by parameter name (torch's distributed state dict), so the masters need no parameter order. Read through
+    flashdist's safe DCP reader; a folder of several models or optimizers is refused."""
+    from .trainer_files import FSDP_MODEL, FSDP_OPTIMIZER, fsdp_global_step
+
+    folder = Path(path)
+    extra = [n for n in ("pytorch_model_fsdp_1", "optimizer_1") if (folder / n).exists()]
+    if extra:
+        raise CheckpointError(f"flashdist: {folder} holds several models or optimizers ({extra[0]}); flashdist reads "
+                              "a folder of one model and one optimizer: save each with flashdist.checkpoint.save")
+    model = read_dcp(inside(folder, FSDP_MODEL)).get("model")
+    optim = read_dcp(inside(folder, FSDP_OPTIMIZER)).get("optimizer")
+    if not isinstance(model, dict) or not isinstance(optim, dict) or not isinstance(optim.get("state"), dict):
+        raise CheckpointError(f"flashdist: {folder} does not hold Accelerate's FSDP layout ('model' in {FSDP_MODEL}, "
+                              f"'optimizer' with its state in {FSDP_OPTIMIZER}); it is damaged or was written by "
+                              "another program")
+    step = fsdp_global_step(folder)
+    return {"model": model, "optim": {"state": optim["state"], "param_groups": optim.get("param_groups", [])},
+            "extra": {"step": step}}
+
+
 def _safetensors_routes(path: Path, f) -> tuple[dict, dict[str, tuple]]:
     """The plain data of an open safetensors file and the route of each of its tensors, checked
     (:func:`~flashdist.checkpoint.files.check_routes`) before anything is built from them."""
@@ -218,6 +247,8 @@ def read(path: str | os.PathLike, *, tag: str | None = None, master_weight_bits:
         from .trainer_files import TrainerSource
 
         return TrainerSource(path).read()
+    if kind == "fsdp-folder":
+        return read_fsdp_folder(path)
     if kind == "torch":
         try:
             return torch.load(path, map_location="cpu", weights_only=True)

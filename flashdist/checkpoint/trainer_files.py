@@ -9,6 +9,10 @@ optimizer's ``optimizer.pt``, ``torch.save(optimizer.state_dict())``: state keye
 groups (decay, then no decay, each in the model's order, frozen parameters left out), without ``param_names``;
 ``config.json``, ``trainer_state.json`` and files flashdist does not read (scheduler, rng, training args).
 
+Under FSDP with a sharded state dict (FSDP2's, Accelerate's ``SHARDED_STATE_DICT``) both write the model and the
+optimizer as two DCP checkpoints instead, ``pytorch_model_fsdp_0`` and ``optimizer_0`` (the state keyed by
+parameter name): :func:`flashdist.checkpoint.sources.read_fsdp_folder` reads them.
+
 An Accelerate ``save_state`` folder (accelerate 1.x, one model and one optimizer) has the same parts under
 other names: ``model.safetensors`` (or ``pytorch_model.bin``) and ``optimizer.bin``, the optimizer's
 ``state_dict()`` keyed by index in its own groups, beside random states and scheduler files flashdist does not
@@ -57,6 +61,26 @@ def is_adapter_folder(path: str | os.PathLike) -> bool:
     adapters' weights without the base model, and an optimizer state keyed by index whose order is the adapters'
     order in the model, which the folder does not keep (safetensors sorts its keys). Refused by the readers."""
     return Path(path).is_dir() and (Path(path) / "adapter_config.json").is_file()
+
+
+FSDP_MODEL, FSDP_OPTIMIZER = "pytorch_model_fsdp_0", "optimizer_0"  # Accelerate's sharded FSDP save
+
+
+def is_fsdp_folder(path: str | os.PathLike) -> bool:
+    """A folder the Trainer (``checkpoint-N``) or Accelerate's ``save_state`` wrote under FSDP with a sharded
+    state dict: the model and the optimizer each as a DCP checkpoint of its own."""
+    path = Path(path)
+    return all((path / name / ".metadata").is_file() for name in (FSDP_MODEL, FSDP_OPTIMIZER))
+
+
+def fsdp_global_step(folder: Path) -> int | None:
+    """The Trainer's ``global_step`` of an FSDP folder (``trainer_state.json``), or None (Accelerate's)."""
+    if not (folder / "trainer_state.json").is_file():
+        return None
+    try:
+        return int(_json(inside(folder, "trainer_state.json"))["global_step"])
+    except (CheckpointError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _load(path: Path):

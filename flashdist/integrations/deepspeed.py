@@ -261,7 +261,7 @@ def initialize(*args, **kwargs):
     checked for a flashdist optimizer passed as ``optimizer=`` too), an ``optimizer=`` argument together with a
     flashdist optimizer in the config, or a flashdist optimizer passed as ``optimizer=`` without
     ``flat_layout=True`` (a callable that builds one is checked when DeepSpeed calls it). The flashdist optimizer
-    itself is ``engine.basic_optimizer``."""
+    itself is ``engine.basic_optimizer``; the engine's master writers are wrapped (:func:`keep_master_writes`)."""
     _require_deepspeed()
     ds_initialize = _deepspeed_initialize()
     bound = inspect.signature(ds_initialize).bind(*args, **kwargs)
@@ -281,10 +281,10 @@ def initialize(*args, **kwargs):
     elif config is not None and _is_flash(optimizer):
         _check_combination(config, type(optimizer))
     if config is None:
-        return ds_initialize(**call)
+        return _with_master_writes_kept(ds_initialize(**call))
     config, spec = prepare_config(config)
     if spec is None:
-        return ds_initialize(**call)
+        return _with_master_writes_kept(ds_initialize(**call))
     if call.get("optimizer") is not None:
         raise ValueError(f"flashdist: the DeepSpeed config names {spec.cls.__name__} and an optimizer was passed "
                          "as well; pass one of the two")
@@ -295,7 +295,73 @@ def initialize(*args, **kwargs):
     call.pop("config_params", None)
     call["config"] = config
     call["optimizer"] = spec
-    return ds_initialize(**call)
+    return _with_master_writes_kept(ds_initialize(**call))
+
+
+def _with_master_writes_kept(result):
+    """``deepspeed.initialize``'s result, its engine's master writers wrapped by :func:`keep_master_writes`."""
+    keep_master_writes(result[0])
+    return result
+
+
+def keep_master_writes(engine) -> None:
+    """Make a master weight written through DeepSpeed (``deepspeed.utils.safe_set_full_fp32_param``) exactly the
+    written value, for a flashdist optimizer in bf16-master mode. :func:`initialize` calls it.
+
+    DeepSpeed writes the value into its bf16 master partition through ``.data`` (no version counter moves), so
+    the optimizer cannot see the write, and the partition's old rho would be added to the new weight (up to one
+    bf16 spacing off, silently). The engine's writers (each parameter's ``set_full_hp_param`` under ZeRO 1/2,
+    re-wrapped whenever DeepSpeed links them again, and the ZeRO-3 optimizer's) are wrapped: after DeepSpeed's
+    write, the fp32 value is split into the bf16 partition and rho (:func:`_split_into`). Nothing for an engine
+    without a flashdist optimizer, for fp32 master partitions (no rho) or for writes of optimizer state."""
+    from ..optim.base import FlashOptimizer
+
+    opt, zero = getattr(engine, "basic_optimizer", None), getattr(engine, "optimizer", None)
+    if not isinstance(opt, FlashOptimizer) or getattr(zero, "_flashdist_keeps_master_writes", False):
+        return
+    if engine.zero_optimization_stage() == 3:
+        write = zero.set_full_hp_param
+
+        def set_full_hp_param_stage3(value, param, optim_state_key=None):
+            write(value, param, optim_state_key)
+            if optim_state_key is None and param.requires_grad:
+                group, offset, numel = zero.grad_position[zero.get_param_id(param)]
+                start = numel * zero._get_param_partition_rank(param)  # as DeepSpeed's own write cuts it
+                theta = value.flatten().narrow(0, start, numel).float()
+                _split_into(opt, zero.fp32_partitioned_groups_flat[group], theta, offset)
+
+        zero.set_full_hp_param = set_full_hp_param_stage3
+    elif hasattr(zero, "bit16_groups") and hasattr(zero, "_link_all_hp_params"):
+        def wrap_parameters():
+            for lps, master in zip(zero.bit16_groups, master_partitions(engine)):
+                for lp in lps:
+                    lp.set_full_hp_param = _kept_write(opt, lp, master, lp.set_full_hp_param)
+
+        link = zero._link_all_hp_params
+
+        def link_all_hp_params(*args, **kwargs):  # DeepSpeed links the parameters again after a load
+            result = link(*args, **kwargs)
+            wrap_parameters()
+            return result
+
+        zero._link_all_hp_params = link_all_hp_params
+        wrap_parameters()
+    else:
+        return
+    zero._flashdist_keeps_master_writes = True
+
+
+def _kept_write(opt, lp: torch.Tensor, master: torch.Tensor, write):
+    """``lp.set_full_hp_param`` (ZeRO 1/2), followed by the exact split of this rank's fragment of the value."""
+    def set_full_hp_param(value, optim_state_key=None):
+        write(value, optim_state_key)
+        mapping = getattr(lp, "_hp_mapping", None)
+        if optim_state_key is None and mapping is not None:
+            lp_address, hp_address = mapping.lp_fragment_address, mapping.hp_fragment_address
+            theta = value.flatten().narrow(0, lp_address.start, lp_address.numel).float()
+            _split_into(opt, master, theta, hp_address.start)
+
+    return set_full_hp_param
 
 
 def _is_flash(optimizer) -> bool:
@@ -444,10 +510,39 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None, **kwargs):
     return result
 
 
-def _read_universal(folder: str, name: str) -> torch.Tensor:
+def _read_universal(folder: str, name: str, key: str = "fp32") -> torch.Tensor:
     from deepspeed.checkpoint.constants import PARAM
 
-    return deepspeed_files.load_file(os.path.join(folder, name, "fp32.pt"))[PARAM]
+    return deepspeed_files.load_file(os.path.join(folder, name, f"{key}.pt"))[PARAM]
+
+
+def _reload_float_moments(opt, zero, masters: list[torch.Tensor], folder: str, stage3: bool) -> None:
+    """Put back the fp32 moments of a universal checkpoint where DeepSpeed's loader left them in the master
+    partitions' dtype: it gathers them into ``zeros_like(master)``, which in bf16-master mode rounds each
+    moment to bf16 before flashdist re-quantizes it (8-bit codes a level off here and there, where the
+    universal files hold the exact moments). Read from the files again, as DeepSpeed cuts them."""
+    for i, master in enumerate(masters):
+        state = opt.state.get(master, {})
+        keys = [k for k, v in state.items() if k in ("exp_avg", "exp_avg_sq") and isinstance(v, torch.Tensor)
+                and v.dtype != torch.float32]
+        for key in keys:
+            moment = torch.zeros(master.numel(), dtype=torch.float32, device=master.device)
+            if stage3:
+                offset = 0
+                for p in zero.fp16_groups[i]:
+                    piece = zero.load_hp_checkpoint_state(os.path.join(folder, zero.param_names[p]), key, param=p)
+                    moment.narrow(0, offset, piece.numel()).copy_(piece.reshape(-1))
+                    offset += piece.numel()
+            else:
+                for lp in zero.bit16_groups[i]:
+                    mapping = getattr(lp, "_hp_mapping", None)
+                    if mapping is None:
+                        continue
+                    full = _read_universal(folder, zero.param_names[lp], key).reshape(-1)
+                    lp_address, hp_address = mapping.lp_fragment_address, mapping.hp_fragment_address
+                    moment.narrow(0, hp_address.start, hp_address.numel).copy_(
+                        full.narrow(0, lp_address.start, lp_address.numel))
+            state[key] = moment
 
 
 def _restore_universal_masters(engine, folder: str) -> None:
@@ -459,6 +554,7 @@ def _restore_universal_masters(engine, folder: str) -> None:
         groups = [opt.param_groups[zero.sub_group_to_group_id[i]] for i in range(len(masters))]
     else:
         groups = opt.param_groups
+    _reload_float_moments(opt, zero, masters, folder, stage3)
     for group, master in zip(groups, masters):
         opt.ensure_state(master, group)  # re-quantize the loaded float moments; create rho
     if not stage3:
@@ -493,6 +589,7 @@ def _restore_universal_masters(engine, folder: str) -> None:
     zero.update_lp_params()  # the bf16 model weights from the restored masters (an all-gather)
 
 
+@torch.no_grad()
 def _split_into(opt, master: torch.Tensor, theta: torch.Tensor, start: int) -> None:
     rho = opt.state[master].get("rho")
     if rho is None:

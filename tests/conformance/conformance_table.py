@@ -68,17 +68,16 @@ inspect: ``flashdist inspect`` reads it."""
 
 PATHS: dict[str, tuple[str, ...]] = {
     "plain": ("one-process", "ddp", "fsdp2"),
-    "trainer": ("one-process",),
+    "trainer": ("one-process", "fsdp2"),    # fsdp2: optim= builds the optimizer before Accelerate shards
     "peft-trainer": ("one-process",),       # PEFT's default fp32 adapters
     "peft-trainer-bf16": ("one-process",),  # adapters cast to bf16
-    "accelerate": ("one-process",),
+    "accelerate": ("one-process", "fsdp2"),  # fsdp2: the optimizer built before prepare, as documented
     "lightning": ("one-process",),
     "torchtitan": ("fsdp2",),
+    "deepspeed": ("zero2", "zero3"),        # flashdist.integrations.deepspeed.initialize, bf16 masters + rho
 }
-"""Client -> the engines the matrix runs it under. DeepSpeed ZeRO-2/3 (fds.initialize, Accelerate, the
-Trainer) and the Trainer / Accelerate under FSDP2 are tested in tests/test_deepspeed.py,
-tests/integrations/test_hf_deepspeed.py, tests/integrations/test_hf_trainer_fsdp2.py and
-tests/distributed/test_accelerate_fsdp2.py, not yet as cells of this matrix."""
+"""Client -> the engines the matrix runs it under. DeepSpeed reached through Accelerate or the Trainer is not a
+cell (a run costs about 13 s of the suite's budget): tests/integrations/test_hf_deepspeed.py tests it."""
 
 REFUSED: dict[str, str] = {
     "*/one-process/*/resume-other": "one process has no other world size; resumes across world sizes are the "
@@ -104,6 +103,20 @@ REFUSED: dict[str, str] = {
     **{f"{path}/*/noop-option": "an option's effect does not depend on the client or engine: checked in "
                                 "plain/one-process and trainer/one-process"
        for path in ("plain/ddp", "plain/fsdp2", "peft-trainer*/*", "accelerate/*", "lightning/*", "torchtitan/*")},
+    "trainer/fsdp2/*/noop-option": "an option's effect does not depend on the client or engine: checked in "
+                                   "plain/one-process and trainer/one-process",
+    "deepspeed/*/*/noop-option": "an option's effect does not depend on the client or engine: checked in "
+                                 "plain/one-process and trainer/one-process",
+    "deepspeed/*/*/export-hf": "the DeepSpeed cells train a plain torch model (no Hugging Face config): "
+                               "export-fp32 writes the masters",
+    "deepspeed/*/FlashMuon/*": "ZeRO hands the optimizer flat 1-d partitions of many parameters, so no rank holds "
+                               "the whole matrices Newton-Schulz needs: the config is refused before DeepSpeed "
+                               "starts (docs/deepspeed.md); train FlashMuon under FSDP2",
+    **{f"deepspeed/*/{name}/resume-other": "DeepSpeed changes the world size through universal checkpoints, whose "
+                                           "converter carries Adam's moments only: flashdist.integrations."
+                                           "deepspeed.to_universal refuses the checkpoint; resume it at its world "
+                                           "size, or move it to FSDP2 with flashdist convert --from deepspeed"
+       for name in ("FlashSGD", "FlashSGDW", "FlashLion")},
 }
 
 XFAIL: dict[str, str] = {}
