@@ -298,7 +298,7 @@ def plot(results: list[dict], path: Path, title: str, moved: bool) -> bool:
                 finals += [v for y in ys[len(ys) // 2:] for v in y]
         ax.set_xlabel("tokens (bytes) per run")
         ax.set_ylabel({"val_curve": "validation loss (nats/byte)", "bf16_moved": "share of bf16 weights moved by a step",
-                       "vs_adamw": "validation loss vs reference (AdamW; Muon rows: torch Muon), same seed (%)"}[key])
+                       "vs_adamw": "val loss vs AdamW (Muon rows: torch Muon), %"}[key])
         if key == "bf16_moved":
             ax.set_yscale("log")
         if key == "vs_adamw" and finals:
