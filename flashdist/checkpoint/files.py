@@ -14,7 +14,11 @@ through :func:`open_regular`:
   is repeated on the open descriptor (``O_NOFOLLOW | O_NONBLOCK``, then ``fstat``), so a file swapped in
   between is refused too.
 - Bounded: :func:`read_bounded` reads a whole small file (a ``.metadata``, a ``latest`` tag) only when it is
-  at most a stated number of bytes.
+  at most a stated number of bytes. What a reader builds from a checkpoint's metadata (a DCP ``.metadata``'s
+  objects, a safetensors header, a torch file's pickle and zip directory) is held within one budget,
+  :func:`metadata_budget` (512 MiB unless :data:`METADATA_BUDGET` says otherwise), checked from the file's
+  bytes before it is parsed: so ``flashdist inspect`` of any input peaks within that budget above the
+  interpreter.
 
 Every refusal is a :class:`~flashdist.checkpoint.errors.CheckpointError` of one line naming the file.
 """
@@ -33,6 +37,14 @@ FOLLOW_LINKS = "FLASHDIST_FOLLOW_LINKS"
 """Environment variable: ``1`` lets the names in a checkpoint resolve through symbolic links that lead out of
 its folder (``..`` and absolute names stay refused)."""
 
+METADATA_BUDGET = "FLASHDIST_METADATA_MIB"
+"""Environment variable: the memory (MiB) a reader may spend on one checkpoint's metadata (default
+:data:`DEFAULT_METADATA_MIB`); raise it for a checkpoint whose metadata is larger (thousands of ranks)."""
+DEFAULT_METADATA_MIB = 512
+"""The default budget: a DCP ``.metadata`` of a Llama-3-8B state (FlashAdamW, compressed) on 8 ranks costs 2.2 MiB
+of file and about 30 MiB once unpickled; the budget holds such metadata for about 100 ranks, or a 70B model's
+for about 50."""
+
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
           (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
@@ -40,6 +52,34 @@ _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCH
 def follow_links() -> bool:
     """True when the user opted in to symbolic links out of a checkpoint folder (:data:`FOLLOW_LINKS`)."""
     return os.environ.get(FOLLOW_LINKS, "").strip().lower() in ("1", "true", "yes")
+
+
+def metadata_budget() -> int:
+    """The bytes a reader may spend on one checkpoint's metadata (:data:`METADATA_BUDGET`)."""
+    text = os.environ.get(METADATA_BUDGET, "").strip()
+    if not text:
+        return DEFAULT_METADATA_MIB << 20
+    try:
+        mib = float(text)
+    except ValueError:
+        mib = -1.0
+    if not mib > 0:
+        raise CheckpointError(f"flashdist: {METADATA_BUDGET}={shown(text)} is not a number of MiB above 0")
+    return int(mib * (1 << 20))
+
+
+def over_budget(path, cost: int, what: str) -> CheckpointError:
+    """The one-line refusal of ``path``, whose ``what`` (its metadata, say) would take ``cost`` bytes of memory
+    to read, more than :func:`metadata_budget`."""
+    budget = metadata_budget()
+    need = max(int(cost / (1 << 20)) + 1, 2 * (budget >> 20))
+    return CheckpointError(f"flashdist: {printable(path)}: reading {what} would take about {_mib(cost)} MiB of memory, "
+                           f"more than the {_mib(budget)} MiB budget for a checkpoint's metadata; refused (set "
+                           f"{METADATA_BUDGET}={need} to read it)")
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):,.0f}" if n >= 10 << 20 else f"{n / (1 << 20):.2g}"
 
 
 def shown(value, limit: int = 80) -> str:

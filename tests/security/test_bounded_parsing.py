@@ -5,6 +5,7 @@ reader, and every single-byte corruption of a real .metadata is a CheckpointErro
 from __future__ import annotations
 
 import copy
+import os
 import json
 import pickle
 import random
@@ -183,12 +184,20 @@ def test_every_single_byte_corruption_of_a_metadata_file_is_refused_or_loads(tmp
     assert time.monotonic() - start < 30
 
 
-def test_metadata_larger_than_the_cap_is_refused_before_it_is_read(tmp_path, monkeypatch):
-    from flashdist.checkpoint import dcp_files
-
+@pytest.mark.parametrize("per_byte,what", [(10, "before it is read"), (25, "after its opcodes are walked")])
+def test_metadata_beyond_the_budget_is_refused_naming_the_variable(tmp_path, monkeypatch, per_byte, what):
+    """A .metadata longer than a twentieth of FLASHDIST_METADATA_MIB is refused unread; a shorter one whose
+    opcodes would build more than the budget, before it is unpickled; the line says how to raise it."""
     good = plain(tmp_path / "good", STATE)
-    monkeypatch.setattr(dcp_files, "MAX_METADATA_BYTES", 100)
-    with pytest.raises(checkpoint.CheckpointError, match="more than the 100"):
+    monkeypatch.setenv("FLASHDIST_METADATA_MIB", str(per_byte * (good / ".metadata").stat().st_size / 2**20))
+    with pytest.raises(checkpoint.CheckpointError, match=r"\.metadata: reading its metadata would take about .* MiB "
+                       r"of memory, more than the .* MiB budget .*\(set FLASHDIST_METADATA_MIB=\d+ to read it\)$") as e:
+        sources.read(good)
+    assert "\n" not in str(e.value)
+    monkeypatch.setenv("FLASHDIST_METADATA_MIB", "1")
+    assert sources.read(good)["model"]["w"].shape == (3, 4)
+    monkeypatch.setenv("FLASHDIST_METADATA_MIB", "lots")
+    with pytest.raises(checkpoint.CheckpointError, match="FLASHDIST_METADATA_MIB='lots' is not a number"):
         sources.read(good)
 
 
@@ -268,3 +277,129 @@ def test_safetensors_plain_data_of_unexpected_types_is_one_line(tmp_path, plain_
                     ("export", path, tmp_path / "o.safetensors")):
         rc, _, err = run_cli(*command)
         assert rc in (0, 1) and "FLASHDIST_TRACEBACK" not in err and err.count("\n") == rc, (command[0], err)
+
+
+# ----- the metadata budget ----------------------------------------------------------------------------------
+# Pickles that build the most memory per byte the C unpickler reads (fresh containers left on the stack or in
+# the memo, long runs of small items, wide characters): each is sized to just under the budget, and must cost
+# no more than it.
+
+
+def _int(i: int) -> bytes:
+    return b"J" + i.to_bytes(4, "little", signed=True)
+
+
+_DENSE = {
+    "lists-on-stack": lambda n: b"]" * n,
+    "dicts-on-stack": lambda n: b"}" * n,
+    "dicts-of-one-item": lambda n: b"](" + b"}K\x01Ns" * n + b"e",
+    "memoized-dicts": lambda n: b"}\x94" * n,
+    "tuple-of-lists": lambda n: b"(" + b"]" * n + b"t",
+    "dict-items": lambda n: b"}(" + b"".join(_int(i) + b"N" for i in range(n)) + b"u",
+    "wide-strings": lambda n: b"](" + (b"\x8c\x20" + ("\U0001F600" * 8).encode()) * n + b"e",
+    "ints": lambda n: b"](" + b"".join(_int(1000 + i) for i in range(n)) + b"e",
+    "marks": lambda n: b"(" * n + b"N",
+}
+_BUDGET_MIB = 64
+
+
+def _dense_metadata(kind: str, budget: int) -> bytes:
+    from flashdist.checkpoint.dcp_files import check_pickle
+
+    def make(n):
+        return b"\x80\x04" + _DENSE[kind](n) + b"."
+
+    per, size = check_pickle(make(1000), Path("x")) / 1000, len(make(1000)) / 1000
+    data = make(int(min(0.97 * budget / (per + 2 * size), 0.97 * budget / 20 / size)))  # the cost, the length
+    assert 0.9 * budget < 2 * len(data) + check_pickle(data, Path("x")) <= budget or 0.9 * budget < 20 * len(data)
+    return data
+
+
+_BUDGET_CHILD = r"""
+import contextlib, io, json, sys, time
+from flashdist.cli import main
+def status(key):
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key))
+main(["inspect", sys.argv[2]])  # warm: modules imported lazily
+out = []
+for path in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    before = status("VmRSS:")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak (VmHWM) starts again from here
+    start = time.monotonic()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        rc = main(["inspect", path])
+    out.append([path, rc, err.getvalue(), time.monotonic() - start, status("VmHWM:") - before])
+print(json.dumps(out))
+"""
+
+
+def test_inspect_of_metadata_built_to_the_budget_stays_within_it(tmp_path):
+    """With FLASHDIST_METADATA_MIB=64: .metadata files that pack the most objects per byte, each just under the
+    budget by check_pickle's count, are unpickled (then refused: they are not DCP metadata) with a peak
+    growth within the budget, each in under 10 s; one over it is refused before unpickling."""
+    budget = _BUDGET_MIB << 20
+    paths = []
+    for kind in _DENSE:
+        folder = tmp_path / kind
+        folder.mkdir()
+        (folder / ".metadata").write_bytes(_dense_metadata(kind, budget))
+        paths.append(str(folder))
+    over = tmp_path / "over"
+    over.mkdir()
+    (over / ".metadata").write_bytes(b"\x80\x04" + b"]" * (budget // 100) + b".")
+    good = plain(tmp_path / "good", STATE)
+    env = {**os.environ, "FLASHDIST_METADATA_MIB": str(_BUDGET_MIB), "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, "-c", _BUDGET_CHILD, json.dumps(paths + [str(over)]), str(good)],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    results = json.loads(run.stdout.strip().splitlines()[-1])
+    for path, rc, err, seconds, grew in results:
+        assert rc == 1 and err.count("\n") == 1 and "FLASHDIST_TRACEBACK" not in err, (path, err)
+        assert seconds < 10 and grew <= budget, (path, seconds, grew / 2**20)
+    assert "FLASHDIST_METADATA_MIB=128 to read it" in results[-1][2]
+
+
+def test_default_budget_holds_a_llama_8b_state_on_8_ranks_with_margin():
+    """The .metadata of a Llama-3-8B-shaped FlashAdamW state (compressed: six state tensors per parameter) on 8
+    FSDP2 ranks, built without its tensors: its cost by check_pickle is under a quarter of the default budget."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (Metadata, MetadataIndex, StorageMeta, TensorProperties,
+                                                       TensorStorageMetadata)
+
+    from flashdist.checkpoint.dcp_files import check_pickle
+    from flashdist.checkpoint.files import metadata_budget
+
+    shapes = {"model.embed_tokens.weight": (128256, 4096), "model.norm.weight": (4096,),
+              "lm_head.weight": (128256, 4096)}
+    for i in range(32):
+        for name, shape in (("self_attn.q_proj", (4096, 4096)), ("self_attn.k_proj", (1024, 4096)),
+                            ("self_attn.v_proj", (1024, 4096)), ("self_attn.o_proj", (4096, 4096)),
+                            ("mlp.gate_proj", (14336, 4096)), ("mlp.up_proj", (14336, 4096)),
+                            ("mlp.down_proj", (4096, 14336)), ("input_layernorm", (4096,)),
+                            ("post_attention_layernorm", (4096,))):
+            shapes[f"model.layers.{i}.{name}.weight"] = shape
+    entries, storage, routes, offsets = {}, {}, {}, [0] * 8
+
+    def add(key, route, shape, ranks):
+        chunks = []
+        for r in range(ranks):
+            rows = -(-shape[0] // ranks) if shape else 0
+            start = torch.Size([min(r * rows, shape[0])] + [0] * (len(shape) - 1)) if shape else torch.Size([])
+            size = torch.Size([min(rows, shape[0] - start[0])] + list(shape[1:])) if shape else torch.Size([])
+            chunks.append(ChunkStorageMetadata(start, size))
+            storage[MetadataIndex(key, start, None)] = _StorageInfo(f"__{r}_0.distcp", offsets[r], size.numel())
+            offsets[r] += size.numel()
+        entries[key] = TensorStorageMetadata(TensorProperties(dtype=torch.bfloat16), torch.Size(shape), chunks)
+        routes[key] = route
+
+    for name, shape in shapes.items():
+        add(f"model.{name}", ("model", name), shape, 8)
+        for state in ("rho", "exp_avg_codes", "exp_avg_scales", "exp_avg_sq_codes", "exp_avg_sq_scales"):
+            add(f"optim.state.{name}.{state}", ("optim", "state", name, state), shape, 8)
+        add(f"optim.state.{name}.step", ("optim", "state", name, "step"), (), 1)
+    data = pickle.dumps(Metadata(entries, planner_data=routes, storage_data=storage,
+                                 storage_meta=StorageMeta(checkpoint_id=Path("/ck"), save_id="flashdist-1-" + "0" * 32)))
+    assert 1 << 20 < len(data) < 4 << 20
+    assert 2 * len(data) + check_pickle(data, Path("x")) < metadata_budget() // 4
