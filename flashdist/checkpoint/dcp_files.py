@@ -36,8 +36,8 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                    TensorStorageMetadata)
 
 from .errors import CheckpointError
-from .files import (check_routes, inside, metadata_budget, open_regular, over_budget, printable, read_bounded, reason,
-                    regular_size, shown)
+from .files import (check_routes, check_torch_stream, inside, metadata_budget, open_regular, over_budget, printable,
+                    read_bounded, reason, regular_size, shown)
 
 def max_metadata_bytes() -> int:
     """The largest ``.metadata`` file read: a twentieth of the metadata budget (:func:`check_pickle` bounds the
@@ -324,6 +324,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     """Reads non-tensor entries with ``torch.load(weights_only=True)``."""
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        check_torch_stream(value, len(value.getbuffer()), f"checkpoint entry '{read_item.dest_index.fqn}'")
         try:
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as e:

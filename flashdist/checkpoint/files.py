@@ -41,9 +41,9 @@ METADATA_BUDGET = "FLASHDIST_METADATA_MIB"
 """Environment variable: the memory (MiB) a reader may spend on one checkpoint's metadata (default
 :data:`DEFAULT_METADATA_MIB`); raise it for a checkpoint whose metadata is larger (thousands of ranks)."""
 DEFAULT_METADATA_MIB = 512
-"""The default budget: a DCP ``.metadata`` of a Llama-3-8B state (FlashAdamW, compressed) on 8 ranks costs 2.2 MiB
-of file and about 30 MiB once unpickled; the budget holds such metadata for about 100 ranks, or a 70B model's
-for about 50."""
+"""The default budget: a DCP ``.metadata`` of a Llama-3-8B state (FlashAdamW, compressed) on 8 ranks is 2.2 MiB
+and counts about 100 MiB (28 MiB once unpickled); metadata grows with the ranks, so the default holds such a
+state on about 40 ranks, a 70B model's on about 16."""
 
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
           (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
@@ -222,3 +222,71 @@ def check_routes(routes, *, slack: int, source: str | os.PathLike) -> None:
     if slots > paid + slack:
         raise CheckpointError(f"flashdist: {source} names list indices up to {max(lists.values()):,} for "
                               f"{len(leaves):,} entries; the checkpoint is damaged or crafted")
+
+
+# What a reader builds per byte of a file's metadata, at most (bytes), for the checks below: a torch file's pickle
+# (torch's weights_only unpickler: the densest crafted pickles build about 75 bytes per byte, a real one about
+# 15), a zip directory (a ZipInfo per entry of at least 46 bytes), a safetensors header (one parsed entry and
+# the route, spec and name a reader keeps per tensor, for at least 40 bytes of JSON).
+_PICKLE_COST, _ZIP_DIRECTORY_COST, _SAFETENSORS_HEADER_COST = 128, 16, 32
+
+
+def check_torch_file(path: str | os.PathLike) -> None:
+    """Refuse (one line naming ``path``) a ``torch.save`` file whose reading could cost more than the file
+    holds or more than :func:`metadata_budget`, before ``torch.load`` sees it: it must be a zip whose records are
+    all stored uncompressed (as ``torch.save`` writes them: a compressed record could inflate a small file to
+    gigabytes) and lie inside the file, and whose directory and pickles fit the budget. The sizes of tensors
+    are checked by ``torch.load`` itself against their records."""
+    size = regular_size(path, expected="a torch file")
+    with open_regular(path, expected="a torch file") as f:
+        check_torch_stream(f, size, path)
+
+
+def check_torch_stream(f, size: int, name) -> None:
+    """:func:`check_torch_file` of an open binary stream ``f`` of ``size`` bytes (a DCP entry, say), named
+    ``name`` in the error."""
+    import zipfile
+
+    try:
+        end = zipfile._EndRecData(f)  # the end record only: how large the directory is, before reading it
+        if end is None:
+            raise CheckpointError(f"flashdist: {printable(name)} is not a torch.save file (no zip directory); files "
+                                  "of torch's format before 1.6 are not read: load and save it again")
+        directory = end[zipfile._ECD_SIZE]
+        if directory > size:
+            raise CheckpointError(f"flashdist: {printable(name)} names a zip directory of {directory:,} bytes in "
+                                  f"{size:,}; it is damaged or crafted")
+        if _ZIP_DIRECTORY_COST * directory > metadata_budget():
+            raise over_budget(name, _ZIP_DIRECTORY_COST * directory, "its zip directory")
+        f.seek(0)
+        with zipfile.ZipFile(f) as z:
+            cost = _ZIP_DIRECTORY_COST * directory
+            for info in z.infolist():
+                if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size \
+                        or info.header_offset + info.file_size > size:
+                    raise CheckpointError(f"flashdist: {printable(name)} holds the record {shown(info.filename)} "
+                                          "compressed or beyond its end, which torch.save never writes; refused")
+                if info.filename.endswith(".pkl"):
+                    cost += _PICKLE_COST * info.file_size
+            if cost > metadata_budget():
+                raise over_budget(name, cost, "its pickled structure")
+        f.seek(0)
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a damaged zip directory
+        raise CheckpointError(f"flashdist: {printable(name)} is not a valid torch.save file ({reason(e)}); it is "
+                              "damaged or was written by another program") from None
+
+
+def check_safetensors_file(path: str | os.PathLike) -> None:
+    """Refuse (one line naming ``path``) a safetensors file whose header length (its first 8 bytes) exceeds the
+    file, or whose header would cost more than :func:`metadata_budget` to parse, before it is parsed."""
+    size = regular_size(path, expected="a safetensors file")
+    with open_regular(path, expected="a safetensors file") as f:
+        head = f.read(8)
+    length = int.from_bytes(head, "little") if len(head) == 8 else -1
+    if not 0 < length <= size - 8:
+        raise CheckpointError(f"flashdist: {printable(path)} names a header of {length:,} bytes in a file of "
+                              f"{size:,}; it is not a safetensors file, or it is damaged or crafted")
+    if _SAFETENSORS_HEADER_COST * length > metadata_budget():
+        raise over_budget(path, _SAFETENSORS_HEADER_COST * length, "its header")

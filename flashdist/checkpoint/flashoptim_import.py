@@ -65,6 +65,7 @@ import torch
 from ..optim.layout import check_master_weight_bits
 from ..quant import rho as R
 from .errors import CheckpointError
+from .files import check_torch_file
 from .state import FORMAT_VERSION
 
 GROUP_SIZE = 32  # flashoptim's quantization group: consecutive values of the flattened tensor
@@ -95,6 +96,7 @@ def is_flashoptim_file(path: str | os.PathLike) -> bool:
 
 
 def _load(path: Path) -> Any:
+    check_torch_file(path)
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - truncated zip, refused pickle global, ...

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from .dcp_files import SafeFileSystemReader, SafeLoadPlanner
 from .errors import CheckpointError, error_summary
-from .files import check_routes, open_regular, reason
+from .files import check_routes, check_safetensors_file, check_torch_file, open_regular, reason
 from .output import Spec
 from .publish import resolve
 
@@ -192,6 +192,7 @@ def _safetensors_routes(path: Path, f) -> tuple[dict, dict[str, tuple]]:
 def _read_safetensors(path: Path) -> dict:
     from safetensors import safe_open
 
+    check_safetensors_file(path)
     with safe_open(str(path), framework="pt") as f:
         nested, routes = _safetensors_routes(path, f)
         for key, route in routes.items():
@@ -219,6 +220,7 @@ def read(path: str | os.PathLike, *, tag: str | None = None, master_weight_bits:
 
         return TrainerSource(path).read()
     if kind == "torch":
+        check_torch_file(path)
         try:
             return torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 - truncated zip, refused pickle global, ...
@@ -398,6 +400,7 @@ class _TorchSource(Source):
         super().__init__(rest, {r: (tuple(t.shape), t.dtype) for r, t in tensors.items()})
 
     def _load(self):
+        check_torch_file(self.path)
         try:
             return torch.load(self.path, map_location="cpu", weights_only=True, mmap=True)
         except Exception as e:  # noqa: BLE001 - truncated zip, refused pickle global, ...
@@ -413,6 +416,7 @@ class _SafetensorsSource(Source):
         from safetensors import safe_open
 
         self.path = path
+        check_safetensors_file(path)
         try:
             with safe_open(str(path), framework="pt") as f:
                 rest, routes = _safetensors_routes(path, f)

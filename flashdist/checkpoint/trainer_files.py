@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 
 from .errors import CheckpointError
-from .files import inside, printable, read_bounded, reason, regular_size
+from .files import (check_safetensors_file, check_torch_file, inside, printable, read_bounded, reason,
+                    regular_size)
 from .names import ORDER_UNKNOWN
 from .output import SAFETENSORS_DTYPES
 
@@ -60,7 +61,7 @@ def is_adapter_folder(path: str | os.PathLike) -> bool:
 
 
 def _load(path: Path):
-    regular_size(path)  # a FIFO or a device is refused before it is opened
+    check_torch_file(path)  # a FIFO or a device is refused before it is opened; the zip's records are checked
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # noqa: BLE001 - truncated zip, refused pickle global, ...
@@ -124,6 +125,7 @@ class TrainerSource:
         specs: dict[tuple, tuple] = {}
         for file in _weight_files(self.folder):
             if file.suffix == ".safetensors":
+                check_safetensors_file(file)
                 try:
                     with safe_open(str(file), framework="pt") as f:
                         for key in f.keys():

@@ -300,7 +300,7 @@ _DENSE = {
     "ints": lambda n: b"](" + b"".join(_int(1000 + i) for i in range(n)) + b"e",
     "marks": lambda n: b"(" * n + b"N",
 }
-_BUDGET_MIB = 64
+_BUDGET_MIB = 32
 
 
 def _dense_metadata(kind: str, budget: int) -> bytes:
@@ -336,9 +336,10 @@ print(json.dumps(out))
 
 
 def test_inspect_of_metadata_built_to_the_budget_stays_within_it(tmp_path):
-    """With FLASHDIST_METADATA_MIB=64: .metadata files that pack the most objects per byte, each just under the
+    """With FLASHDIST_METADATA_MIB=32: .metadata files that pack the most objects per byte, each just under the
     budget by check_pickle's count, are unpickled (then refused: they are not DCP metadata) with a peak
-    growth within the budget, each in under 10 s; one over it is refused before unpickling."""
+    growth within the budget, each in under 10 s; one over it is refused before unpickling; so is a torch file
+    whose tensor record would inflate to 256 MiB."""
     budget = _BUDGET_MIB << 20
     paths = []
     for kind in _DENSE:
@@ -346,6 +347,7 @@ def test_inspect_of_metadata_built_to_the_budget_stays_within_it(tmp_path):
         folder.mkdir()
         (folder / ".metadata").write_bytes(_dense_metadata(kind, budget))
         paths.append(str(folder))
+    paths.append(str(_torch_file_with(tmp_path / "bomb.pt", inflate_to=256 << 20)))  # and a zip bomb
     over = tmp_path / "over"
     over.mkdir()
     (over / ".metadata").write_bytes(b"\x80\x04" + b"]" * (budget // 100) + b".")
@@ -358,7 +360,7 @@ def test_inspect_of_metadata_built_to_the_budget_stays_within_it(tmp_path):
     for path, rc, err, seconds, grew in results:
         assert rc == 1 and err.count("\n") == 1 and "FLASHDIST_TRACEBACK" not in err, (path, err)
         assert seconds < 10 and grew <= budget, (path, seconds, grew / 2**20)
-    assert "FLASHDIST_METADATA_MIB=128 to read it" in results[-1][2]
+    assert f"FLASHDIST_METADATA_MIB={2 * _BUDGET_MIB} to read it" in results[-1][2]
 
 
 def test_default_budget_holds_a_llama_8b_state_on_8_ranks_with_margin():
@@ -403,3 +405,72 @@ def test_default_budget_holds_a_llama_8b_state_on_8_ranks_with_margin():
                                  storage_meta=StorageMeta(checkpoint_id=Path("/ck"), save_id="flashdist-1-" + "0" * 32)))
     assert 1 << 20 < len(data) < 4 << 20
     assert 2 * len(data) + check_pickle(data, Path("x")) < metadata_budget() // 4
+
+
+def _torch_file_with(path: Path, *, inflate_to: int = 0, deflate_pickle: bool = False) -> Path:
+    """A torch.save file of {"w": zeros(4)} rewritten: its tensor's record deflated to ``inflate_to`` zero bytes
+    (a zip bomb: the numel in its pickle raised to match), or its pickle deflated."""
+    import zipfile
+
+    torch.save({"w": torch.zeros(4)}, path)
+    with zipfile.ZipFile(path) as z:
+        records = {name: z.read(name) for name in z.namelist()}
+    pkl = next(n for n in records if n.endswith("data.pkl"))
+    data = next(n for n in records if n.endswith("/data/0"))
+    if inflate_to:
+        records[pkl] = records[pkl].replace(b"K\x04t", b"J" + (inflate_to // 4).to_bytes(4, "little") + b"t")
+    with zipfile.ZipFile(path, "w") as z:
+        for name, payload in records.items():
+            deflated = (name == data and inflate_to) or (name == pkl and deflate_pickle)
+            info = zipfile.ZipInfo(name)
+            info.compress_type = zipfile.ZIP_DEFLATED if deflated else zipfile.ZIP_STORED
+            with z.open(info, "w") as out:
+                if name == data and inflate_to:
+                    for _ in range(inflate_to >> 20):
+                        out.write(bytes(1 << 20))
+                else:
+                    out.write(payload)
+    return path
+
+
+def _safetensors_with_header_length(path: Path, length: int) -> Path:
+    from safetensors.torch import save_file
+
+    save_file({"model.w": torch.zeros(3)}, str(path))
+    data = path.read_bytes()
+    path.write_bytes(length.to_bytes(8, "little") + data[8:])
+    return path
+
+
+@pytest.mark.parametrize("kind", ["zip-bomb", "deflated-pickle", "safetensors-2^63", "safetensors-past-end"])
+def test_torch_and_safetensors_files_that_would_inflate_are_refused_in_one_line(tmp_path, kind):
+    """A torch file whose 1 KB tensor record inflates to 256 MiB (torch.load without mmap would take it), a
+    compressed pickle, a safetensors header length of 2^63 or past the file's end: every command refuses in one
+    line naming the file, and so does the library reader."""
+    from _hostile import attempt
+
+    path = {"zip-bomb": lambda p: _torch_file_with(p / "bomb.pt", inflate_to=256 << 20),
+            "deflated-pickle": lambda p: _torch_file_with(p / "pkl.pt", deflate_pickle=True),
+            "safetensors-2^63": lambda p: _safetensors_with_header_length(p / "a.safetensors", 1 << 63),
+            "safetensors-past-end": lambda p: _safetensors_with_header_length(p / "b.safetensors", 1 << 20)}[kind](tmp_path)
+    assert path.stat().st_size < 1 << 20
+    for reader in ("inspect", "convert", "export"):
+        error = attempt(reader, path, tmp_path / "out")
+        assert error is not None and path.name in str(error), (reader, error)
+    with pytest.raises(checkpoint.CheckpointError, match=path.name):
+        sources.read(path)
+
+
+def test_torch_and_safetensors_metadata_beyond_the_budget_is_refused(tmp_path, monkeypatch):
+    from safetensors.torch import save_file
+
+    st = tmp_path / "a.safetensors"
+    save_file({f"model.w{i}": torch.zeros(1) for i in range(200)}, str(st))
+    pt = tmp_path / "a.pt"
+    torch.save({"model": {"w": torch.zeros(1)}, "extra": {"notes": list(range(3000))}}, pt)
+    monkeypatch.setenv("FLASHDIST_METADATA_MIB", "0.1")
+    for path, what in ((st, "its header"), (pt, "its pickled structure")):
+        with pytest.raises(checkpoint.CheckpointError, match=f"reading {what} would take .*FLASHDIST_METADATA_MIB"):
+            sources.read(path)
+    monkeypatch.setenv("FLASHDIST_METADATA_MIB", "8")
+    assert len(sources.read(st)["model"]) == 200 and len(sources.read(pt)["extra"]["notes"]) == 3000
