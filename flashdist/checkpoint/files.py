@@ -250,8 +250,8 @@ def check_torch_stream(f, size: int, name) -> None:
     try:
         end = zipfile._EndRecData(f)  # the end record only: how large the directory is, before reading it
         if end is None:
-            raise CheckpointError(f"flashdist: {printable(name)} is not a torch.save file (no zip directory); files "
-                                  "of torch's format before 1.6 are not read: load and save it again")
+            raise CheckpointError(f"flashdist: could not read {printable(name)}: it has no zip directory at its end "
+                                  "(it is truncated, or of torch's format before 1.6: load it and save it again)")
         directory = end[zipfile._ECD_SIZE]
         if directory > size:
             raise CheckpointError(f"flashdist: {printable(name)} names a zip directory of {directory:,} bytes in "
