@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                    TensorStorageMetadata)
 
 from .errors import CheckpointError
-from .files import (check_routes, check_torch_stream, inside, metadata_budget, open_regular, over_budget, printable,
+from .files import (check_nesting, check_routes, check_torch_stream, inside, metadata_budget, open_regular, over_budget, printable,
                     read_bounded, reason, regular_size, shown)
 
 def max_metadata_bytes() -> int:
@@ -330,6 +330,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         except pickle.UnpicklingError as e:
             raise CheckpointError(f"flashdist: checkpoint entry '{read_item.dest_index.fqn}' is not plain data "
                                   f"and was refused (weights_only=True): {e}") from None
+        check_nesting(obj, f"checkpoint entry '{read_item.dest_index.fqn}'")
         if self.flatten_state_dict:
             from torch.distributed.checkpoint._nested_dict import set_element  # noqa: PLC0415
 

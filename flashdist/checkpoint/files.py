@@ -290,3 +290,23 @@ def check_safetensors_file(path: str | os.PathLike) -> None:
                               f"{size:,}; it is not a safetensors file, or it is damaged or crafted")
     if _SAFETENSORS_HEADER_COST * length > metadata_budget():
         raise over_budget(path, _SAFETENSORS_HEADER_COST * length, "its header")
+
+
+MAX_NESTING = 100
+"""The deepest nesting of lists, tuples and dicts read from a file's plain data (``save`` cannot write one much
+deeper than Python's recursion limit allows; readers copy and walk it recursively)."""
+
+
+def check_nesting(obj, what) -> None:
+    """Refuse (one line naming ``what``, a file or an entry) plain data nesting lists, tuples or dicts more than
+    :data:`MAX_NESTING` deep, checked without recursion."""
+    todo = [(obj, 0)]
+    while todo:
+        node, depth = todo.pop()
+        if isinstance(node, dict):
+            node = list(node.values())
+        if isinstance(node, (list, tuple)):
+            if depth >= MAX_NESTING:
+                raise CheckpointError(f"flashdist: {printable(what)} nests lists or dicts more than {MAX_NESTING} "
+                                      "deep; it is damaged or crafted")
+            todo.extend((child, depth + 1) for child in node)

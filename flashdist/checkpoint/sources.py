@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from .dcp_files import SafeFileSystemReader, SafeLoadPlanner
 from .errors import CheckpointError, error_summary
-from .files import check_routes, check_safetensors_file, check_torch_file, open_regular, reason
+from .files import check_nesting, check_routes, check_safetensors_file, check_torch_file, open_regular, reason
 from .output import Spec
 from .publish import resolve
 
@@ -222,9 +222,11 @@ def read(path: str | os.PathLike, *, tag: str | None = None, master_weight_bits:
     if kind == "torch":
         check_torch_file(path)
         try:
-            return torch.load(path, map_location="cpu", weights_only=True)
+            state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 - truncated zip, refused pickle global, ...
             raise CheckpointError(f"flashdist: could not read {path}: {_first_line(e)}") from None
+        check_nesting(state, path)
+        return state
     if kind == "safetensors":
         try:
             return _read_safetensors(Path(path))
@@ -396,6 +398,7 @@ class _TorchSource(Source):
     def __init__(self, path: Path):
         self.path = path
         state = self._load()
+        check_nesting(state, path)
         tensors, rest = flat_tensors(state)
         super().__init__(rest, {r: (tuple(t.shape), t.dtype) for r, t in tensors.items()})
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from .errors import CheckpointError
-from .files import (check_safetensors_file, check_torch_file, inside, printable, read_bounded, reason,
+from .files import (check_nesting, check_safetensors_file, check_torch_file, inside, printable, read_bounded, reason,
                     regular_size)
 from .names import ORDER_UNKNOWN
 from .output import SAFETENSORS_DTYPES
@@ -63,9 +63,11 @@ def is_adapter_folder(path: str | os.PathLike) -> bool:
 def _load(path: Path):
     check_torch_file(path)  # a FIFO or a device is refused before it is opened; the zip's records are checked
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        value = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # noqa: BLE001 - truncated zip, refused pickle global, ...
         raise CheckpointError(f"flashdist: could not read {path}: {str(e).splitlines()[0][:300]}") from None
+    check_nesting(value, path)
+    return value
 
 
 _JSON_LIMIT = 64 * 2**20  # an index of a model's shards, trainer_state.json: megabytes at most

@@ -474,3 +474,46 @@ def test_torch_and_safetensors_metadata_beyond_the_budget_is_refused(tmp_path, m
             sources.read(path)
     monkeypatch.setenv("FLASHDIST_METADATA_MIB", "8")
     assert len(sources.read(st)["model"]) == 200 and len(sources.read(pt)["extra"]["notes"]) == 3000
+
+
+def test_plain_data_nested_beyond_the_limit_is_refused_in_one_line(tmp_path):
+    """Lists nested 100,000 deep (a few hundred KB of pickle, which the unpickler builds without recursion) in a
+    DCP entry and in a torch file: convert and export refuse in one line naming the entry or the file, where
+    copying the data would have raised RecursionError."""
+    import io
+    import zipfile
+
+    from _hostile import attempt
+
+    deep = b"\x80\x02" + b"]" * 100_000 + b"a" * 99_999 + b"."
+
+    def with_pickle(blob: bytes, pickled: bytes) -> bytes:
+        with zipfile.ZipFile(io.BytesIO(blob)) as z:
+            records = {n: z.read(n) for n in z.namelist()}
+        out = io.BytesIO()
+        with zipfile.ZipFile(out, "w") as z:
+            for name, payload in records.items():
+                z.writestr(zipfile.ZipInfo(name), pickled if name.endswith("data.pkl") else payload)
+        return out.getvalue()
+
+    ck = plain(tmp_path / "ck", {**STATE, "extra": {"x": [1]}})
+    md = metadata_of(ck)
+    buffer = io.BytesIO()
+    torch.save([1], buffer)
+    blob = with_pickle(buffer.getvalue(), deep)
+    for index, info in md.storage_data.items():
+        if index.fqn == "extra.x":
+            shard = ck / info.relative_path
+            info.offset, info.length = shard.stat().st_size, len(blob)
+            with open(shard, "ab") as f:
+                f.write(blob)
+    write_metadata(ck, md)
+    pt = tmp_path / "deep.pt"
+    torch.save({"model": {"w": torch.zeros(2)}, "extra": {"x": [1]}}, pt)
+    with zipfile.ZipFile(pt) as z:
+        pickled = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
+    pt.write_bytes(with_pickle(pt.read_bytes(), pickled.replace(b"]q", b"]" * 100_000 + b"a" * 99_999 + b"q", 1)))
+    for path, named in ((ck, "checkpoint entry 'extra.x'"), (pt, str(pt))):
+        for reader in ("convert", "export"):
+            error = attempt(reader, path, tmp_path / f"out-{reader}")
+            assert error is not None and f"{named} nests lists or dicts more than 100 deep" in str(error), error
