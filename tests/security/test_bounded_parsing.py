@@ -407,9 +407,10 @@ def test_default_budget_holds_a_llama_8b_state_on_8_ranks_with_margin():
     assert 2 * len(data) + check_pickle(data, Path("x")) < metadata_budget() // 4
 
 
-def _torch_file_with(path: Path, *, inflate_to: int = 0, deflate_pickle: bool = False) -> Path:
+def _torch_file_with(path: Path, *, inflate_to: int = 0, deflate_pickle: bool = False, numel: int = 0) -> Path:
     """A torch.save file of {"w": zeros(4)} rewritten: its tensor's record deflated to ``inflate_to`` zero bytes
-    (a zip bomb: the numel in its pickle raised to match), or its pickle deflated."""
+    (a zip bomb: the numel in its pickle raised to match), its pickle deflated, or its numel and shape raised
+    to ``numel`` over the same 16-byte record."""
     import zipfile
 
     torch.save({"w": torch.zeros(4)}, path)
@@ -417,8 +418,10 @@ def _torch_file_with(path: Path, *, inflate_to: int = 0, deflate_pickle: bool = 
         records = {name: z.read(name) for name in z.namelist()}
     pkl = next(n for n in records if n.endswith("data.pkl"))
     data = next(n for n in records if n.endswith("/data/0"))
-    if inflate_to:
-        records[pkl] = records[pkl].replace(b"K\x04t", b"J" + (inflate_to // 4).to_bytes(4, "little") + b"t")
+    if inflate_to or numel:
+        records[pkl] = records[pkl].replace(b"K\x04t", b"J" + (numel or inflate_to // 4).to_bytes(4, "little") + b"t")
+    if numel:  # the tensor's shape too
+        records[pkl] = records[pkl].replace(b"K\x04\x85", b"J" + numel.to_bytes(4, "little") + b"\x85")
     with zipfile.ZipFile(path, "w") as z:
         for name, payload in records.items():
             deflated = (name == data and inflate_to) or (name == pkl and deflate_pickle)
@@ -442,15 +445,17 @@ def _safetensors_with_header_length(path: Path, length: int) -> Path:
     return path
 
 
-@pytest.mark.parametrize("kind", ["zip-bomb", "deflated-pickle", "safetensors-2^63", "safetensors-past-end"])
+@pytest.mark.parametrize("kind", ["zip-bomb", "deflated-pickle", "numel-2^31", "safetensors-2^63",
+                                  "safetensors-past-end"])
 def test_torch_and_safetensors_files_that_would_inflate_are_refused_in_one_line(tmp_path, kind):
     """A torch file whose 1 KB tensor record inflates to 256 MiB (torch.load without mmap would take it), a
-    compressed pickle, a safetensors header length of 2^63 or past the file's end: every command refuses in one
-    line naming the file, and so does the library reader."""
+    compressed pickle, a tensor of 2^31 floats over a 16-byte record, a safetensors header length of 2^63 or
+    past the file's end: every command refuses in one line naming the file, and so does the library reader."""
     from _hostile import attempt
 
     path = {"zip-bomb": lambda p: _torch_file_with(p / "bomb.pt", inflate_to=256 << 20),
             "deflated-pickle": lambda p: _torch_file_with(p / "pkl.pt", deflate_pickle=True),
+            "numel-2^31": lambda p: _torch_file_with(p / "numel.pt", numel=2**31 - 1),  # torch.load checks it
             "safetensors-2^63": lambda p: _safetensors_with_header_length(p / "a.safetensors", 1 << 63),
             "safetensors-past-end": lambda p: _safetensors_with_header_length(p / "b.safetensors", 1 << 20)}[kind](tmp_path)
     assert path.stat().st_size < 1 << 20
