@@ -114,7 +114,7 @@ def check_pickle(data: bytes, path: Path) -> int:
                     raise invalid(f"opcode {name} at byte {pos} without a mark")
                 mark = marks.pop()
                 items = depth - mark
-                depth = mark - (len(before) - 2) + len(after)
+                depth = mark - before.index(pickletools.markobject) + len(after)  # what lay below the mark goes
             else:
                 items = _ITEMS.get(name, 0)
                 depth += len(after) - len(before)

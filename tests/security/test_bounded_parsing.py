@@ -522,3 +522,28 @@ def test_plain_data_nested_beyond_the_limit_is_refused_in_one_line(tmp_path):
         for reader in ("convert", "export"):
             error = attempt(reader, path, tmp_path / f"out-{reader}")
             assert error is not None and f"{named} nests lists or dicts more than 100 deep" in str(error), error
+
+
+def test_check_pickle_bounds_what_the_unpickler_allocates(tmp_path):
+    """check_pickle's count is at least what unpickling allocates (tracemalloc's peak), for the densest pickles
+    and for real DCP metadata written with every pickle protocol; and it is within 6 times that allocation for
+    the real metadata (so the default budget is not spent on the bound's slack)."""
+    import io
+    import tracemalloc
+
+    from flashdist.checkpoint.dcp_files import _MetadataUnpickler, check_pickle
+
+    md = metadata_of(plain(tmp_path / "ck", STATE))
+    cases = {f"metadata-protocol-{p}": pickle.dumps(md, protocol=p) for p in range(2, pickle.HIGHEST_PROTOCOL + 1)}
+    cases.update({kind: b"\x80\x04" + make(20_000) + b"." for kind, make in _DENSE.items()})
+    for name, data in cases.items():
+        cost = check_pickle(data, Path(name))
+        tracemalloc.start()
+        try:
+            _MetadataUnpickler(io.BytesIO(data)).load()
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak <= cost, (name, peak, cost)
+        if name.startswith("metadata"):
+            assert cost <= 6 * peak, (name, peak, cost)
