@@ -229,6 +229,23 @@ def check_routes(routes, *, slack: int, source: str | os.PathLike) -> None:
 # 15), a zip directory (a ZipInfo per entry of at least 46 bytes), a safetensors header (one parsed entry and
 # the route, spec and name a reader keeps per tensor, for at least 40 bytes of JSON).
 _PICKLE_COST, _ZIP_DIRECTORY_COST, _SAFETENSORS_HEADER_COST = 128, 16, 32
+_JSON_COST = 32  # json.loads builds at most about 24 bytes per byte of text (a list of empty dicts)
+
+
+def read_json(path: str | os.PathLike, *, expected: str = "a JSON file"):
+    """The JSON value in regular file ``path`` (a shard index, trainer_state.json), read when parsing it fits
+    :func:`metadata_budget`; one line naming the file otherwise, or when it is not JSON."""
+    import json
+
+    size = regular_size(path, expected=expected)
+    if _JSON_COST * size > metadata_budget():
+        raise over_budget(path, _JSON_COST * size, "it")
+    try:
+        return json.loads(read_bounded(path, size, expected=expected))
+    except CheckpointError:
+        raise
+    except (ValueError, RecursionError) as e:
+        raise CheckpointError(f"flashdist: cannot read {printable(path)}: {reason(e)}") from None
 
 
 def check_torch_file(path: str | os.PathLike) -> None:

@@ -25,15 +25,13 @@ is built on the meta device from ``config.json`` by the transformers class its `
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import torch
 
 from .errors import CheckpointError
-from .files import (check_nesting, check_safetensors_file, check_torch_file, inside, printable, read_bounded, reason,
-                    regular_size)
+from .files import check_nesting, check_safetensors_file, check_torch_file, inside, read_json, reason, regular_size
 from .names import ORDER_UNKNOWN
 from .output import SAFETENSORS_DTYPES
 
@@ -70,16 +68,8 @@ def _load(path: Path):
     return value
 
 
-_JSON_LIMIT = 64 * 2**20  # an index of a model's shards, trainer_state.json: megabytes at most
-
-
 def _json(path: Path):
-    try:
-        return json.loads(read_bounded(path, _JSON_LIMIT))
-    except CheckpointError:
-        raise
-    except ValueError as e:
-        raise CheckpointError(f"flashdist: cannot read {printable(path)}: {reason(e)}") from None
+    return read_json(path)  # an index of a model's shards, trainer_state.json: within the metadata budget
 
 
 def _weight_files(folder: Path) -> list[Path]:

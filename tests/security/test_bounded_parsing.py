@@ -547,3 +547,28 @@ def test_check_pickle_bounds_what_the_unpickler_allocates(tmp_path):
         assert peak <= cost, (name, peak, cost)
         if name.startswith("metadata"):
             assert cost <= 6 * peak, (name, peak, cost)
+
+
+@pytest.mark.parametrize("index", ["beyond-the-budget", "nested-100000-deep"])
+def test_trainer_folder_json_is_read_within_the_budget(tmp_path, monkeypatch, index):
+    """A Trainer / Accelerate folder's shard index whose parsing would cost more than FLASHDIST_METADATA_MIB (32
+    bytes per byte of JSON), or nests 100,000 deep: inspect and export refuse in one line naming it."""
+    from safetensors.torch import save_file
+
+    from tests._cli import run_cli
+
+    folder = tmp_path / "state"
+    folder.mkdir()
+    save_file({"w": torch.zeros(2, dtype=torch.bfloat16)}, str(folder / "model.safetensors"))
+    torch.save({"state": {}, "param_groups": [{"params": [], "param_names": []}]}, folder / "optimizer.bin")
+    text = ('{"weight_map": {"w": "model.safetensors"}, "notes": [' + ",".join(["{}"] * 20_000) + "]}"
+            if index == "beyond-the-budget" else "[" * 100_000 + "]" * 100_000)
+    (folder / "model.safetensors.index.json").write_text(text)
+    monkeypatch.setenv("FLASHDIST_METADATA_MIB", "0.5" if index == "beyond-the-budget" else "8")
+    for command in (("inspect", folder), ("export", folder, tmp_path / "out.safetensors")):
+        rc, _, err = run_cli(*command)
+        assert rc == 1 and err.count("\n") == 1 and "model.safetensors.index.json" in err, err
+        assert ("FLASHDIST_METADATA_MIB=" in err) == (index == "beyond-the-budget"), err
+    monkeypatch.setenv("FLASHDIST_METADATA_MIB", "8")
+    if index == "beyond-the-budget":
+        assert run_cli("inspect", folder)[0] in (0, 1) and "index.json" not in run_cli("inspect", folder)[2]
