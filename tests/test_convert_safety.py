@@ -353,8 +353,12 @@ def test_fold_rho_reads_through_the_same_reader(tmp_path, monkeypatch):
     assert not (tmp_path / "bad-out").exists()
 
     good = _zero_folder(tmp_path / "good", zero_stage=ZeroStageEnum.gradients, loss_scaler=LossScaler(scale=1.0))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "victim").write_text("not yours")
+    (tmp_path / "out" / "latest").symlink_to(tmp_path / "victim")  # planted: replaced, never written through
     out = Path(fds.fold_rho(str(good), str(tmp_path / "out")))
     assert out == tmp_path / "out" / "step1" and (tmp_path / "out" / "latest").read_text() == "step1"
+    assert not (tmp_path / "out" / "latest").is_symlink() and (tmp_path / "victim").read_text() == "not yours"
     for rank in range(2):
         name = f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
         saved = torch.load(good / "step1" / name, weights_only=False)["optimizer_state_dict"]

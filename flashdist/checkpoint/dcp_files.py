@@ -36,10 +36,13 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                    TensorStorageMetadata)
 
 from .errors import CheckpointError
-from .files import check_routes, inside, open_regular, printable, read_bounded, reason, regular_size, shown
+from .files import (check_nesting, check_routes, check_torch_stream, inside, metadata_budget, open_regular, over_budget, printable,
+                    read_bounded, reason, regular_size, shown)
 
-MAX_METADATA_BYTES = 1 << 30
-"""The largest ``.metadata`` file read (1 GiB); its size grows with the number of tensors times ranks."""
+def max_metadata_bytes() -> int:
+    """The largest ``.metadata`` file read: a twentieth of the metadata budget (:func:`check_pickle` bounds the
+    cost of unpickling it, about 45 times the size of a real one; the unpickled objects take about 13)."""
+    return metadata_budget() // 20
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 _SHARDED_METADATA = "torch.distributed._shard.sharded_tensor.metadata"
@@ -65,22 +68,66 @@ _REFUSED_OPCODES = frozenset({"EMPTY_SET", "ADDITEMS", "FROZENSET", "BYTEARRAY8"
                               "PERSID", "BINPERSID", "EXT1", "EXT2", "EXT4"})
 _PUT_OPCODES = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
 
+# An upper bound of the memory (bytes, CPython 3.10-3.13, 64-bit) the C unpickler spends per opcode, so that
+# the sum over a file bounds its peak: every opcode may take a stack slot, a memo slot and a mark slot, each
+# in an array that grows by doubling (_OPCODE); what each opcode builds (_BUILT, plus _PER_BYTE times its
+# length for strings and numbers); and each item it puts into a container (_PER_ITEM; a dict item is counted
+# twice: BUILD may copy a state dict into the instance's own).
+_OPCODE = 16
+_BUILT = {"EMPTY_LIST": 96, "LIST": 96, "EMPTY_DICT": 96, "DICT": 96, "TUPLE": 80, "TUPLE1": 80, "TUPLE2": 80,
+          "TUPLE3": 80, "REDUCE": 96, "NEWOBJ": 96, "NEWOBJ_EX": 96, "OBJ": 96, "INST": 96, "BUILD": 256,
+          "BINFLOAT": 32, "FLOAT": 32, "MARK": 16, "MEMOIZE": 16, "PUT": 16, "BINPUT": 16, "LONG_BINPUT": 16}
+_PER_BYTE = {**dict.fromkeys(("SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE"), (64, 4)),
+             **dict.fromkeys(("SHORT_BINBYTES", "BINBYTES", "BINBYTES8", "SHORT_BINSTRING", "BINSTRING", "STRING"),
+                             (48, 1)),
+             **dict.fromkeys(("BININT", "BININT1", "BININT2", "LONG1", "LONG4", "INT", "LONG"), (32, 1))}
+_PER_ITEM = {**dict.fromkeys(("APPEND", "APPENDS", "LIST", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3"), 16),
+             **dict.fromkeys(("SETITEM", "SETITEMS", "DICT"), 128)}
+_ITEMS = {"SETITEM": 2, "APPEND": 1, "TUPLE1": 1, "TUPLE2": 2, "TUPLE3": 3}  # fixed item counts (others: to the mark)
 
-def _check_opcodes(data: bytes, path: Path) -> None:
-    """Walk the pickle's opcodes before it is unpickled: refuse those metadata never holds, and memo indexes
-    beyond the objects built so far (the C unpickler grows its memo table to twice the index it is given, so
-    a 10-byte file could make it set gigabytes aside)."""
+
+def check_pickle(data: bytes, path: Path) -> int:
+    """Walk the pickle's opcodes before it is unpickled and return an upper bound of the memory unpickling it
+    takes; refuse opcodes metadata never holds, and memo indexes beyond the objects built so far (the C
+    unpickler grows its memo table to twice the index it is given, so a 10-byte file could make it set
+    gigabytes aside)."""
+    def invalid(what: str) -> CheckpointError:
+        return CheckpointError(f"flashdist: {path} is not a valid DCP metadata file ({what}); the checkpoint is "
+                               "damaged or was not written by torch.distributed.checkpoint")
+
+    cost, depth, marks, last = 0, 0, [], None
     try:
-        for count, (op, arg, _) in enumerate(pickletools.genops(data)):
-            if op.name in _REFUSED_OPCODES or (op.name in _PUT_OPCODES and not 0 <= int(arg) <= count):
+        for count, (op, arg, pos) in enumerate(pickletools.genops(data)):
+            name = op.name
+            if name in _REFUSED_OPCODES or (name in _PUT_OPCODES and not 0 <= int(arg) <= count):
                 raise CheckpointError(f"flashdist: {path} is not a valid DCP metadata file (it holds the pickle "
-                                      f"opcode {op.name} {shown(arg)}, which DCP metadata does not); the checkpoint "
+                                      f"opcode {name} {shown(arg)}, which DCP metadata does not); the checkpoint "
                                       "is damaged or crafted")
+            if last is not None:  # the previous opcode's length is known now
+                cost += last[1] * (pos - last[0])
+            before, after = op.stack_before, op.stack_after
+            if name == "MARK":
+                marks.append(depth)
+                items = 0
+            elif pickletools.stackslice in before:
+                if not marks:
+                    raise invalid(f"opcode {name} at byte {pos} without a mark")
+                mark = marks.pop()
+                items = depth - mark
+                depth = mark - before.index(pickletools.markobject) + len(after)  # what lay below the mark goes
+            else:
+                items = _ITEMS.get(name, 0)
+                depth += len(after) - len(before)
+            if depth < 0:
+                raise invalid(f"opcode {name} at byte {pos} on an empty stack")
+            base, per_byte = _PER_BYTE.get(name, (0, 0))
+            cost += _OPCODE + _BUILT.get(name, 0) + base + _PER_ITEM.get(name, 0) * items
+            last = (pos, per_byte)
     except CheckpointError:
         raise
     except Exception as e:  # noqa: BLE001 - truncated or unknown opcodes
-        raise CheckpointError(f"flashdist: {path} is not a valid DCP metadata file ({reason(e)}); the checkpoint "
-                              "is damaged or was not written by torch.distributed.checkpoint") from None
+        raise invalid(reason(e)) from None
+    return cost
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -122,8 +169,14 @@ class SafeFileSystemReader(FileSystemReader):
         path = Path(self.path) / ".metadata"
         if not os.path.lexists(path):
             raise CheckpointError(f"flashdist: {self.path} is not a DCP checkpoint (no .metadata file)")
-        data = read_bounded(inside(self.path, ".metadata"), MAX_METADATA_BYTES, expected="a DCP metadata file")
-        _check_opcodes(data, path)
+        real = inside(self.path, ".metadata")
+        size = regular_size(real, expected="a DCP metadata file")
+        if size > max_metadata_bytes():  # too long even to walk: a real one costs 20 to 45 times its size
+            raise over_budget(path, 20 * size, "its metadata")
+        data = read_bounded(real, max_metadata_bytes(), expected="a DCP metadata file")
+        cost = 2 * len(data) + check_pickle(data, path)  # the bytes, a frame read from them, the objects
+        if cost > metadata_budget():
+            raise over_budget(path, cost, "its metadata")
         try:
             metadata = _MetadataUnpickler(io.BytesIO(data)).load()
         except Exception as e:  # noqa: BLE001 - any damage (bit flips, truncation, crafted opcodes) is one line
@@ -271,11 +324,13 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     """Reads non-tensor entries with ``torch.load(weights_only=True)``."""
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        check_torch_stream(value, len(value.getbuffer()), f"checkpoint entry '{read_item.dest_index.fqn}'")
         try:
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as e:
             raise CheckpointError(f"flashdist: checkpoint entry '{read_item.dest_index.fqn}' is not plain data "
                                   f"and was refused (weights_only=True): {e}") from None
+        check_nesting(obj, f"checkpoint entry '{read_item.dest_index.fqn}'")
         if self.flatten_state_dict:
             from torch.distributed.checkpoint._nested_dict import set_element  # noqa: PLC0415
 

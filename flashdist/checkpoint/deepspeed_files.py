@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from .errors import CheckpointError
-from .files import inside, read_bounded, regular_size, shown
+from .files import check_nesting, check_torch_file, inside, read_bounded, shown
 
 DEEPSPEED_GLOBALS = ("deepspeed.runtime.zero.config.ZeroStageEnum",
                      "deepspeed.runtime.fp16.loss_scaler.LossScaler",
@@ -95,7 +95,7 @@ def load_file(path: str | os.PathLike, *, deepspeed_objects: bool = False) -> di
     Raises :class:`CheckpointError` naming the file (and the class, for a refused one)."""
     path = Path(path)
     real = inside(path.parent, path.name)  # a link out of the checkpoint's folder, a FIFO, ... is refused
-    regular_size(real, expected="a DeepSpeed checkpoint file")
+    check_torch_file(real)  # regular, a zip of stored records, its pickles within the metadata budget
     try:
         with torch.serialization.safe_globals(_globals(deepspeed_objects)):
             value = torch.load(real, map_location="cpu", weights_only=True, mmap=True)
@@ -112,6 +112,7 @@ def load_file(path: str | os.PathLike, *, deepspeed_objects: bool = False) -> di
         text = str(e).strip().splitlines()
         raise CheckpointError(f"flashdist: could not read {path}: {text[0][:200] if text else type(e).__name__}") \
             from None
+    check_nesting(value, path)
     if not isinstance(value, dict):
         raise CheckpointError(f"flashdist: {path} is not a DeepSpeed checkpoint file (it holds a "
                               f"{type(value).__name__})")

@@ -14,7 +14,11 @@ through :func:`open_regular`:
   is repeated on the open descriptor (``O_NOFOLLOW | O_NONBLOCK``, then ``fstat``), so a file swapped in
   between is refused too.
 - Bounded: :func:`read_bounded` reads a whole small file (a ``.metadata``, a ``latest`` tag) only when it is
-  at most a stated number of bytes.
+  at most a stated number of bytes. What a reader builds from a checkpoint's metadata (a DCP ``.metadata``'s
+  objects, a safetensors header, a torch file's pickle and zip directory) is held within one budget,
+  :func:`metadata_budget` (512 MiB unless :data:`METADATA_BUDGET` says otherwise), checked from the file's
+  bytes before it is parsed: so ``flashdist inspect`` of any input peaks within that budget above the
+  interpreter.
 
 Every refusal is a :class:`~flashdist.checkpoint.errors.CheckpointError` of one line naming the file.
 """
@@ -33,6 +37,14 @@ FOLLOW_LINKS = "FLASHDIST_FOLLOW_LINKS"
 """Environment variable: ``1`` lets the names in a checkpoint resolve through symbolic links that lead out of
 its folder (``..`` and absolute names stay refused)."""
 
+METADATA_BUDGET = "FLASHDIST_METADATA_MIB"
+"""Environment variable: the memory (MiB) a reader may spend on one checkpoint's metadata (default
+:data:`DEFAULT_METADATA_MIB`); raise it for a checkpoint whose metadata is larger (thousands of ranks)."""
+DEFAULT_METADATA_MIB = 512
+"""The default budget: a DCP ``.metadata`` of a Llama-3-8B state (FlashAdamW, compressed) on 8 ranks is 2.2 MiB
+and counts about 100 MiB (28 MiB once unpickled); metadata grows with the ranks, so the default holds such a
+state on about 40 ranks, a 70B model's on about 16."""
+
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
           (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
@@ -40,6 +52,34 @@ _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCH
 def follow_links() -> bool:
     """True when the user opted in to symbolic links out of a checkpoint folder (:data:`FOLLOW_LINKS`)."""
     return os.environ.get(FOLLOW_LINKS, "").strip().lower() in ("1", "true", "yes")
+
+
+def metadata_budget() -> int:
+    """The bytes a reader may spend on one checkpoint's metadata (:data:`METADATA_BUDGET`)."""
+    text = os.environ.get(METADATA_BUDGET, "").strip()
+    if not text:
+        return DEFAULT_METADATA_MIB << 20
+    try:
+        mib = float(text)
+    except ValueError:
+        mib = -1.0
+    if not mib > 0:
+        raise CheckpointError(f"flashdist: {METADATA_BUDGET}={shown(text)} is not a number of MiB above 0")
+    return int(mib * (1 << 20))
+
+
+def over_budget(path, cost: int, what: str) -> CheckpointError:
+    """The one-line refusal of ``path``, whose ``what`` (its metadata, say) would take ``cost`` bytes of memory
+    to read, more than :func:`metadata_budget`."""
+    budget = metadata_budget()
+    need = max(int(cost / (1 << 20)) + 1, 2 * (budget >> 20))
+    return CheckpointError(f"flashdist: {printable(path)}: reading {what} would take about {_mib(cost)} MiB of memory, "
+                           f"more than the {_mib(budget)} MiB budget for a checkpoint's metadata; refused (set "
+                           f"{METADATA_BUDGET}={need} to read it)")
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):,.0f}" if n >= 10 << 20 else f"{n / (1 << 20):.2g}"
 
 
 def shown(value, limit: int = 80) -> str:
@@ -182,3 +222,108 @@ def check_routes(routes, *, slack: int, source: str | os.PathLike) -> None:
     if slots > paid + slack:
         raise CheckpointError(f"flashdist: {source} names list indices up to {max(lists.values()):,} for "
                               f"{len(leaves):,} entries; the checkpoint is damaged or crafted")
+
+
+# What a reader builds per byte of a file's metadata, at most (bytes), for the checks below: a torch file's pickle
+# (torch's weights_only unpickler: the densest crafted pickles build about 75 bytes per byte, a real one about
+# 15), a zip directory (a ZipInfo per entry of at least 46 bytes), a safetensors header (one parsed entry and
+# the route, spec and name a reader keeps per tensor, for at least 40 bytes of JSON).
+_PICKLE_COST, _ZIP_DIRECTORY_COST, _SAFETENSORS_HEADER_COST = 128, 16, 32
+_JSON_COST = 32  # json.loads builds at most about 24 bytes per byte of text (a list of empty dicts)
+
+
+def read_json(path: str | os.PathLike, *, expected: str = "a JSON file"):
+    """The JSON value in regular file ``path`` (a shard index, trainer_state.json), read when parsing it fits
+    :func:`metadata_budget`; one line naming the file otherwise, or when it is not JSON."""
+    import json
+
+    size = regular_size(path, expected=expected)
+    if _JSON_COST * size > metadata_budget():
+        raise over_budget(path, _JSON_COST * size, "it")
+    try:
+        return json.loads(read_bounded(path, size, expected=expected))
+    except CheckpointError:
+        raise
+    except (ValueError, RecursionError) as e:
+        raise CheckpointError(f"flashdist: cannot read {printable(path)}: {reason(e)}") from None
+
+
+def check_torch_file(path: str | os.PathLike) -> None:
+    """Refuse (one line naming ``path``) a ``torch.save`` file whose reading could cost more than the file
+    holds or more than :func:`metadata_budget`, before ``torch.load`` sees it: it must be a zip whose records are
+    all stored uncompressed (as ``torch.save`` writes them: a compressed record could inflate a small file to
+    gigabytes) and lie inside the file, and whose directory and pickles fit the budget. The sizes of tensors
+    are checked by ``torch.load`` itself against their records."""
+    size = regular_size(path, expected="a torch file")
+    with open_regular(path, expected="a torch file") as f:
+        check_torch_stream(f, size, path)
+
+
+def check_torch_stream(f, size: int, name) -> None:
+    """:func:`check_torch_file` of an open binary stream ``f`` of ``size`` bytes (a DCP entry, say), named
+    ``name`` in the error."""
+    import zipfile
+
+    try:
+        end = zipfile._EndRecData(f)  # the end record only: how large the directory is, before reading it
+        if end is None:
+            raise CheckpointError(f"flashdist: could not read {printable(name)}: it has no zip directory at its end "
+                                  "(it is truncated, or of torch's format before 1.6: load it and save it again)")
+        directory = end[zipfile._ECD_SIZE]
+        if directory > size:
+            raise CheckpointError(f"flashdist: {printable(name)} names a zip directory of {directory:,} bytes in "
+                                  f"{size:,}; it is damaged or crafted")
+        if _ZIP_DIRECTORY_COST * directory > metadata_budget():
+            raise over_budget(name, _ZIP_DIRECTORY_COST * directory, "its zip directory")
+        f.seek(0)
+        with zipfile.ZipFile(f) as z:
+            cost = _ZIP_DIRECTORY_COST * directory
+            for info in z.infolist():
+                if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size \
+                        or info.header_offset + info.file_size > size:
+                    raise CheckpointError(f"flashdist: {printable(name)} holds the record {shown(info.filename)} "
+                                          "compressed or beyond its end, which torch.save never writes; refused")
+                if info.filename.endswith(".pkl"):
+                    cost += _PICKLE_COST * info.file_size
+            if cost > metadata_budget():
+                raise over_budget(name, cost, "its pickled structure")
+        f.seek(0)
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a damaged zip directory
+        raise CheckpointError(f"flashdist: {printable(name)} is not a valid torch.save file ({reason(e)}); it is "
+                              "damaged or was written by another program") from None
+
+
+def check_safetensors_file(path: str | os.PathLike) -> None:
+    """Refuse (one line naming ``path``) a safetensors file whose header length (its first 8 bytes) exceeds the
+    file, or whose header would cost more than :func:`metadata_budget` to parse, before it is parsed."""
+    size = regular_size(path, expected="a safetensors file")
+    with open_regular(path, expected="a safetensors file") as f:
+        head = f.read(8)
+    length = int.from_bytes(head, "little") if len(head) == 8 else -1
+    if not 0 < length <= size - 8:
+        raise CheckpointError(f"flashdist: {printable(path)} names a header of {length:,} bytes in a file of "
+                              f"{size:,}; it is not a safetensors file, or it is damaged or crafted")
+    if _SAFETENSORS_HEADER_COST * length > metadata_budget():
+        raise over_budget(path, _SAFETENSORS_HEADER_COST * length, "its header")
+
+
+MAX_NESTING = 100
+"""The deepest nesting of lists, tuples and dicts read from a file's plain data (``save`` cannot write one much
+deeper than Python's recursion limit allows; readers copy and walk it recursively)."""
+
+
+def check_nesting(obj, what) -> None:
+    """Refuse (one line naming ``what``, a file or an entry) plain data nesting lists, tuples or dicts more than
+    :data:`MAX_NESTING` deep, checked without recursion."""
+    todo = [(obj, 0)]
+    while todo:
+        node, depth = todo.pop()
+        if isinstance(node, dict):
+            node = list(node.values())
+        if isinstance(node, (list, tuple)):
+            if depth >= MAX_NESTING:
+                raise CheckpointError(f"flashdist: {printable(what)} nests lists or dicts more than {MAX_NESTING} "
+                                      "deep; it is damaged or crafted")
+            todo.extend((child, depth + 1) for child in node)

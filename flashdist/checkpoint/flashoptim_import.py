@@ -65,6 +65,7 @@ import torch
 from ..optim.layout import check_master_weight_bits
 from ..quant import rho as R
 from .errors import CheckpointError
+from .files import check_nesting, check_torch_file
 from .state import FORMAT_VERSION
 
 GROUP_SIZE = 32  # flashoptim's quantization group: consecutive values of the flattened tensor
@@ -95,12 +96,15 @@ def is_flashoptim_file(path: str | os.PathLike) -> bool:
 
 
 def _load(path: Path) -> Any:
+    check_torch_file(path)
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        value = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - truncated zip, refused pickle global, ...
         text = str(e).strip().splitlines()
         first = next((line for line in text if "GLOBAL" in line), text[0] if text else type(e).__name__)
         raise CheckpointError(f"flashdist: could not read {path}: {first.strip()[:300]}") from None
+    check_nesting(value, path)
+    return value
 
 
 def _split_input(obj: Any, model_state: dict | None, where: str) -> tuple[dict, dict]:

@@ -38,7 +38,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from .dcp_files import SafeFileSystemReader, SafeLoadPlanner
 from .errors import CheckpointError, error_summary
-from .files import check_routes, inside, open_regular, reason
+from .files import (check_nesting, check_routes, check_safetensors_file, check_torch_file, inside, open_regular,
+                    reason)
 from .output import Spec
 from .publish import resolve
 
@@ -221,6 +222,7 @@ def _safetensors_routes(path: Path, f) -> tuple[dict, dict[str, tuple]]:
 def _read_safetensors(path: Path) -> dict:
     from safetensors import safe_open
 
+    check_safetensors_file(path)
     with safe_open(str(path), framework="pt") as f:
         nested, routes = _safetensors_routes(path, f)
         for key, route in routes.items():
@@ -250,10 +252,13 @@ def read(path: str | os.PathLike, *, tag: str | None = None, master_weight_bits:
     if kind == "fsdp-folder":
         return read_fsdp_folder(path)
     if kind == "torch":
+        check_torch_file(path)
         try:
-            return torch.load(path, map_location="cpu", weights_only=True)
+            state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 - truncated zip, refused pickle global, ...
             raise CheckpointError(f"flashdist: could not read {path}: {_first_line(e)}") from None
+        check_nesting(state, path)
+        return state
     if kind == "safetensors":
         try:
             return _read_safetensors(Path(path))
@@ -425,10 +430,12 @@ class _TorchSource(Source):
     def __init__(self, path: Path):
         self.path = path
         state = self._load()
+        check_nesting(state, path)
         tensors, rest = flat_tensors(state)
         super().__init__(rest, {r: (tuple(t.shape), t.dtype) for r, t in tensors.items()})
 
     def _load(self):
+        check_torch_file(self.path)
         try:
             return torch.load(self.path, map_location="cpu", weights_only=True, mmap=True)
         except Exception as e:  # noqa: BLE001 - truncated zip, refused pickle global, ...
@@ -444,6 +451,7 @@ class _SafetensorsSource(Source):
         from safetensors import safe_open
 
         self.path = path
+        check_safetensors_file(path)
         try:
             with safe_open(str(path), framework="pt") as f:
                 rest, routes = _safetensors_routes(path, f)

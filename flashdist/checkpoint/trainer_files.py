@@ -29,14 +29,13 @@ is built on the meta device from ``config.json`` by the transformers class its `
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import torch
 
 from .errors import CheckpointError
-from .files import inside, printable, read_bounded, reason, regular_size
+from .files import check_nesting, check_safetensors_file, check_torch_file, inside, read_json, reason, regular_size
 from .names import ORDER_UNKNOWN
 from .output import SAFETENSORS_DTYPES
 
@@ -84,23 +83,17 @@ def fsdp_global_step(folder: Path) -> int | None:
 
 
 def _load(path: Path):
-    regular_size(path)  # a FIFO or a device is refused before it is opened
+    check_torch_file(path)  # a FIFO or a device is refused before it is opened; the zip's records are checked
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        value = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # noqa: BLE001 - truncated zip, refused pickle global, ...
         raise CheckpointError(f"flashdist: could not read {path}: {str(e).splitlines()[0][:300]}") from None
-
-
-_JSON_LIMIT = 64 * 2**20  # an index of a model's shards, trainer_state.json: megabytes at most
+    check_nesting(value, path)
+    return value
 
 
 def _json(path: Path):
-    try:
-        return json.loads(read_bounded(path, _JSON_LIMIT))
-    except CheckpointError:
-        raise
-    except ValueError as e:
-        raise CheckpointError(f"flashdist: cannot read {printable(path)}: {reason(e)}") from None
+    return read_json(path)  # an index of a model's shards, trainer_state.json: within the metadata budget
 
 
 def _weight_files(folder: Path) -> list[Path]:
@@ -148,6 +141,7 @@ class TrainerSource:
         specs: dict[tuple, tuple] = {}
         for file in _weight_files(self.folder):
             if file.suffix == ".safetensors":
+                check_safetensors_file(file)
                 try:
                     with safe_open(str(file), framework="pt") as f:
                         for key in f.keys():

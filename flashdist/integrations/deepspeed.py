@@ -53,7 +53,8 @@ from typing import Any
 import torch
 
 from .._compat import HAS_DEEPSPEED
-from ..checkpoint import deepspeed_files
+from ..checkpoint import deepspeed_files, output
+from ..checkpoint.files import inside
 from ..quant import rho as R
 
 _TYPE_PREFIX = "flashdist."
@@ -504,16 +505,25 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None, **kwargs):
         return result
     if kwargs.get("load_module_only", False) or result is None or result[0] is None:
         return result
-    if tag is None:
-        tag = deepspeed_files.read_tag(os.path.join(load_dir, "latest_universal"))
-    _restore_universal_masters(engine, os.path.join(load_dir, tag, "zero"))
+    _restore_universal_masters(engine, universal_folder(load_dir, tag))
     return result
+
+
+def universal_folder(load_dir: str, tag: str | None = None) -> str:
+    """The ``zero`` folder of the universal checkpoint ``load_dir/<tag>`` (``tag`` default: the
+    ``latest_universal`` file), confined to ``load_dir`` as every checkpoint reader is
+    (:mod:`flashdist.checkpoint.files`): a tag or a link that leads out of it is refused in one line."""
+    source = None
+    if tag is None:
+        source = os.path.join(load_dir, "latest_universal")
+        tag = deepspeed_files.read_tag(source)
+    return str(inside(load_dir, os.path.join(tag, "zero"), source=source))
 
 
 def _read_universal(folder: str, name: str, key: str = "fp32") -> torch.Tensor:
     from deepspeed.checkpoint.constants import PARAM
 
-    return deepspeed_files.load_file(os.path.join(folder, name, f"{key}.pt"))[PARAM]
+    return deepspeed_files.load_file(inside(folder, os.path.join(name, f"{key}.pt")))[PARAM]
 
 
 def _reload_float_moments(opt, zero, masters: list[torch.Tensor], folder: str, stage3: bool) -> None:
@@ -664,7 +674,8 @@ def _fold(folder: Path, output_dir: str | os.PathLike) -> str:
             torch.save(file.contents, target)
         elif path.is_file():
             _link_or_copy(path, target)
-    (Path(output_dir) / "latest").write_text(tag)
+    with output.atomic_output(Path(output_dir) / "latest", directory=False) as tmp:  # a link there is replaced,
+        tmp.write_text(tag)  # never written through
     return str(out)
 
 

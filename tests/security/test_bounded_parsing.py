@@ -5,6 +5,7 @@ reader, and every single-byte corruption of a real .metadata is a CheckpointErro
 from __future__ import annotations
 
 import copy
+import os
 import json
 import pickle
 import random
@@ -183,12 +184,20 @@ def test_every_single_byte_corruption_of_a_metadata_file_is_refused_or_loads(tmp
     assert time.monotonic() - start < 30
 
 
-def test_metadata_larger_than_the_cap_is_refused_before_it_is_read(tmp_path, monkeypatch):
-    from flashdist.checkpoint import dcp_files
-
+@pytest.mark.parametrize("per_byte,what", [(10, "before it is read"), (25, "after its opcodes are walked")])
+def test_metadata_beyond_the_budget_is_refused_naming_the_variable(tmp_path, monkeypatch, per_byte, what):
+    """A .metadata longer than a twentieth of FLASHDIST_METADATA_MIB is refused unread; a shorter one whose
+    opcodes would build more than the budget, before it is unpickled; the line says how to raise it."""
     good = plain(tmp_path / "good", STATE)
-    monkeypatch.setattr(dcp_files, "MAX_METADATA_BYTES", 100)
-    with pytest.raises(checkpoint.CheckpointError, match="more than the 100"):
+    monkeypatch.setenv("FLASHDIST_METADATA_MIB", str(per_byte * (good / ".metadata").stat().st_size / 2**20))
+    with pytest.raises(checkpoint.CheckpointError, match=r"\.metadata: reading its metadata would take about .* MiB "
+                       r"of memory, more than the .* MiB budget .*\(set FLASHDIST_METADATA_MIB=\d+ to read it\)$") as e:
+        sources.read(good)
+    assert "\n" not in str(e.value)
+    monkeypatch.setenv("FLASHDIST_METADATA_MIB", "1")
+    assert sources.read(good)["model"]["w"].shape == (3, 4)
+    monkeypatch.setenv("FLASHDIST_METADATA_MIB", "lots")
+    with pytest.raises(checkpoint.CheckpointError, match="FLASHDIST_METADATA_MIB='lots' is not a number"):
         sources.read(good)
 
 
@@ -268,3 +277,298 @@ def test_safetensors_plain_data_of_unexpected_types_is_one_line(tmp_path, plain_
                     ("export", path, tmp_path / "o.safetensors")):
         rc, _, err = run_cli(*command)
         assert rc in (0, 1) and "FLASHDIST_TRACEBACK" not in err and err.count("\n") == rc, (command[0], err)
+
+
+# ----- the metadata budget ----------------------------------------------------------------------------------
+# Pickles that build the most memory per byte the C unpickler reads (fresh containers left on the stack or in
+# the memo, long runs of small items, wide characters): each is sized to just under the budget, and must cost
+# no more than it.
+
+
+def _int(i: int) -> bytes:
+    return b"J" + i.to_bytes(4, "little", signed=True)
+
+
+_DENSE = {
+    "lists-on-stack": lambda n: b"]" * n,
+    "dicts-on-stack": lambda n: b"}" * n,
+    "dicts-of-one-item": lambda n: b"](" + b"}K\x01Ns" * n + b"e",
+    "memoized-dicts": lambda n: b"}\x94" * n,
+    "tuple-of-lists": lambda n: b"(" + b"]" * n + b"t",
+    "dict-items": lambda n: b"}(" + b"".join(_int(i) + b"N" for i in range(n)) + b"u",
+    "wide-strings": lambda n: b"](" + (b"\x8c\x20" + ("\U0001F600" * 8).encode()) * n + b"e",
+    "ints": lambda n: b"](" + b"".join(_int(1000 + i) for i in range(n)) + b"e",
+    "marks": lambda n: b"(" * n + b"N",
+}
+_BUDGET_MIB = 32
+
+
+def _dense_metadata(kind: str, budget: int) -> bytes:
+    from flashdist.checkpoint.dcp_files import check_pickle
+
+    def make(n):
+        return b"\x80\x04" + _DENSE[kind](n) + b"."
+
+    per, size = check_pickle(make(1000), Path("x")) / 1000, len(make(1000)) / 1000
+    data = make(int(min(0.97 * budget / (per + 2 * size), 0.97 * budget / 20 / size)))  # the cost, the length
+    assert 0.9 * budget < 2 * len(data) + check_pickle(data, Path("x")) <= budget or 0.9 * budget < 20 * len(data)
+    return data
+
+
+_BUDGET_CHILD = r"""
+import contextlib, io, json, sys, time
+from flashdist.cli import main
+def status(key):
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key))
+main(["inspect", sys.argv[2]])  # warm: modules imported lazily
+out = []
+for path in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    before = status("VmRSS:")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak (VmHWM) starts again from here
+    start = time.monotonic()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        rc = main(["inspect", path])
+    out.append([path, rc, err.getvalue(), time.monotonic() - start, status("VmHWM:") - before])
+print(json.dumps(out))
+"""
+
+
+def test_inspect_of_metadata_built_to_the_budget_stays_within_it(tmp_path):
+    """With FLASHDIST_METADATA_MIB=32: .metadata files that pack the most objects per byte, each just under the
+    budget by check_pickle's count, are unpickled (then refused: they are not DCP metadata) with a peak
+    growth within the budget, each in under 10 s; one over it is refused before unpickling; so is a torch file
+    whose tensor record would inflate to 256 MiB."""
+    budget = _BUDGET_MIB << 20
+    paths = []
+    for kind in _DENSE:
+        folder = tmp_path / kind
+        folder.mkdir()
+        (folder / ".metadata").write_bytes(_dense_metadata(kind, budget))
+        paths.append(str(folder))
+    paths.append(str(_torch_file_with(tmp_path / "bomb.pt", inflate_to=256 << 20)))  # and a zip bomb
+    over = tmp_path / "over"
+    over.mkdir()
+    (over / ".metadata").write_bytes(b"\x80\x04" + b"]" * (budget // 100) + b".")
+    good = plain(tmp_path / "good", STATE)
+    env = {**os.environ, "FLASHDIST_METADATA_MIB": str(_BUDGET_MIB), "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, "-c", _BUDGET_CHILD, json.dumps(paths + [str(over)]), str(good)],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    results = json.loads(run.stdout.strip().splitlines()[-1])
+    for path, rc, err, seconds, grew in results:
+        assert rc == 1 and err.count("\n") == 1 and "FLASHDIST_TRACEBACK" not in err, (path, err)
+        assert seconds < 10 and grew <= budget, (path, seconds, grew / 2**20)
+    assert f"FLASHDIST_METADATA_MIB={2 * _BUDGET_MIB} to read it" in results[-1][2]
+
+
+def test_default_budget_holds_a_llama_8b_state_on_8_ranks_with_margin():
+    """The .metadata of a Llama-3-8B-shaped FlashAdamW state (compressed: six state tensors per parameter) on 8
+    FSDP2 ranks, built without its tensors: its cost by check_pickle is under a quarter of the default budget."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (Metadata, MetadataIndex, StorageMeta, TensorProperties,
+                                                       TensorStorageMetadata)
+
+    from flashdist.checkpoint.dcp_files import check_pickle
+    from flashdist.checkpoint.files import metadata_budget
+
+    shapes = {"model.embed_tokens.weight": (128256, 4096), "model.norm.weight": (4096,),
+              "lm_head.weight": (128256, 4096)}
+    for i in range(32):
+        for name, shape in (("self_attn.q_proj", (4096, 4096)), ("self_attn.k_proj", (1024, 4096)),
+                            ("self_attn.v_proj", (1024, 4096)), ("self_attn.o_proj", (4096, 4096)),
+                            ("mlp.gate_proj", (14336, 4096)), ("mlp.up_proj", (14336, 4096)),
+                            ("mlp.down_proj", (4096, 14336)), ("input_layernorm", (4096,)),
+                            ("post_attention_layernorm", (4096,))):
+            shapes[f"model.layers.{i}.{name}.weight"] = shape
+    entries, storage, routes, offsets = {}, {}, {}, [0] * 8
+
+    def add(key, route, shape, ranks):
+        chunks = []
+        for r in range(ranks):
+            rows = -(-shape[0] // ranks) if shape else 0
+            start = torch.Size([min(r * rows, shape[0])] + [0] * (len(shape) - 1)) if shape else torch.Size([])
+            size = torch.Size([min(rows, shape[0] - start[0])] + list(shape[1:])) if shape else torch.Size([])
+            chunks.append(ChunkStorageMetadata(start, size))
+            storage[MetadataIndex(key, start, None)] = _StorageInfo(f"__{r}_0.distcp", offsets[r], size.numel())
+            offsets[r] += size.numel()
+        entries[key] = TensorStorageMetadata(TensorProperties(dtype=torch.bfloat16), torch.Size(shape), chunks)
+        routes[key] = route
+
+    for name, shape in shapes.items():
+        add(f"model.{name}", ("model", name), shape, 8)
+        for state in ("rho", "exp_avg_codes", "exp_avg_scales", "exp_avg_sq_codes", "exp_avg_sq_scales"):
+            add(f"optim.state.{name}.{state}", ("optim", "state", name, state), shape, 8)
+        add(f"optim.state.{name}.step", ("optim", "state", name, "step"), (), 1)
+    data = pickle.dumps(Metadata(entries, planner_data=routes, storage_data=storage,
+                                 storage_meta=StorageMeta(checkpoint_id=Path("/ck"), save_id="flashdist-1-" + "0" * 32)))
+    assert 1 << 20 < len(data) < 4 << 20
+    assert 2 * len(data) + check_pickle(data, Path("x")) < metadata_budget() // 4
+
+
+def _torch_file_with(path: Path, *, inflate_to: int = 0, deflate_pickle: bool = False, numel: int = 0) -> Path:
+    """A torch.save file of {"w": zeros(4)} rewritten: its tensor's record deflated to ``inflate_to`` zero bytes
+    (a zip bomb: the numel in its pickle raised to match), its pickle deflated, or its numel and shape raised
+    to ``numel`` over the same 16-byte record."""
+    import zipfile
+
+    torch.save({"w": torch.zeros(4)}, path)
+    with zipfile.ZipFile(path) as z:
+        records = {name: z.read(name) for name in z.namelist()}
+    pkl = next(n for n in records if n.endswith("data.pkl"))
+    data = next(n for n in records if n.endswith("/data/0"))
+    if inflate_to or numel:
+        records[pkl] = records[pkl].replace(b"K\x04t", b"J" + (numel or inflate_to // 4).to_bytes(4, "little") + b"t")
+    if numel:  # the tensor's shape too
+        records[pkl] = records[pkl].replace(b"K\x04\x85", b"J" + numel.to_bytes(4, "little") + b"\x85")
+    with zipfile.ZipFile(path, "w") as z:
+        for name, payload in records.items():
+            deflated = (name == data and inflate_to) or (name == pkl and deflate_pickle)
+            info = zipfile.ZipInfo(name)
+            info.compress_type = zipfile.ZIP_DEFLATED if deflated else zipfile.ZIP_STORED
+            with z.open(info, "w") as out:
+                if name == data and inflate_to:
+                    for _ in range(inflate_to >> 20):
+                        out.write(bytes(1 << 20))
+                else:
+                    out.write(payload)
+    return path
+
+
+def _safetensors_with_header_length(path: Path, length: int) -> Path:
+    from safetensors.torch import save_file
+
+    save_file({"model.w": torch.zeros(3)}, str(path))
+    data = path.read_bytes()
+    path.write_bytes(length.to_bytes(8, "little") + data[8:])
+    return path
+
+
+@pytest.mark.parametrize("kind", ["zip-bomb", "deflated-pickle", "numel-2^31", "safetensors-2^63",
+                                  "safetensors-past-end"])
+def test_torch_and_safetensors_files_that_would_inflate_are_refused_in_one_line(tmp_path, kind):
+    """A torch file whose 1 KB tensor record inflates to 256 MiB (torch.load without mmap would take it), a
+    compressed pickle, a tensor of 2^31 floats over a 16-byte record, a safetensors header length of 2^63 or
+    past the file's end: every command refuses in one line naming the file, and so does the library reader."""
+    from _hostile import attempt
+
+    path = {"zip-bomb": lambda p: _torch_file_with(p / "bomb.pt", inflate_to=256 << 20),
+            "deflated-pickle": lambda p: _torch_file_with(p / "pkl.pt", deflate_pickle=True),
+            "numel-2^31": lambda p: _torch_file_with(p / "numel.pt", numel=2**31 - 1),  # torch.load checks it
+            "safetensors-2^63": lambda p: _safetensors_with_header_length(p / "a.safetensors", 1 << 63),
+            "safetensors-past-end": lambda p: _safetensors_with_header_length(p / "b.safetensors", 1 << 20)}[kind](tmp_path)
+    assert path.stat().st_size < 1 << 20
+    for reader in ("inspect", "convert", "export"):
+        error = attempt(reader, path, tmp_path / "out")
+        assert error is not None and path.name in str(error), (reader, error)
+    with pytest.raises(checkpoint.CheckpointError, match=path.name):
+        sources.read(path)
+
+
+def test_torch_and_safetensors_metadata_beyond_the_budget_is_refused(tmp_path, monkeypatch):
+    from safetensors.torch import save_file
+
+    st = tmp_path / "a.safetensors"
+    save_file({f"model.w{i}": torch.zeros(1) for i in range(200)}, str(st))
+    pt = tmp_path / "a.pt"
+    torch.save({"model": {"w": torch.zeros(1)}, "extra": {"notes": list(range(3000))}}, pt)
+    monkeypatch.setenv("FLASHDIST_METADATA_MIB", "0.1")
+    for path, what in ((st, "its header"), (pt, "its pickled structure")):
+        with pytest.raises(checkpoint.CheckpointError, match=f"reading {what} would take .*FLASHDIST_METADATA_MIB"):
+            sources.read(path)
+    monkeypatch.setenv("FLASHDIST_METADATA_MIB", "8")
+    assert len(sources.read(st)["model"]) == 200 and len(sources.read(pt)["extra"]["notes"]) == 3000
+
+
+def test_plain_data_nested_beyond_the_limit_is_refused_in_one_line(tmp_path):
+    """Lists nested 100,000 deep (a few hundred KB of pickle, which the unpickler builds without recursion) in a
+    DCP entry and in a torch file: convert and export refuse in one line naming the entry or the file, where
+    copying the data would have raised RecursionError."""
+    import io
+    import zipfile
+
+    from _hostile import attempt
+
+    deep = b"\x80\x02" + b"]" * 100_000 + b"a" * 99_999 + b"."
+
+    def with_pickle(blob: bytes, pickled: bytes) -> bytes:
+        with zipfile.ZipFile(io.BytesIO(blob)) as z:
+            records = {n: z.read(n) for n in z.namelist()}
+        out = io.BytesIO()
+        with zipfile.ZipFile(out, "w") as z:
+            for name, payload in records.items():
+                z.writestr(zipfile.ZipInfo(name), pickled if name.endswith("data.pkl") else payload)
+        return out.getvalue()
+
+    ck = plain(tmp_path / "ck", {**STATE, "extra": {"x": [1]}})
+    md = metadata_of(ck)
+    buffer = io.BytesIO()
+    torch.save([1], buffer)
+    blob = with_pickle(buffer.getvalue(), deep)
+    for index, info in md.storage_data.items():
+        if index.fqn == "extra.x":
+            shard = ck / info.relative_path
+            info.offset, info.length = shard.stat().st_size, len(blob)
+            with open(shard, "ab") as f:
+                f.write(blob)
+    write_metadata(ck, md)
+    pt = tmp_path / "deep.pt"
+    torch.save({"model": {"w": torch.zeros(2)}, "extra": {"x": [1]}}, pt)
+    with zipfile.ZipFile(pt) as z:
+        pickled = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
+    pt.write_bytes(with_pickle(pt.read_bytes(), pickled.replace(b"]q", b"]" * 100_000 + b"a" * 99_999 + b"q", 1)))
+    for path, named in ((ck, "checkpoint entry 'extra.x'"), (pt, str(pt))):
+        for reader in ("convert", "export"):
+            error = attempt(reader, path, tmp_path / f"out-{reader}")
+            assert error is not None and f"{named} nests lists or dicts more than 100 deep" in str(error), error
+
+
+def test_check_pickle_bounds_what_the_unpickler_allocates(tmp_path):
+    """check_pickle's count is at least what unpickling allocates (tracemalloc's peak), for the densest pickles
+    and for real DCP metadata written with every pickle protocol; and it is within 6 times that allocation for
+    the real metadata (so the default budget is not spent on the bound's slack)."""
+    import io
+    import tracemalloc
+
+    from flashdist.checkpoint.dcp_files import _MetadataUnpickler, check_pickle
+
+    md = metadata_of(plain(tmp_path / "ck", STATE))
+    cases = {f"metadata-protocol-{p}": pickle.dumps(md, protocol=p) for p in range(2, pickle.HIGHEST_PROTOCOL + 1)}
+    cases.update({kind: b"\x80\x04" + make(20_000) + b"." for kind, make in _DENSE.items()})
+    for name, data in cases.items():
+        cost = check_pickle(data, Path(name))
+        tracemalloc.start()
+        try:
+            _MetadataUnpickler(io.BytesIO(data)).load()
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak <= cost, (name, peak, cost)
+        if name.startswith("metadata"):
+            assert cost <= 6 * peak, (name, peak, cost)
+
+
+@pytest.mark.parametrize("index", ["beyond-the-budget", "nested-100000-deep"])
+def test_trainer_folder_json_is_read_within_the_budget(tmp_path, monkeypatch, index):
+    """A Trainer / Accelerate folder's shard index whose parsing would cost more than FLASHDIST_METADATA_MIB (32
+    bytes per byte of JSON), or nests 100,000 deep: inspect and export refuse in one line naming it."""
+    from safetensors.torch import save_file
+
+    from tests._cli import run_cli
+
+    folder = tmp_path / "state"
+    folder.mkdir()
+    save_file({"w": torch.zeros(2, dtype=torch.bfloat16)}, str(folder / "model.safetensors"))
+    torch.save({"state": {}, "param_groups": [{"params": [], "param_names": []}]}, folder / "optimizer.bin")
+    text = ('{"weight_map": {"w": "model.safetensors"}, "notes": [' + ",".join(["{}"] * 20_000) + "]}"
+            if index == "beyond-the-budget" else "[" * 100_000 + "]" * 100_000)
+    (folder / "model.safetensors.index.json").write_text(text)
+    monkeypatch.setenv("FLASHDIST_METADATA_MIB", "0.5" if index == "beyond-the-budget" else "8")
+    for command in (("inspect", folder), ("export", folder, tmp_path / "out.safetensors")):
+        rc, _, err = run_cli(*command)
+        assert rc == 1 and err.count("\n") == 1 and "model.safetensors.index.json" in err, err
+        assert ("FLASHDIST_METADATA_MIB=" in err) == (index == "beyond-the-budget"), err
+    monkeypatch.setenv("FLASHDIST_METADATA_MIB", "8")
+    if index == "beyond-the-budget":
+        assert run_cli("inspect", folder)[0] in (0, 1) and "index.json" not in run_cli("inspect", folder)[2]

@@ -174,3 +174,52 @@ def test_trainer_and_accelerate_folder_files_linked_from_elsewhere_are_refused(t
         rc, _, err = run_cli(*command)
         assert rc == 1 and err.count("\n") == 1 and "symbolic link that leads outside" in err, err
         assert str(folder / linked) in err, err
+
+
+@pytest.mark.parametrize("how", ["tag-dotdot", "zero-link-out", "param-link-out"])
+def test_universal_checkpoint_reads_stay_inside_the_folder(tmp_path, how):
+    """flashdist.integrations.deepspeed.load_checkpoint reads the 24-bit masters of a universal checkpoint at
+    ``load_dir/<tag>/zero/<param>/fp32.pt``: a latest_universal tag with ``..``, a ``zero`` folder or a
+    parameter folder that links out of ``load_dir`` is refused in one line, nothing read."""
+    pytest.importorskip("deepspeed")
+    from flashdist.integrations import deepspeed as fds
+
+    outside = tmp_path / "outside" / "step1_universal" / "zero" / "w"
+    outside.mkdir(parents=True)
+    torch.save({"param": torch.ones(3)}, outside / "fp32.pt")
+    load_dir = tmp_path / "ck"
+    (load_dir / "step1_universal" / "zero").mkdir(parents=True)
+    (load_dir / "latest_universal").write_text("step1_universal")
+    if how == "tag-dotdot":
+        (load_dir / "latest_universal").write_text("../outside/step1_universal")
+    elif how == "zero-link-out":
+        (load_dir / "step1_universal" / "zero").rmdir()
+        (load_dir / "step1_universal" / "zero").symlink_to(outside.parent)
+    else:
+        (load_dir / "step1_universal" / "zero" / "w").symlink_to(outside)
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        zero = fds.universal_folder(str(load_dir))
+        fds._read_universal(zero, "w")
+    assert "\n" not in str(e.value) and str(load_dir) in str(e.value), str(e.value)
+    if how == "param-link-out":  # the same folder with the parameter's files inside it reads
+        (load_dir / "step1_universal" / "zero" / "w").unlink()
+        (load_dir / "step1_universal" / "zero" / "w").mkdir()
+        torch.save({"param": torch.ones(3)}, load_dir / "step1_universal" / "zero" / "w" / "fp32.pt")
+        assert torch.equal(fds._read_universal(fds.universal_folder(str(load_dir)), "w"), torch.ones(3))
+
+
+@pytest.mark.parametrize("linked", [".metadata", "shard"])
+def test_hard_links_to_files_outside_are_refused_without_printing_them(victims, tmp_path, linked):
+    """A hard link cannot be told from the folder's own file: a .metadata hard-linked to a text file outside is
+    refused as damaged, a shard of a flashdist checkpoint hard-linked to one lacks the save's id; no reader
+    prints what the linked file holds."""
+    secret = tmp_path / "outside" / "secret.txt"
+    secret.parent.mkdir()
+    secret.write_text("ssh-rsa AAAASECRET user@host\n" * 40)
+    folder = copy_checkpoint(victims["tied"], tmp_path / "ck")
+    target = folder / ".metadata" if linked == ".metadata" else next(folder.glob("*.distcp"))
+    target.unlink()
+    os.link(secret, target)
+    for reader in READERS:
+        error = attempt(reader, folder, tmp_path / f"out-{reader}")
+        assert error is not None and "SECRET" not in str(error) and "ssh-rsa" not in str(error), (reader, error)
