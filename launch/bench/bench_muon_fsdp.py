@@ -29,14 +29,17 @@ m x n matrix, m <= n), the bytes it sent and received in the optimizer's exchang
 Muon parameters (FlashMuon: gather.TRAFFIC, the padded bf16 buffers; the stated budget is 4 (W - 1) / W
 bytes each way; muon_gathered: the bytes of the whole matrices it did not hold, 2 (W - 1) bytes per local
 parameter received), persistent bytes per parameter (flashdist.memory_report: parameters + gradients +
-state, over the local numel) and peak memory. FSDP2's own all-gathers and reduce-scatters are the same for
-every case and not counted here. CPU gloo times (``--cpu``) are for a smoke run, not performance.
+state, over the local numel) and peak GPU memory over the timed iterations (forward, backward and step).
+FSDP2's own all-gathers and reduce-scatters are the same for every case and not counted here. CPU gloo
+times (``--cpu``) are for a smoke run, not performance.
 
 ``--check``: FlashMuon on the sharded model against one process (the whole model on each rank's device,
 built from the same seed) on the same global gradients for ``--check-steps`` steps: parameters, master
 weights and every state tensor, bit for bit. ``--save DIR`` writes a DCP checkpoint (flashdist.checkpoint)
 before the last of those steps; ``--resume DIR`` (a second run, at another world size) loads it and takes
-that last step only: the same bits. Deterministic cuBLAS is requested (CUBLAS_WORKSPACE_CONFIG).
+that last step only: the same bits; the run exits 1 if any tensor differs. Deterministic cuBLAS is requested
+(CUBLAS_WORKSPACE_CONFIG). The one-process model needs the whole model and its state on one GPU (1B: about
+8 GB; 8B: about 60 GB). ``bash launch/bench/muon_fsdp.sh GPUS`` runs every case, check and resume for a GPU count.
 """
 
 from __future__ import annotations
@@ -375,7 +378,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.save and args.resume:
         ap.error("--save and --resume go in two runs: save at one world size, resume at another")
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, before its first use
+    if args.check or args.save or args.resume:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, before its first use
     result = in_process_group(run, args)
     return 1 if result.get("check", {}).get("tensors_differing") else 0
 
