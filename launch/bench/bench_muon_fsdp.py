@@ -376,6 +376,8 @@ def main(argv=None) -> int:
     ap.add_argument("--resume", default=None, help="--check's last step only, from the checkpoint --save wrote")
     ap.add_argument("--out", default=None, help="write the rows as JSON here (rank 0)")
     args = ap.parse_args(argv)
+    if args.steps < 1 or args.check_steps < 1:
+        ap.error(f"--steps and --check-steps must be at least 1, got {args.steps} and {args.check_steps}")
     if args.save and args.resume:
         ap.error("--save and --resume go in two runs: save at one world size, resume at another")
     if args.check or args.save or args.resume:
