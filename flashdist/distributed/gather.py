@@ -13,10 +13,11 @@ exact whole matrix of a one-process run with the same (deterministic) function, 
 the one-process bits, at any world size and on any mesh.
 
 Communication per step: every part of the update that is not on its owner travels there once (bf16, 2 bytes
-per value) and its result comes back once (2 bytes): 4 (world - 1) / world bytes per parameter per step, or
-about 2 bytes sent and 2 received per local parameter on each rank (the owners' work and traffic going
-round-robin), against 2 (world - 1) bytes per local parameter received by every rank of an all-gather to
-every rank (and every rank computing every matrix). Each shard
+per value) and its result comes back once (2 bytes): 4 (world - 1) / world bytes per parameter per step in
+all, and on each rank as many bytes sent and as many received per local parameter (2 and 2 on 2 ranks,
+towards 4 and 4 on many; the owners' work and traffic going round-robin), against 2 (world - 1) bytes per
+local parameter received by every rank of an all-gather to every rank (and every rank computing every
+matrix). Each shard
 is padded to the largest shard of its matrix (uneven FSDP2 shards: at most one row per rank), plus one
 value to an even length. ``TRAFFIC`` counts the bytes a process sent and received (tested against this). The matrices
 go in chunks of one per rank: all gathers of a chunk, then every owner computes at once, then all scatters;
