@@ -19,7 +19,7 @@ fi
 # constraint keeps the CPU torch: a client that asks for a newer torch would otherwise pull a CUDA build.
 if ! "$PY" -c "import transformers, accelerate, lightning, torchtitan, peft" 2>/dev/null; then
   "$PY" -m pip install -q -c <(echo "torch==$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])')") \
-    "transformers>=5.20" "accelerate>=1.15" "lightning>=2.6" "torchtitan==0.3.0" "peft>=0.21"
+    "transformers>=5.17,<6" "accelerate>=1.15" "lightning>=2.6" "torchtitan==0.3.0" "peft>=0.21"
 fi
 "$PY" -m pip install -q --no-deps --no-build-isolation -e . 2>/dev/null || "$PY" -m pip install -q --no-deps -e .
 echo "$PY"
