@@ -8,10 +8,12 @@ if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
 PY="$VENV/bin/python"
-# setuptools: tests/test_packaging.py builds the wheel with it (a Python >= 3.12 venv comes without it)
-if ! "$PY" -c "import torch, triton, pytest, safetensors, ninja, setuptools" 2>/dev/null; then
+# setuptools >= 77 (pyproject's SPDX license): tests/test_packaging.py builds the wheel with it, and a venv
+# comes with an older one (Python 3.11) or none (3.12 on)
+if ! "$PY" -c "import torch, triton, pytest, safetensors, ninja, setuptools
+assert int(setuptools.__version__.split('.')[0]) >= 77" 2>/dev/null; then
   "$PY" -m pip install -q --upgrade pip
-  "$PY" -m pip install -q "torch==${FLASHDIST_TORCH:-2.13.0}" triton pytest safetensors matplotlib ninja "setuptools>=64"
+  "$PY" -m pip install -q "torch==${FLASHDIST_TORCH:-2.13.0}" triton pytest safetensors matplotlib ninja "setuptools>=77"
 fi
 if ! "$PY" -c "import deepspeed" 2>/dev/null; then  # after torch, so pip keeps the CPU torch
   DS_BUILD_OPS=0 "$PY" -m pip install -q "deepspeed==0.19.8"
