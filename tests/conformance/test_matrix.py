@@ -1,7 +1,6 @@
 """The conformance matrix: every cell of conformance_table.CELLS (client x engine x optimizer x stage) runs
 the invariants of conformance_invariants.py, is refused with a reason docs/integrations.md lists (the cell
-asserts it is listed), or waits (strict xfail) for the
-fix of the issue item it names.
+asserts it is listed), or waits (strict xfail) for the fix of the issue item it names.
 
 Cost: a run per (client, engine, optimizer) does every stage at once and records each stage's outcome; the
 cells read those records. The multi-rank engines run every optimizer in one spawn per engine."""
