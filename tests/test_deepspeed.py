@@ -220,7 +220,7 @@ def test_optimizer_argument_and_flashdist_config_are_refused():
 
 @needs_deepspeed
 def test_flashdist_optimizer_instance_is_refused():
-    model = nn.Linear(4, 4)
+    model = nn.Linear(4, 4).to(torch.bfloat16)
     config = {k: v for k, v in _config().items() if k != "optimizer"}
     with pytest.raises(ValueError, match="flat_layout=True"):
         fds.initialize(model=model, optimizer=FlashAdamW(model.parameters()), config=config)

@@ -43,21 +43,20 @@ def _stepped(case, backend: str) -> list[torch.Tensor]:
     return [t for p in params for t in (p.detach(), opt.master_weight(p), *opt.state[p].values())] + [opt.skipped]
 
 
+@pytest.mark.interpreted  # where triton is not interpreted in this process, test_in_interpreter_process runs these
 @pytest.mark.parametrize("case", CASES, ids=_ids)
 def test_triton_matches_reference_bitwise(case):
-    if not _interpreter.IN_PROCESS:
-        pytest.skip("triton is not interpreted in this process: test_in_interpreter_process runs these"
-                    if _interpreter.HAS_TRITON else "triton is not installed")
+    if not _interpreter.HAS_TRITON:
+        pytest.skip("triton is not installed")
     got, want = _stepped(case, "triton"), _stepped(case, "reference")
     assert len(got) == len(want)
     for i, (a, b) in enumerate(zip(got, want)):
         assert a.dtype == b.dtype and torch.equal(a, b), f"tensor {i} differs from the reference's"
 
 
+@pytest.mark.interpreter_runner
 def test_in_interpreter_process():
     if not _interpreter.HAS_TRITON:
         pytest.skip("triton is not installed")
-    if _interpreter.IN_PROCESS:
-        pytest.skip("the interpreter cases run in this process")
     done = _interpreter.run_interpreted(__file__, "-k", "test_triton_matches_reference_bitwise")
     assert done.returncode == 0 and f"{len(CASES)} passed" in done.stdout, done.stdout[-6000:] + done.stderr[-3000:]

@@ -14,6 +14,9 @@ import torch
 import flashdist
 from flashdist import FlashLion, FlashSGD
 
+# the SGD tests compare with torch.optim.SGD on fp32 parameters on purpose (their own masters)
+pytestmark = pytest.mark.filterwarnings("ignore:.*FlashSGD got fp32 parameters:flashdist.PrecisionWarning")
+
 
 def test_first_sgd_step_buffer_is_the_gradient():
     p = torch.nn.Parameter(torch.randn(8, 64))

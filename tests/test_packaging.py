@@ -78,11 +78,13 @@ def test_installed_wheel_runs_outside_the_checkout(dist, tmp_path):
     python = venv / "bin" / "python"
     dependencies = [p for p in site.getsitepackages() if Path(p).is_dir()]
     (_site_packages(python) / "dependencies.pth").write_text("\n".join(dependencies) + "\n")
+    # without the checkout on PYTHONPATH: pip would take its flashdist.egg-info (an editable install's) for
+    # flashdist installed, and install nothing
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps",
-                    "--no-index", str(dist["wheel"])], check=True, timeout=300)
+                    "--no-index", str(dist["wheel"])], check=True, timeout=300, env=env)
     run_in = tmp_path / "elsewhere"
     run_in.mkdir()
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     env["FLASHDIST_CPU_BUILD_DIR"] = str(tmp_path / "cpu-build")
     out = subprocess.run([str(python), str(ROOT / "tests" / "smoke" / "installed.py"), "--source", str(ROOT)],
                          cwd=run_in, env=env, capture_output=True, text=True, timeout=600)

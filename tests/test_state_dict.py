@@ -244,7 +244,8 @@ def test_bf16_state_with_rho_into_an_fp32_parameter_makes_it_the_exact_master(fm
     model, opt = _trained(fmt)
     masters = [opt.master_weight(p) for p in model.parameters()]
     upcast = copy.deepcopy(model).float()
-    fp32 = FlashAdamW(upcast.parameters(), lr=1e-2, state_dict_format=fmt)
+    with pytest.warns(PrecisionWarning, match="fp32 parameters"):
+        fp32 = FlashAdamW(upcast.parameters(), lr=1e-2, state_dict_format=fmt)
     fp32.load_state_dict(opt.state_dict())
     for p, master in zip(upcast.parameters(), masters):
         assert torch.equal(p.detach(), master) and "rho" not in fp32.state[p]
@@ -254,7 +255,8 @@ def test_bf16_state_with_rho_into_an_fp32_parameter_makes_it_the_exact_master(fm
         for p in other.parameters():
             p.add_(torch.rand_like(p) * 1e-3)  # fp32 values off the bf16 grid
     before = [p.detach().clone() for p in other.parameters()]
-    with pytest.raises(ValueError, match="does not hold torch.bfloat16 values.*load the model's weights before"):
+    with pytest.warns(PrecisionWarning, match="fp32 parameters"), \
+            pytest.raises(ValueError, match="does not hold torch.bfloat16 values.*load the model's weights before"):
         FlashAdamW(other.parameters(), lr=1e-2).load_state_dict(opt.state_dict())
     assert all(torch.equal(p, b) for p, b in zip(other.parameters(), before))
 

@@ -153,8 +153,8 @@ def main():
         for name, dtype, make in [
                 ("flashdist FlashAdamW 24-bit, fused CPU step", torch.bfloat16,
                  lambda ps: FlashAdamW(ps, **flash, backend="cpu")),
-                ("flashdist FlashAdamW fp32 params, fused CPU step", torch.float32,
-                 lambda ps: FlashAdamW(ps, **flash, backend="cpu")),
+                ("flashdist FlashAdamW fp32 params, fused CPU step", torch.float32,  # fp32 on purpose
+                 lambda ps: FlashAdamW(ps, **flash, master_weight_bits=None, backend="cpu")),
                 ("flashdist FlashSGD m=0.9 24-bit, fused CPU step", torch.bfloat16,
                  lambda ps: FlashSGD(ps, lr=1e-3, momentum=0.9, backend="cpu")),
                 ("flashdist FlashLion 24-bit, fused CPU step", torch.bfloat16,
@@ -192,8 +192,8 @@ def _sequential(args, shapes, baseline, flash) -> list[dict]:
              lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1, fused=True), args.steps))
     fused("flashdist FlashAdamW 24-bit, fused CPU step", shapes, torch.bfloat16,
           lambda ps: FlashAdamW(ps, **flash, backend="cpu"))
-    fused("flashdist FlashAdamW fp32 params, fused CPU step", shapes, torch.float32,
-          lambda ps: FlashAdamW(ps, **flash, backend="cpu"))
+    fused("flashdist FlashAdamW fp32 params, fused CPU step", shapes, torch.float32,  # fp32 on purpose
+          lambda ps: FlashAdamW(ps, **flash, master_weight_bits=None, backend="cpu"))
     fused("flashdist FlashSGD m=0.9 24-bit, fused CPU step", shapes, torch.bfloat16,
           lambda ps: FlashSGD(ps, lr=1e-3, momentum=0.9, backend="cpu"))
     fused("flashdist FlashLion 24-bit, fused CPU step", shapes, torch.bfloat16,

@@ -44,7 +44,8 @@ def _trainer(out: str, batch: int):
                                           per_device_train_batch_size=batch, logging_steps=1, report_to=[],
                                           save_strategy="no", disable_tqdm=True, seed=0,
                                           # no clipping: FSDP2 sums the sharded norms in another order
-                                          dataloader_num_workers=0, max_grad_norm=0.0)
+                                          dataloader_num_workers=0, max_grad_norm=0.0,
+                                          dataloader_pin_memory=False)  # CPU: no accelerator to pin memory for
     class Recording(transformers.Trainer):
         """The Trainer, noting the first token of each sample it trains on."""
 

@@ -31,6 +31,8 @@ def _fit(tmp_path, epochs: int, seed: int, ckpt_path=None, callbacks=()):
     return model, trainer
 
 
+# the resumed run saves nothing, so it has no ModelCheckpoint for Lightning to ask back
+@pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`, callbacks used to create the checkpoint")
 def test_flash_muon_fit_checkpoint_resume_is_exact(tmp_path):
     every_epoch = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_epochs=1, save_top_k=-1,
                                   save_on_train_epoch_end=True)
