@@ -33,9 +33,10 @@ partition shape, and rho). To change the world size, :func:`to_universal` runs D
 a copy whose master weights carry rho (DeepSpeed's converter drops every optimizer key but the moments and
 the masters), and :func:`load_checkpoint` loads the universal checkpoint and restores rho from the 24-bit
 masters (an engine made by :func:`initialize` does that in ``engine.load_checkpoint`` itself, for the clients
-that call it: Accelerate's ``load_state``, the Trainer's resume). :func:`fp32_state_dict_from_zero_checkpoint` is DeepSpeed's zero_to_fp32 with rho added back. Every
-file of a checkpoint folder is read through :mod:`flashdist.checkpoint.deepspeed_files`, the reader the converter
-uses too (``torch.load(weights_only=True)`` with DeepSpeed's own classes allowed).
+that call it: Accelerate's ``load_state``, the Trainer's resume). :func:`fp32_state_dict_from_zero_checkpoint`
+is DeepSpeed's zero_to_fp32 with rho added back. Every file of a checkpoint folder is read through
+:mod:`flashdist.checkpoint.deepspeed_files`, the reader the converter uses too (``torch.load(weights_only=True)``
+with DeepSpeed's own classes allowed).
 """
 
 from __future__ import annotations

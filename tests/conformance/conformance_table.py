@@ -76,7 +76,7 @@ PATHS: dict[str, tuple[str, ...]] = {
     # fsdp2: the optimizer built before prepare, as documented; zero2/zero3: DummyOptim + the config's type, bf16
     # master partitions + rho as in the deepspeed cells
     "accelerate": ("one-process", "fsdp2", "zero2", "zero3"),
-    "lightning": ("one-process",),
+    "lightning": ("one-process", "zero2", "zero3"),  # zero2/zero3: refused (Lightning's DeepSpeedStrategy needs CUDA)
     "torchtitan": ("fsdp2",),
     "deepspeed": ("zero2", "zero3"),        # flashdist.integrations.deepspeed.initialize, bf16 masters + rho
 }
@@ -126,6 +126,10 @@ REFUSED: dict[str, str] = {
                                    "the client's part, and every class runs under ZeRO-2/3 in the deepspeed/* "
                                    "cells (FlashMuon is refused there, before DeepSpeed starts)"
        for client in ("trainer", "accelerate") for name in OPTIMIZERS if name != "FlashAdamW"},
+    "lightning/zero*/*/*": "Lightning's DeepSpeedStrategy runs on CUDA GPUs only (it refuses the CPU accelerator "
+                           "when the Trainer starts), so the CPU matrix cannot drive it; with flashdist."
+                           "integrations.deepspeed.register() it reaches the same deepspeed.initialize as "
+                           "the trainer/zero* and accelerate/zero* cells",
     "trainer/zero*/*/noop-option": "an option's effect does not depend on the client or engine: checked in "
                                    "plain/one-process and trainer/one-process",
 }
