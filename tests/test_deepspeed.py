@@ -357,11 +357,13 @@ def _rank_universal(rank: int, world: int, root: str, stage: int, mode: str) -> 
     _setup_rank(rank, world)
     config = _config_for(stage, mode, world, universal=True)
     plain = _engine(config)
-    plain.load_checkpoint(root)  # DeepSpeed's loader alone: rho is not in a universal checkpoint
+    type(plain).load_checkpoint(plain, root)  # DeepSpeed's loader alone: rho is not in a universal checkpoint
+    own = _engine(config)
+    own.load_checkpoint(root)  # the engine's own call, as Accelerate's load_state and the Trainer's resume make it
     engine = _engine(config)
     fds.load_checkpoint(engine, root)
-    return {"plain_masters": fds.fp32_master_weights(plain), "masters": fds.fp32_master_weights(engine),
-            "after": _train(engine, SAVE_AT, AFTER)}
+    return {"plain_masters": fds.fp32_master_weights(plain), "own_masters": fds.fp32_master_weights(own),
+            "masters": fds.fp32_master_weights(engine), "after": _train(engine, SAVE_AT, AFTER)}
 
 
 @pytest.fixture(scope="module")
@@ -503,6 +505,7 @@ def test_universal_checkpoint_to_another_world_size(zero_runs, stage, mode, worl
     run = results[0][f"z{stage}-{mode}"]
     for name, saved in run["saved_masters"].items():  # the 24-bit (or fp32) masters, exactly
         assert torch.equal(loaded["masters"][name], saved), name
+        assert torch.equal(loaded["own_masters"][name], saved), name  # engine.load_checkpoint, wrapped by initialize
     plain_exact = all(torch.equal(loaded["plain_masters"][n], s) for n, s in run["saved_masters"].items())
     assert plain_exact == (mode == "fp32-masters")  # DeepSpeed's loader alone rounds bf16-mode masters
     # the moments were re-quantized in other groups of 32: the same curve (measured: within 2e-4), not bit for bit

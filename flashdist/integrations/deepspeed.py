@@ -32,9 +32,11 @@ the same world size: DeepSpeed stores the optimizer's portable state dict (fp32 
 partition shape, and rho). To change the world size, :func:`to_universal` runs DeepSpeed's ds_to_universal on
 a copy whose master weights carry rho (DeepSpeed's converter drops every optimizer key but the moments and
 the masters), and :func:`load_checkpoint` loads the universal checkpoint and restores rho from the 24-bit
-masters. :func:`fp32_state_dict_from_zero_checkpoint` is DeepSpeed's zero_to_fp32 with rho added back. Every
-file of a checkpoint folder is read through :mod:`flashdist.checkpoint.deepspeed_files`, the reader the converter
-uses too (``torch.load(weights_only=True)`` with DeepSpeed's own classes allowed).
+masters (an engine made by :func:`initialize` does that in ``engine.load_checkpoint`` itself, for the clients
+that call it: Accelerate's ``load_state``, the Trainer's resume). :func:`fp32_state_dict_from_zero_checkpoint`
+is DeepSpeed's zero_to_fp32 with rho added back. Every file of a checkpoint folder is read through
+:mod:`flashdist.checkpoint.deepspeed_files`, the reader the converter uses too (``torch.load(weights_only=True)``
+with DeepSpeed's own classes allowed).
 """
 
 from __future__ import annotations
@@ -300,9 +302,37 @@ def initialize(*args, **kwargs):
 
 
 def _with_master_writes_kept(result):
-    """``deepspeed.initialize``'s result, its engine's master writers wrapped by :func:`keep_master_writes`."""
+    """``deepspeed.initialize``'s result, its engine's master writers wrapped by :func:`keep_master_writes` and
+    its ``load_checkpoint`` by :func:`keep_universal_masters`."""
     keep_master_writes(result[0])
+    keep_universal_masters(result[0])
     return result
+
+
+def keep_universal_masters(engine) -> None:
+    """Make the engine's own ``load_checkpoint`` do what :func:`load_checkpoint` adds after a universal load (the
+    24-bit masters split again into the bf16 partition and rho, the fp32 moments read again), for the clients
+    that call it themselves: Accelerate's ``load_state``, the Trainer's ``resume_from_checkpoint``, Lightning.
+    :func:`initialize` calls it. Without it, such a load in bf16-master mode rounds every master to bf16 (up to
+    half a bf16 spacing) without a word. Nothing for an engine without a flashdist optimizer; idempotent."""
+    if not _is_flash(getattr(engine, "basic_optimizer", None)) or getattr(engine, _RESTORES_UNIVERSAL, False):
+        return
+    load = engine.load_checkpoint
+    signature = inspect.signature(load)
+
+    def load_checkpoint(*args, **kwargs):
+        result = load(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        _restore_after_load(engine, result, bound.arguments)
+        return result
+
+    load_checkpoint.__doc__ = load.__doc__
+    engine.load_checkpoint = load_checkpoint
+    setattr(engine, _RESTORES_UNIVERSAL, True)
+
+
+_RESTORES_UNIVERSAL = "_flashdist_restores_universal_masters"
 
 
 def keep_master_writes(engine) -> None:
@@ -499,14 +529,22 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None, **kwargs):
     re-quantizes the moments, here or at the next step) and drops any other state. In bf16-master mode the
     master partitions are bf16, so it would round the 24-bit masters of a checkpoint made by
     :func:`to_universal` to bf16; this function splits them again into the bf16 master and rho, exactly. Every
-    rank calls it. For non-universal loads it is ``engine.load_checkpoint``."""
+    rank calls it. For non-universal loads it is ``engine.load_checkpoint``; on an engine made by
+    :func:`initialize`, ``engine.load_checkpoint`` itself does the same (:func:`keep_universal_masters`)."""
     result = engine.load_checkpoint(load_dir, tag, **kwargs)
-    if not engine.load_universal_checkpoint() or not kwargs.get("load_optimizer_states", True):
-        return result
-    if kwargs.get("load_module_only", False) or result is None or result[0] is None:
-        return result
-    _restore_universal_masters(engine, universal_folder(load_dir, tag))
+    if not getattr(engine, _RESTORES_UNIVERSAL, False):
+        _restore_after_load(engine, result, dict(kwargs, load_dir=load_dir, tag=tag))
     return result
+
+
+def _restore_after_load(engine, result, arguments: dict) -> None:
+    """After ``engine.load_checkpoint(**arguments)`` returned ``result``: rho and the fp32 moments again, where
+    it loaded the optimizer state of a universal checkpoint."""
+    if not engine.load_universal_checkpoint() or not arguments.get("load_optimizer_states", True):
+        return
+    if arguments.get("load_module_only", False) or result is None or result[0] is None:
+        return
+    _restore_universal_masters(engine, universal_folder(arguments["load_dir"], arguments.get("tag")))
 
 
 def universal_folder(load_dir: str, tag: str | None = None) -> str:

@@ -68,16 +68,20 @@ inspect: ``flashdist inspect`` reads it."""
 
 PATHS: dict[str, tuple[str, ...]] = {
     "plain": ("one-process", "ddp", "fsdp2"),
-    "trainer": ("one-process", "fsdp2"),    # fsdp2: optim= builds the optimizer before Accelerate shards
+    # fsdp2: optim= builds the optimizer before Accelerate shards; zero2/zero3: the DeepSpeed config names the
+    # optimizer ("type": "FlashAdamW"), the Trainer fills its "auto" values (fp32 on a CPU: no rho)
+    "trainer": ("one-process", "fsdp2", "zero2", "zero3"),
     "peft-trainer": ("one-process",),       # PEFT's default fp32 adapters
     "peft-trainer-bf16": ("one-process",),  # adapters cast to bf16
-    "accelerate": ("one-process", "fsdp2"),  # fsdp2: the optimizer built before prepare, as documented
-    "lightning": ("one-process",),
+    # fsdp2: the optimizer built before prepare, as documented; zero2/zero3: DummyOptim + the config's type, bf16
+    # master partitions + rho as in the deepspeed cells
+    "accelerate": ("one-process", "fsdp2", "zero2", "zero3"),
+    "lightning": ("one-process", "zero2", "zero3"),  # zero2/zero3: refused (Lightning's DeepSpeedStrategy needs CUDA)
     "torchtitan": ("fsdp2",),
     "deepspeed": ("zero2", "zero3"),        # flashdist.integrations.deepspeed.initialize, bf16 masters + rho
 }
-"""Client -> the engines the matrix runs it under. DeepSpeed reached through Accelerate or the Trainer is not a
-cell (a run costs about 13 s of the suite's budget): tests/integrations/test_hf_deepspeed.py tests it."""
+"""Client -> the engines the matrix runs it under. The Trainer and Accelerate under DeepSpeed run FlashAdamW
+only (REFUSED says why), all four paths in one spawn of 2 ranks."""
 
 REFUSED: dict[str, str] = {
     "*/one-process/*/resume-other": "one process has no other world size; resumes across world sizes are the "
@@ -117,6 +121,17 @@ REFUSED: dict[str, str] = {
                                            "deepspeed.to_universal refuses the checkpoint; resume it at its world "
                                            "size, or move it to FSDP2 with flashdist convert --from deepspeed"
        for name in ("FlashSGD", "FlashSGDW", "FlashLion")},
+    **{f"{client}/zero*/{name}/*": "the Trainer and Accelerate hand the DeepSpeed config's \"type\" to flashdist."
+                                   "integrations.deepspeed the same way for every class: FlashAdamW's cells check "
+                                   "the client's part, and every class runs under ZeRO-2/3 in the deepspeed/* "
+                                   "cells (FlashMuon is refused there, before DeepSpeed starts)"
+       for client in ("trainer", "accelerate") for name in OPTIMIZERS if name != "FlashAdamW"},
+    "lightning/zero*/*/*": "Lightning's DeepSpeedStrategy runs on CUDA GPUs only (it refuses the CPU accelerator "
+                           "when the Trainer starts), so the CPU matrix cannot drive it; with flashdist."
+                           "integrations.deepspeed.register() it reaches the same deepspeed.initialize as "
+                           "the trainer/zero* and accelerate/zero* cells",
+    "trainer/zero*/*/noop-option": "an option's effect does not depend on the client or engine: checked in "
+                                   "plain/one-process and trainer/one-process",
 }
 
 XFAIL: dict[str, str] = {}

@@ -4,8 +4,10 @@ asserts it is listed), or waits (strict xfail) for the fix of the issue item it 
 
 Cost: a run per (client, engine, optimizer) does every stage at once and records each stage's outcome; the
 cells read those records. The multi-rank engines run every optimizer in one spawn per (client, engine) (DeepSpeed:
-one spawn for ZeRO-2 and ZeRO-3), and a resume at another world size in one more spawn of 1 rank. Measured on 2
-CPU cores: DeepSpeed 22 s, the Trainer under FSDP2 33 s, Accelerate under FSDP2 8 s."""
+one spawn for ZeRO-2 and ZeRO-3; the Trainer and Accelerate under DeepSpeed: one spawn for the four paths), and a
+resume at another world size in one more spawn of 1 rank. Measured on 2 CPU cores: DeepSpeed 22 s, the Trainer
+under FSDP2 33 s, Accelerate under FSDP2 8 s, the Trainer and Accelerate under DeepSpeed 23 s
+(both spawns)."""
 
 from __future__ import annotations
 
@@ -951,21 +953,234 @@ def run_trainer_fsdp2(tmp: Path) -> dict[str, dict]:
     return out
 
 
+# ----- the Trainer and Accelerate driving DeepSpeed ZeRO-2 and ZeRO-3, 2 gloo ranks, one spawn -----------------
+
+DS_CLIENT_OPTIMIZER = "FlashAdamW"  # the clients hand the config's "type" to flashdist alike for every class
+
+
+def _ds_client_config(engine: str, client: str, universal: bool = False) -> dict:
+    """The Trainer: "auto" values filled from its arguments, fp32 (its bf16 needs a GPU, and use_cpu turns
+    DeepSpeed off: fp32 master partitions, no rho); Accelerate: the deepspeed/* cells' bf16 masters + rho."""
+    if client == "accelerate":
+        return _ds_config(engine, DS_CLIENT_OPTIMIZER, universal)
+    config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+              "steps_per_print": 10 ** 9, "zero_optimization": {"stage": DS_ENGINES[engine]},
+              "bf16": {"enabled": False}, "gradient_clipping": "auto",
+              "optimizer": {"type": DS_CLIENT_OPTIMIZER, "params": {"lr": "auto", "weight_decay": "auto"}}}
+    if universal:
+        config["checkpoint"] = {"load_universal": True}
+    return config
+
+
+def _ds_trainer(engine: str, out: str, callbacks=(), universal: bool = False):
+    import transformers
+    from _tiny_llama import tiny_llama
+    from accelerate.state import AcceleratorState
+    from test_hf_trainer import _data
+
+    AcceleratorState._reset_state(True)
+    kwargs = OPTIMIZERS[DS_CLIENT_OPTIMIZER].kwargs
+    args = transformers.TrainingArguments(
+        output_dir=out, deepspeed=_ds_client_config(engine, "trainer", universal), learning_rate=kwargs["lr"],
+        weight_decay=kwargs["weight_decay"], max_steps=2 * STEPS, per_device_train_batch_size=4, report_to=[],
+        seed=0, dataloader_num_workers=0, disable_tqdm=True, logging_strategy="no", save_strategy="no")
+
+    class SaveOnce(transformers.TrainerCallback):  # the checkpoint the cells read, no other (time)
+        def on_step_end(self, args, state, control, **kw):
+            control.should_save = state.global_step == STEPS
+
+    return transformers.Trainer(model=tiny_llama(torch.float32), args=args, train_dataset=_data(16),
+                                callbacks=[*callbacks, SaveOnce()])
+
+
+def _ds_trainer_run(engine: str, root: str) -> dict:
+    import transformers
+
+    results, seen, holder = {}, {}, {}
+
+    class Watch(transformers.TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            ds = holder["trainer"].model_wrapped
+            _attempt(results, "first-step-memory", assert_memory_before_first_step_within_adamw,
+                     ds.basic_optimizer, ds.module)
+
+        def on_save(self, args, state, control, **kw):
+            if state.global_step == STEPS:
+                seen["live"] = _ds_masters(holder["trainer"].model_wrapped)
+
+    holder["trainer"] = full = _ds_trainer(engine, f"{root}/trainer-{engine}", [Watch()])
+    full.train()
+    _attempt(results, "train", _ds_state_only_for_partitions, full.model_wrapped)
+    uninterrupted = _ds_snapshot(full.model_wrapped)
+    ckpt = f"{root}/trainer-{engine}/checkpoint-{STEPS}"
+    resumed = {}
+
+    def resume():
+        resumed["trainer"] = again = _ds_trainer(engine, f"{root}/trainer-resumed-{engine}")
+        again.train(resume_from_checkpoint=ckpt)
+        assert_resume_exact(uninterrupted, _ds_snapshot(again.model_wrapped), f"Trainer DeepSpeed {engine}, 2 ranks")
+
+    _attempt(results, "resume-same", resume)
+    _attempt(results, "outside-write", _ds_outside_write, resumed.get("trainer", full).model_wrapped)
+    return dict(results=results, live=seen.get("live"), path=ckpt)
+
+
+def _ds_accelerate_build(engine: str, universal: bool = False):
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DeepSpeedPlugin, DummyOptim
+
+    AcceleratorState._reset_state(True)
+    config = _ds_client_config(engine, "accelerate", universal)
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
+    model = _ds_model()
+    ds, prepared = accelerator.prepare(model, DummyOptim(model.parameters()))
+    return accelerator, ds, prepared
+
+
+def _ds_accelerate_train(accelerator, ds, prepared, first: int, n: int = STEPS) -> None:
+    """As _ds_train, through Accelerate's backward and the prepared optimizer."""
+    for step in range(first, first + n):
+        x = torch.randint(0, 64, (8,), generator=torch.Generator().manual_seed(step))
+        accelerator.backward(torch.nn.functional.cross_entropy(ds(x).float(), (7 * x + 3) % 64))
+        prepared.step()
+        prepared.zero_grad()
+
+
+def _ds_accelerate_run(engine: str, root: str) -> dict:
+    results = {}
+    accelerator, ds, prepared = _ds_accelerate_build(engine)
+    _attempt(results, "first-step-memory", assert_memory_before_first_step_within_adamw, ds.basic_optimizer,
+             ds.module)
+    _ds_accelerate_train(accelerator, ds, prepared, 0)
+    _attempt(results, "train", _ds_state_only_for_partitions, ds)
+    folder = f"{root}/accelerate-{engine}"
+    accelerator.save_state(folder)
+    live = _ds_masters(ds)
+    _ds_accelerate_train(accelerator, ds, prepared, STEPS)
+    uninterrupted = _ds_snapshot(ds)
+    resumed = {}
+
+    def resume():
+        accelerator2, resumed["ds"], prepared2 = _ds_accelerate_build(engine)
+        accelerator2.load_state(folder)
+        _ds_accelerate_train(accelerator2, resumed["ds"], prepared2, STEPS)
+        assert_resume_exact(uninterrupted, _ds_snapshot(resumed["ds"]), f"Accelerate DeepSpeed {engine}, 2 ranks")
+
+    _attempt(results, "resume-same", resume)
+    _attempt(results, "outside-write", _ds_outside_write, resumed.get("ds", ds))
+    masters = {k[len("master:"):]: v for k, v in uninterrupted.items() if k.startswith("master:")}
+    return dict(results=results, live=live, masters=masters, path=folder)
+
+
+def _ds_universal_clients_job(rank: int, world: int, root: str) -> dict:
+    """The universal checkpoints made from the 2-rank folders, loaded on ``world`` ranks by the client: for
+    Accelerate (load_state) the masters after STEPS more steps; for the Trainer (resume_from_checkpoint: each
+    rank trains on its own rows, which another world size sums in another order) the masters as loaded."""
+    import transformers
+    from test_deepspeed import _setup_rank
+
+    from flashdist.integrations import deepspeed as fds
+
+    _setup_rank(rank, world)
+    _launch_env(rank, world)
+    fds.register()
+    out = {}
+    for engine in DS_ENGINES:
+        try:
+            accelerator, ds, prepared = _ds_accelerate_build(engine, universal=True)
+            accelerator.load_state(f"{root}/accelerate-{engine}-universal")
+            _ds_accelerate_train(accelerator, ds, prepared, STEPS)
+            out[("accelerate", engine)] = _ds_masters(ds)
+        except Exception:  # noqa: BLE001 - recorded for the cell
+            out[("accelerate", engine)] = traceback.format_exc(limit=-6)
+        holder = {}
+
+        class Loaded(transformers.TrainerCallback):  # after the Trainer's load, before its first step
+            def on_train_begin(self, args, state, control, **kw):
+                out[("trainer", engine)] = _ds_masters(holder["trainer"].model_wrapped)
+
+        try:
+            holder["trainer"] = _ds_trainer(engine, f"{root}/trainer-universal-{engine}", [Loaded()], universal=True)
+            holder["trainer"].train(resume_from_checkpoint=f"{root}/trainer-{engine}/checkpoint-{STEPS}")
+        except Exception:  # noqa: BLE001 - recorded for the cell
+            out[("trainer", engine)] = traceback.format_exc(limit=-6)
+    return out
+
+
+def _ds_clients_job(rank: int, world: int, root: str) -> dict:
+    from test_deepspeed import _setup_rank
+
+    from flashdist.integrations import deepspeed as fds
+
+    _setup_rank(rank, world)
+    _launch_env(rank, world)
+    fds.register()  # the clients call deepspeed.initialize themselves
+    out = {}
+    for engine in DS_ENGINES:
+        out[("trainer", engine)] = _ds_trainer_run(engine, root)
+        out[("accelerate", engine)] = _ds_accelerate_run(engine, root)
+    return out
+
+
+def run_deepspeed_clients(tmp: Path) -> dict[tuple, dict]:
+    """The Trainer and Accelerate under ZeRO-2 and ZeRO-3 with FlashAdamW, all in one spawn of 2 ranks; the
+    CLI on the folder each client writes."""
+    from flashdist._compat import HAS_DEEPSPEED
+
+    if not HAS_DEEPSPEED:
+        pytest.skip("deepspeed is not installed")
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from flashdist.integrations import deepspeed as fds
+
+    runs = _merge_ranks(run_ranks(_ds_clients_job, 2, str(tmp), timeout=600))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DS_ACCELERATOR", "cpu")  # as the ranks run (tests/test_deepspeed.py)
+        for (client, engine), run in runs.items():  # the folders as the client wrote them
+            results, path = run["results"], Path(run["path"])
+            _check_torch_save_file(results, path, run["live"], tmp / f"out-{client}-{engine}")
+            if client == "trainer":
+                _attempt(results, "export-hf", _export_hf, path, tmp / f"hf-{engine}", run["live"],
+                         path / "config.json")
+                fds.to_universal(str(path))  # beside global_stepN, where the Trainer's resume looks
+            else:  # Accelerate loads its own tag ("pytorch_model"): the universal one goes into a folder of its own
+                (tmp / f"accelerate-{engine}-universal").mkdir()
+                fds.to_universal(str(path), tag="pytorch_model",
+                                 output_dir=str(tmp / f"accelerate-{engine}-universal" / "pytorch_model"))
+    other = run_ranks(_ds_universal_clients_job, 1, str(tmp), timeout=600)[0]
+    out = {}
+    for (client, engine), run in runs.items():
+        results, resumed = run["results"], other[(client, engine)]
+        want = run["masters"] if client == "accelerate" else run["live"]
+
+        def resume_other():
+            assert not isinstance(resumed, str), resumed
+            assert_resume_exact(want, resumed, f"{client} DeepSpeed {engine}, universal checkpoint 2 -> 1 rank")
+
+        _attempt(results, "resume-other", resume_other)
+        out[(client, engine, DS_CLIENT_OPTIMIZER)] = results
+    return out
+
+
 # ----- the cells ----------------------------------------------------------------------------------------------
 
 _RUNS: dict[tuple, dict] = {}
-_PROBED = {"lightning": ("export-fp32", "inspect"),  # refused cells whose run checks the one-line refusal
+_PROBED = {"lightning": ("export-fp32", "inspect"),  # refused cells whose one-process run checks the one-line refusal
            "peft-trainer": ("save", "export-fp32", "inspect"), "peft-trainer-bf16": ("save", "export-fp32", "inspect")}
 
 
 def _results(client: str, engine: str, name: str, tmp_factory) -> dict:
     key = (client, engine) if (client, engine) in (("plain", "ddp"), ("plain", "fsdp2"), ("torchtitan", "fsdp2"),
                                                    ("accelerate", "fsdp2"), ("trainer", "fsdp2")) \
-        else (client,) if client == "deepspeed" else (client, engine, name)
+        else (client,) if client == "deepspeed" else ("ds-clients",) if engine in DS_ENGINES \
+        else (client, engine, name)
     if key not in _RUNS:
         tmp = tmp_factory.mktemp("-".join(key))
         if client == "deepspeed":
             _RUNS[key] = run_deepspeed(tmp)
+        elif key == ("ds-clients",):
+            _RUNS[key] = run_deepspeed_clients(tmp)
         elif client == "plain" and engine == "one-process":
             _RUNS[key] = run_plain_one_process(name, tmp)
         elif client == "plain":
@@ -983,6 +1198,8 @@ def _results(client: str, engine: str, name: str, tmp_factory) -> dict:
         elif client == "lightning":
             _RUNS[key] = run_lightning(name, tmp)
     runs = _RUNS[key]
+    if key == ("ds-clients",):
+        return runs[(client, engine, name)]
     return runs[(engine, name)] if len(key) == 1 else runs[name] if len(key) == 2 else runs
 
 
@@ -998,8 +1215,8 @@ def _param(cell):
 @pytest.mark.parametrize("client, engine, optimizer, stage", [_param(c) for c in CELLS])
 def test_cell(client, engine, optimizer, stage, tmp_path_factory):
     reason = refused(cell_id(client, engine, optimizer, stage))
-    results = _results(client, engine, optimizer, tmp_path_factory) if not reason or stage in _PROBED.get(
-        client, ()) else None
+    probed = stage in _PROBED.get(client, ()) and engine == "one-process"
+    results = _results(client, engine, optimizer, tmp_path_factory) if not reason or probed else None
     if results is None:  # refused: the refusal is the user's to read
         assert refusal_documented(cell_id(client, engine, optimizer, stage)), \
             f"refused ({reason}), but not in {DOCS.name}'s table of cells that are not paths: add it there"
