@@ -247,7 +247,7 @@ def _inspect(path: Path) -> dict[str, Any]:
         info["saved_world_size"] = saved_world_size(where, metadata=metadata)
         info["path"] = str(where)
     else:
-        source = open_source(path)  # a torch or safetensors file: the structure, no tensor read
+        source = open_source(path, structure=True)  # the structure; no tensor read but a step count
         if kind == "deepspeed":
             from .deepspeed_import import describe
 
