@@ -11,7 +11,7 @@
   (:func:`json_header`).
 - DeepSpeed ZeRO 1/2/3 folder (``engine.save_checkpoint`` with a flashdist optimizer): read only, through
   :func:`flashdist.checkpoint.deepspeed_import.read_deepspeed` (every rank's partitions reassembled per
-  parameter; portable optimizer state; parameter + rho).
+  parameter; portable optimizer state; parameter + rho; for ``inspect`` on meta tensors, no data read).
 - Hugging Face Trainer ``checkpoint-N`` folder (model weights + ``optimizer.pt``) or Accelerate ``save_state``
   folder (model weights + ``optimizer.bin``): read only, tensor by tensor, through
   :class:`flashdist.checkpoint.trainer_files.TrainerSource`. A PEFT adapter-only folder is refused. The same
@@ -315,7 +315,8 @@ class Source:
     """A checkpoint opened for streaming: ``rest`` (the nested dict, each tensor None), ``specs`` (route ->
     (shape, dtype), in the checkpoint's order) and :meth:`get`, which reads the tensors of a few routes. A DCP
     folder, a torch file and a safetensors file are read tensor by tensor; a DeepSpeed folder or a flashoptim
-    file is reassembled in memory first (:func:`read`)."""
+    file is reassembled in memory first (:func:`read`); as meta tensors where only the structure is wanted
+    (:func:`open_source` with ``structure``)."""
 
     def __init__(self, rest, specs: dict[tuple, Spec]):
         self.rest, self.specs = rest, specs
