@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from flashdist._compat import HAS_DEEPSPEED
-from _cli import run_cli as _cli  # tests/_cli.py
+from _cli import assert_inspect_reads_structure_like_whole, run_cli as _cli  # tests/_cli.py
 from flashdist.quant import rho as R
 
 from harness import run_ranks
@@ -187,6 +187,14 @@ def test_deepspeed_to_dcp_then_fsdp2_continues(deepspeed_runs, name):
     torch.testing.assert_close(fsdp_after[0], ds_after[0], rtol=2e-5, atol=0)
     torch.testing.assert_close(fsdp_after[1], ds_after[1], rtol=2e-4, atol=0)
     torch.testing.assert_close(fsdp_after, ds_after, rtol=1e-3, atol=0)
+
+
+@pytest.mark.parametrize("key", RUNS)
+def test_inspect_reads_the_structure_and_says_what_a_whole_read_says(deepspeed_runs, monkeypatch, key):
+    """inspect maps every rank's files and reassembles meta partitions: its output (text and --json) and the
+    source's plain data and specs equal those of the whole read, in every ZeRO stage and master mode."""
+    root = deepspeed_runs[0]
+    assert_inspect_reads_structure_like_whole(root / key, monkeypatch)
 
 
 def test_compressed_optimizer_state_converts_like_portable(deepspeed_runs):

@@ -29,6 +29,8 @@ from flashdist.checkpoint.flashoptim_import import is_flashoptim_file, master_we
 from flashdist.cli import main
 from flashdist.quant import rho as R
 
+from _cli import assert_inspect_reads_structure_like_whole  # tests/_cli.py
+
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 DATA = Path(__file__).parent / "data"
@@ -174,6 +176,22 @@ def test_detect_and_inspect(tmp_path):
     info = C.inspect(FILES["bits32"])
     assert info["kind"] == "flashoptim" and info["master_weight_bits"] == [32] and info["step"] == 3
     assert info["parameters"] == sum(v.numel() for v in _raw("bits32")["model"].values())
+
+
+@pytest.mark.parametrize("key", sorted(FILES) + ["tied"])
+def test_inspect_reads_the_structure_and_says_what_a_whole_read_says(tmp_path, monkeypatch, key):
+    """inspect maps the file and decodes meta tensors: its output (text and --json) and the source's plain data
+    and specs equal those of the whole read; a tied weight (one tensor under two model keys) stays tied."""
+    path = FILES.get(key)
+    if path is None:
+        raw = _raw("tiny")
+        raw["model"]["head.weight"] = raw["model"]["fc1.weight"]
+        path = tmp_path / "tied.pt"
+        torch.save(raw, path)
+        out = read_flashoptim(path, structure=True)
+        assert out["model"]["head.weight"] is out["model"]["fc1.weight"] and out["model"]["fc1.weight"].is_meta
+        assert out["model"]["fc2.weight"] is not out["model"]["fc1.weight"]
+    assert_inspect_reads_structure_like_whole(path, monkeypatch)
 
 
 @pytest.mark.parametrize("to", ["torch", "safetensors", "dcp"])

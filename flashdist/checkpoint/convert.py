@@ -220,8 +220,11 @@ def saved_world_size(path: str | os.PathLike, *, metadata=None) -> int:
 
 def inspect(path: str | os.PathLike) -> dict[str, Any]:
     """What a checkpoint is, without loading its tensors where the format allows (DCP: metadata plus the
-    few small plain-data entries; safetensors: the header). A checkpoint whose parts do not have the types
-    flashdist writes (a damaged or crafted one) raises :class:`CheckpointError` naming it."""
+    few small plain-data entries; safetensors: the header; torch, DeepSpeed and flashoptim files: their
+    pickles, tensors mapped and never read but a step count, DeepSpeed's partitions reassembled as meta
+    tensors), within :func:`~flashdist.checkpoint.files.metadata_budget` (a folder of Accelerate's FSDP layout
+    excepted: read whole). A checkpoint whose parts do not have the types flashdist writes (a damaged or
+    crafted one) raises :class:`CheckpointError` naming it."""
     with _as_checkpoint_error(path):
         return _inspect(Path(path))
 
@@ -247,7 +250,7 @@ def _inspect(path: Path) -> dict[str, Any]:
         info["saved_world_size"] = saved_world_size(where, metadata=metadata)
         info["path"] = str(where)
     else:
-        source = open_source(path)  # a torch or safetensors file: the structure, no tensor read
+        source = open_source(path, structure=True)  # the structure; no tensor read but a step count
         if kind == "deepspeed":
             from .deepspeed_import import describe
 

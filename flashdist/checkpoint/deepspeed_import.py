@@ -47,7 +47,8 @@ from ..quant import rho as R
 from .errors import CheckpointError
 from ..quant.moment import QuantizedMoment
 from .deepspeed_files import (HINT, ZERO12_MODEL_FILE, OptimizerFile, load_file, missing, model_states_file,
-                              optimizer_files, read_optimizer_file, stage3_model_files, tag_folder)
+                              optimizer_files, parse_optimizer_file, stage3_model_files, tag_folder)
+from .files import structure_only
 from .state import FORMAT_VERSION
 
 Progress = Callable[[str, int, int], None]
@@ -163,7 +164,7 @@ def _rank_partitions(file: OptimizerFile, stage: int) -> tuple[list[dict], list[
 
 
 def read_deepspeed(path: str | os.PathLike, tag: str | None = None, *, master_weight_bits: int | None = None,
-                   progress: Progress = _quiet) -> dict:
+                   progress: Progress = _quiet, structure: bool = False) -> dict:
     """A DeepSpeed ZeRO 1/2/3 checkpoint of a flashdist optimizer as the nested checkpoint dict of
     :func:`flashdist.checkpoint.save` (full CPU tensors, portable optimizer state keyed by FQN).
 
@@ -171,15 +172,21 @@ def read_deepspeed(path: str | os.PathLike, tag: str | None = None, *, master_we
     folder itself. ``master_weight_bits``: 24 (int8 rho) or 32 (int16 rho) for the output; default: the
     checkpoint's setting. Model parameters keep the dtype DeepSpeed's model has (bf16 under ``"bf16"``) and
     carry the master weight as parameter + rho. Raises :class:`CheckpointError` (a ``ValueError``) naming
-    the file and what to do for incomplete or unsupported checkpoints."""
+    the file and what to do for incomplete or unsupported checkpoints.
+
+    ``structure``: the same dict with meta tensors (their shapes and dtypes) and the real step counts, reading
+    no tensor data (:func:`~flashdist.checkpoint.files.structure_only` of each mapped file, the reassembly run
+    on meta tensors): memory independent of the partitions' sizes, for ``inspect``. Default: every tensor
+    read, memory about twice the checkpoint's optimizer state."""
     folder = tag_folder(path, tag)
+    load = (lambda p: structure_only(load_file(p))) if structure else load_file
     files, prefix = optimizer_files(folder)
     # ---- model states: world size, stage, parameter names and shapes
     model_path = model_states_file(folder)
     zero12_model = folder / ZERO12_MODEL_FILE
     stage3_models = stage3_model_files(folder)
     progress("reading deepspeed", 0, 1)
-    model_sd = load_file(model_path)
+    model_sd = load(model_path)
     world = model_sd.get("dp_world_size")
     shapes = model_sd.get("param_shapes")
     shapes = [shapes] if isinstance(shapes, dict) else shapes  # older DeepSpeed: one dict for all groups
@@ -201,7 +208,7 @@ def read_deepspeed(path: str | os.PathLike, tag: str | None = None, *, master_we
     # ---- every rank's partitions
     total = world + 2
     progress("reading deepspeed", 1, total)
-    first = read_optimizer_file(files[0])
+    first = parse_optimizer_file(load(files[0]), files[0])
     stage = first.stage
     if stage_hint.get("stage") not in (None, stage) and isinstance(stage_hint.get("stage"), int):
         raise CheckpointError(f"flashdist: {files[0]} has ZeRO stage {stage}, {model_path} says "
@@ -217,7 +224,7 @@ def read_deepspeed(path: str | os.PathLike, tag: str | None = None, *, master_we
     per_rank = []
     groups = owner = None
     for r in range(world):
-        file = first if r == 0 else read_optimizer_file(files[r])
+        file = first if r == 0 else parse_optimizer_file(load(files[r]), files[r])
         parts, rank_groups, rank_owner = _rank_partitions(file, stage)
         if groups is None:
             groups, owner = rank_groups, rank_owner
@@ -276,7 +283,7 @@ def read_deepspeed(path: str | os.PathLike, tag: str | None = None, *, master_we
         model[name] = param
         state[name] = entry
     progress("parameters", len(names), len(names))
-    model.update(_frozen(model_sd, stage, world, folder, stage3_models))
+    model.update(_frozen(model_sd, stage, world, folder, stage3_models, load))
     for name in module:
         if name in buffers:
             model[name] = module[name].clone()
@@ -326,7 +333,8 @@ def _steps_by_parameter(per_rank: list[list[dict]], shapes: list[dict], stage: i
     return out
 
 
-def _frozen(model_sd: dict, stage: int, world: int, folder: Path, stage3_models: dict) -> dict[str, torch.Tensor]:
+def _frozen(model_sd: dict, stage: int, world: int, folder: Path, stage3_models: dict,
+            load: Callable[[Path], dict] = load_file) -> dict[str, torch.Tensor]:
     """Parameters without gradients (no optimizer state): whole in ZeRO 1/2's module, in fragments in ZeRO 3."""
     shapes = model_sd.get("frozen_param_shapes") or {}
     if not shapes:
@@ -334,7 +342,7 @@ def _frozen(model_sd: dict, stage: int, world: int, folder: Path, stage3_models:
     if stage != 3:
         module = model_sd.get("module") or {}
         return {name: module[name].clone() for name in shapes if name in module}
-    fragments = [load_file(stage3_models[r]).get("frozen_param_fragments") or {} for r in range(world)]
+    fragments = [load(stage3_models[r]).get("frozen_param_fragments") or {} for r in range(world)]
     out = {}
     for name, shape in shapes.items():
         numel = math.prod(shape)

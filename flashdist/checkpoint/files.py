@@ -327,3 +327,41 @@ def check_nesting(obj, what) -> None:
                 raise CheckpointError(f"flashdist: {printable(what)} nests lists or dicts more than {MAX_NESTING} "
                                       "deep; it is damaged or crafted")
             todo.extend((child, depth + 1) for child in node)
+
+
+def structure_only(obj):
+    """``obj`` (a file's contents as ``torch.load(mmap=True)`` gives them: the tensors mapped, not read) with each
+    tensor of one or more dimensions replaced by a meta tensor of its shape, dtype and strides, tensors that
+    shared storage sharing a meta storage (tied weights stay tied); 0-dimensional ones (step counts) are copied
+    out as CPU scalars. Containers are changed in place (tuples holding tensors rebuilt); other objects are left
+    as they are, unread. Nothing of the mapped data is read but the scalars, so a reader run on the result (a
+    DeepSpeed reassembly, a flashoptim decoding) gives the shapes and dtypes of its output in memory
+    independent of the tensors' sizes: that of the file's pickle, which :func:`check_torch_file` holds within
+    :func:`metadata_budget`."""
+    import torch
+
+    storages: dict[int, tuple] = {}  # the mapped storage (held: its key stays its own) and its meta twin
+
+    def meta(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() == 0:  # a step count; and torch computes with a 0-dim CPU tensor on any device
+            return t.detach().clone()
+        storage = t.untyped_storage()
+        key = storage._cdata  # one key per storage, shared by the tensors that view it
+        if key not in storages:
+            storages[key] = (storage, torch.UntypedStorage(storage.nbytes(), device="meta"))
+        return torch.empty(0, dtype=t.dtype, device="meta").set_(storages[key][1], t.storage_offset(), t.shape,
+                                                                  t.stride())
+
+    def walk(node):
+        if isinstance(node, torch.Tensor):
+            return meta(node)
+        if isinstance(node, dict):
+            for k, v in node.items():
+                node[k] = walk(v)
+        elif isinstance(node, list):
+            node[:] = [walk(v) for v in node]
+        elif isinstance(node, tuple) and any(isinstance(v, (torch.Tensor, dict, list, tuple)) for v in node):
+            return tuple(walk(v) for v in node)  # a torch.Size or a tuple of plain values stays as it is
+        return node
+
+    return walk(obj)

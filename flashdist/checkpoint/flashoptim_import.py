@@ -65,7 +65,7 @@ import torch
 from ..optim.layout import check_master_weight_bits
 from ..quant import rho as R
 from .errors import CheckpointError
-from .files import check_nesting, check_torch_file
+from .files import check_nesting, check_torch_file, structure_only
 from .state import FORMAT_VERSION
 
 GROUP_SIZE = 32  # flashoptim's quantization group: consecutive values of the flattened tensor
@@ -95,16 +95,16 @@ def is_flashoptim_file(path: str | os.PathLike) -> bool:
         return False
 
 
-def _load(path: Path) -> Any:
+def _load(path: Path, structure: bool = False) -> Any:
     check_torch_file(path)
     try:
-        value = torch.load(path, map_location="cpu", weights_only=True)
+        value = torch.load(path, map_location="cpu", weights_only=True, mmap=structure)
     except Exception as e:  # noqa: BLE001 - truncated zip, refused pickle global, ...
         text = str(e).strip().splitlines()
         first = next((line for line in text if "GLOBAL" in line), text[0] if text else type(e).__name__)
         raise CheckpointError(f"flashdist: could not read {path}: {first.strip()[:300]}") from None
     check_nesting(value, path)
-    return value
+    return structure_only(value) if structure else value
 
 
 def _split_input(obj: Any, model_state: dict | None, where: str) -> tuple[dict, dict]:
@@ -237,6 +237,8 @@ def _exp_avg_rcp() -> torch.Tensor:
 
 
 def _codes(value: torch.Tensor, low: int, high: int, what: str) -> torch.Tensor:
+    if value.is_meta:  # the structure only (inspect): no values to check
+        return value.to(torch.int32)
     if value.is_floating_point():  # torch's Optimizer.load_state_dict casts state to the parameter's dtype
         if not torch.equal(value, value.round()):
             raise CheckpointError(f"flashdist: {what} holds non-integer codes")
@@ -280,7 +282,7 @@ def _moment(entry: dict, name: str, shape: tuple, where: str) -> torch.Tensor:
     scale = scale.repeat_interleave(GROUP_SIZE)[:numel]
     if signed:  # y = q / 127 (as q * fl(1/127)); x = y / (2 - |y|) (as y * rcp); times the fp16 scale
         y = q.float() * _recip(127.0)
-        x = y * _exp_avg_rcp()[q.abs().long()]
+        x = y * _exp_avg_rcp().to(q.device)[q.abs().long()]
         return (x * scale).reshape(shape)
     s = q.float() * _recip(255.0) * scale  # q / 255 times the scale of sqrt(v), squared
     return (s * s).reshape(shape)
@@ -321,14 +323,17 @@ def master_weight(param: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
 
 
 def _place(t: torch.Tensor) -> tuple:
-    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+    storage = t.untyped_storage()  # a meta storage has no address: its own object tells it apart
+    return (storage._cdata if t.is_meta else storage.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(),
+            t.dtype)
 
 
 # ----- the whole checkpoint -----------------------------------------------------------------------------
 
 
 def read_flashoptim(src: str | os.PathLike | dict, model_state: dict | None = None, *,
-                    master_weight_bits: int | None = None, param_names: list[str] | None = None) -> dict:
+                    master_weight_bits: int | None = None, param_names: list[str] | None = None,
+                    structure: bool = False) -> dict:
     """A flashoptim FlashAdamW/FlashAdam checkpoint as the nested checkpoint dict of
     :func:`flashdist.checkpoint.save` (portable optimizer state keyed by FQN; see the module docstring).
 
@@ -336,8 +341,10 @@ def read_flashoptim(src: str | os.PathLike | dict, model_state: dict | None = No
     "optimizer": ...}``, or flashoptim's optimizer state dict alone with ``model_state``.
     ``master_weight_bits``: 24 (int8 rho) or 32 (int16 rho: flashoptim's fp32 master weights bit for bit) for the
     output; default: flashoptim's setting (``master_bytewidth``). ``param_names``: the model-state key of each
-    optimizer parameter in order, when the state dict has none and the shapes do not tell. Raises
-    :class:`CheckpointError` (a ``ValueError``) with a one-line reason."""
+    optimizer parameter in order, when the state dict has none and the shapes do not tell. ``structure`` (a path
+    ``src``): the same dict with meta tensors and the real step counts, the file mapped and no tensor data read
+    (:func:`~flashdist.checkpoint.files.structure_only`; the codes' ranges are not checked), for ``inspect``.
+    Raises :class:`CheckpointError` (a ``ValueError``) with a one-line reason."""
     if isinstance(src, dict):
         where, obj = "the flashoptim state dict", src
     else:
@@ -345,7 +352,7 @@ def read_flashoptim(src: str | os.PathLike | dict, model_state: dict | None = No
         if not path.is_file():
             raise CheckpointError(f"flashdist: no such file: {path}" if not path.exists() else
                                   f"flashdist: {path} is a directory; " + _HINT)
-        where, obj = str(path), _load(path)
+        where, obj = str(path), _load(path, structure)
     model, optim = _split_input(obj, model_state, where)
     check_master_weight_bits(master_weight_bits, error=CheckpointError)
     names = _names(model, optim, param_names, where)

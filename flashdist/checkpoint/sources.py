@@ -11,7 +11,7 @@
   (:func:`json_header`).
 - DeepSpeed ZeRO 1/2/3 folder (``engine.save_checkpoint`` with a flashdist optimizer): read only, through
   :func:`flashdist.checkpoint.deepspeed_import.read_deepspeed` (every rank's partitions reassembled per
-  parameter; portable optimizer state; parameter + rho).
+  parameter; portable optimizer state; parameter + rho; for ``inspect`` on meta tensors, no data read).
 - Hugging Face Trainer ``checkpoint-N`` folder (model weights + ``optimizer.pt``) or Accelerate ``save_state``
   folder (model weights + ``optimizer.bin``): read only, tensor by tensor, through
   :class:`flashdist.checkpoint.trainer_files.TrainerSource`. A PEFT adapter-only folder is refused. The same
@@ -231,15 +231,16 @@ def _read_safetensors(path: Path) -> dict:
 
 
 def read(path: str | os.PathLike, *, tag: str | None = None, master_weight_bits: int | None = None,
-         progress: Progress = quiet) -> dict:
+         progress: Progress = quiet, structure: bool = False) -> dict:
     """The whole checkpoint as a nested dict (tensors on the CPU). ``tag`` and ``master_weight_bits`` apply to
-    DeepSpeed folders only (see :func:`flashdist.checkpoint.deepspeed_import.read_deepspeed`)."""
+    DeepSpeed folders only (see :func:`flashdist.checkpoint.deepspeed_import.read_deepspeed`). ``structure``
+    (DeepSpeed folders and flashoptim files): meta tensors, no tensor data read (the step counts excepted)."""
     kind = detect(path)
     _check_options(path, kind, tag, master_weight_bits)
     if kind == "flashoptim":
         from .flashoptim_import import read_flashoptim
 
-        return _whole(path, read_flashoptim, path, master_weight_bits=master_weight_bits)
+        return _whole(path, read_flashoptim, path, master_weight_bits=master_weight_bits, structure=structure)
     if kind == "dcp":
         metadata = SafeFileSystemReader(str(resolve(path))).read_metadata()
         if titan_routes(dcp_entries(path, metadata)) is not None:
@@ -268,7 +269,8 @@ def read(path: str | os.PathLike, *, tag: str | None = None, master_weight_bits:
             raise CheckpointError(f"flashdist: could not read {path}: {_first_line(e)}") from None
     from .deepspeed_import import read_deepspeed
 
-    return _whole(path, read_deepspeed, path, tag, master_weight_bits=master_weight_bits, progress=progress)
+    return _whole(path, read_deepspeed, path, tag, master_weight_bits=master_weight_bits, progress=progress,
+                  structure=structure)
 
 
 def _whole(path, reader: Callable, *args, **kwargs) -> dict:
@@ -313,7 +315,8 @@ class Source:
     """A checkpoint opened for streaming: ``rest`` (the nested dict, each tensor None), ``specs`` (route ->
     (shape, dtype), in the checkpoint's order) and :meth:`get`, which reads the tensors of a few routes. A DCP
     folder, a torch file and a safetensors file are read tensor by tensor; a DeepSpeed folder or a flashoptim
-    file is reassembled in memory first (:func:`read`)."""
+    file is reassembled in memory first (:func:`read`); as meta tensors where only the structure is wanted
+    (:func:`open_source` with ``structure``)."""
 
     def __init__(self, rest, specs: dict[tuple, Spec]):
         self.rest, self.specs = rest, specs
@@ -496,8 +499,10 @@ def value_at(nested, route):
 
 
 def open_source(path: str | os.PathLike, *, tag: str | None = None, master_weight_bits: int | None = None,
-                progress: Progress = quiet) -> Source:
-    """``path`` (any KIND) opened for streaming (see :class:`Source`)."""
+                progress: Progress = quiet, structure: bool = False) -> Source:
+    """``path`` (any KIND) opened for streaming (see :class:`Source`). ``structure``: only ``rest`` and
+    ``specs`` are wanted (``inspect``), and ``get`` of a step count: a DeepSpeed folder or a flashoptim file is
+    then read as meta tensors (:func:`read` with ``structure``), its memory independent of its tensors'."""
     kind = detect(path)
     if kind == "dcp":
         _check_options(path, kind, tag, master_weight_bits)
@@ -516,7 +521,8 @@ def open_source(path: str | os.PathLike, *, tag: str | None = None, master_weigh
         from .trainer_files import TrainerSource
 
         return TrainerSource(path)
-    return MemorySource(read(path, tag=tag, master_weight_bits=master_weight_bits, progress=progress))
+    return MemorySource(read(path, tag=tag, master_weight_bits=master_weight_bits, progress=progress,
+                             structure=structure))
 
 
 class Fetcher:

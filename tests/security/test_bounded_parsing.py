@@ -572,3 +572,66 @@ def test_trainer_folder_json_is_read_within_the_budget(tmp_path, monkeypatch, in
     monkeypatch.setenv("FLASHDIST_METADATA_MIB", "8")
     if index == "beyond-the-budget":
         assert run_cli("inspect", folder)[0] in (0, 1) and "index.json" not in run_cli("inspect", folder)[2]
+
+
+# ----- inspect of a DeepSpeed folder: the structure only ---------------------------------------------------
+
+
+def _zero2_folder(folder: Path, rows: int, world: int = 2, cols: int = 1024) -> Path:
+    """A ZeRO-2 checkpoint of a flashdist optimizer in DeepSpeed's layout: four bf16 (rows, cols) parameters in
+    one param group, fp32 master partitions and fp32 moments on ``world`` ranks (12 bytes per value)."""
+    folder.mkdir()
+    shapes = {f"w{i}": torch.Size([rows, cols]) for i in range(4)}
+    total = 4 * rows * cols
+    torch.save({"dp_world_size": world, "param_shapes": [shapes], "global_steps": 7,
+                "module": {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in shapes.items()},
+                "ds_config": {"zero_optimization": {"stage": 2}}}, folder / "mp_rank_00_model_states.pt")
+    for rank in range(world):
+        part = torch.full((total // world,), 0.5 + rank)
+        entry = {"step": torch.tensor(7.0), "exp_avg": part.clone(), "exp_avg_sq": part.clone()}
+        zsd = {"zero_stage": 2, "partition_count": [world], "param_alignment_paddings": [[0] * 4],
+               "single_partition_of_fp32_groups": [part],
+               "base_optimizer_state": {"state": {0: entry}, "param_groups": [
+                   {"params": [0], "lr": 1e-3, "flashdist_format": "portable", "master_weight_bits": 24}]}}
+        torch.save({"optimizer_state_dict": zsd}, folder / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+    return folder
+
+
+_DEEPSPEED_CHILD = r"""
+import contextlib, io, json, sys
+from flashdist.checkpoint import sources
+from flashdist.cli import main
+def status(key):
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key))
+def peak(fn):
+    before = status("VmRSS:")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak (VmHWM) starts again from here
+    fn()
+    return status("VmHWM:") - before
+main(["inspect", sys.argv[2]])  # warm: modules imported lazily
+out = io.StringIO()
+with contextlib.redirect_stdout(out):
+    grew = peak(lambda: main(["inspect", "--json", sys.argv[1]]))
+whole = peak(lambda: sources.read(sys.argv[1]))  # the control: every partition read and reassembled
+print(json.dumps([grew, whole, json.loads(out.getvalue())]))
+"""
+
+
+def test_inspect_of_a_deepspeed_folder_reads_no_partition(tmp_path):
+    """With FLASHDIST_METADATA_MIB=8, `flashdist inspect` of a 2-rank ZeRO-2 folder of 56 MiB (partitions and
+    model states) grows the process's peak memory by less than the budget, while reading it whole (the
+    control) grows it by more than the checkpoint's size; inspect still gives the step and the parameters."""
+    big = _zero2_folder(tmp_path / "big", rows=1024)
+    small = _zero2_folder(tmp_path / "small", rows=4)
+    size = sum(f.stat().st_size for f in big.iterdir())
+    budget = 8 << 20
+    assert size > 7 * budget
+    env = {**os.environ, "FLASHDIST_METADATA_MIB": "8", "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, "-c", _DEEPSPEED_CHILD, str(big), str(small)], capture_output=True,
+                         text=True, timeout=300, cwd=ROOT, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    grew, whole, info = json.loads(run.stdout.strip().splitlines()[-1])
+    assert info["kind"] == "deepspeed" and info["step"] == 7 and info["parameters"] == 4 * 1024 * 1024
+    assert grew < budget, (grew / 2**20, size / 2**20)
+    assert whole > size, (whole / 2**20, size / 2**20)
