@@ -150,6 +150,9 @@ def parse_args(argv=None):
         ap.error("--grad-release steps during backward, before a global gradient norm exists: use --clip 0")
     if (args.resume or args.auto_resume) and not args.ckpt_dir:
         ap.error("--resume and --auto-resume need --ckpt-dir")
+    if args.optimizer == "muon" and args.ckpt_dir:
+        ap.error("--ckpt-dir: --optimizer muon (torch.optim.Muon + AdamW, the comparison baseline) does not "
+                 "checkpoint; use --optimizer flash_muon or leave out --ckpt-dir")
     for name in ("replicas", "shards", "threads", "tp"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             ap.error(f"--{name} must be a positive integer, got {getattr(args, name)}")

@@ -530,6 +530,26 @@ def test_read_only_folder_gives_one_clear_error(tmp_path):
     assert not any(p.name.startswith("ck") for p in folder.iterdir())
 
 
+def test_an_optimizer_without_torchs_state_dict_form_is_named_and_nothing_is_written(tmp_path):
+    """An optimizer whose state_dict() is not torch's {'state', 'param_groups'} (a wrapper of two optimizers)
+    is refused in one line that says what save takes; the folder is left as it was."""
+    model = _model()
+
+    class TwoOptimizers(torch.optim.SGD):
+        def state_dict(self):
+            return {"first": super().state_dict()}
+
+    checkpoint.save(tmp_path / "ck", model, FlashAdamW(model.parameters()), extra={"n": 1})
+    with pytest.raises(checkpoint.CheckpointWriteError) as info:
+        checkpoint.save(tmp_path / "ck", model, TwoOptimizers(model.parameters(), lr=0.1))
+    message = str(info.value)
+    assert len(message.splitlines()) == 1 and f"{tmp_path / 'ck'} was not changed" in message
+    assert "reading the model's and optimizer's state failed" in message and "'param_groups'" in message
+    _only_checkpoint_left(tmp_path)
+    fresh = _model()
+    assert checkpoint.load(tmp_path / "ck", fresh, FlashAdamW(fresh.parameters()))["n"] == 1
+
+
 def test_failed_write_keeps_the_previous_checkpoint_and_removes_its_own_folder(tmp_path, monkeypatch):
     model = _model()
     opt = FlashAdamW(model.parameters(), lr=1e-2)

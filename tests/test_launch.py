@@ -167,7 +167,8 @@ def test_mesh_and_resume_flags_are_checked(capsys):
     from launch import train
 
     for argv, message in [(["--auto-resume"], "need --ckpt-dir"), (["--replicas", "0"], "--replicas must be"),
-                          (["--shards", "-2"], "--shards must be"), (["--threads", "0"], "--threads must be")]:
+                          (["--shards", "-2"], "--shards must be"), (["--threads", "0"], "--threads must be"),
+                          (["--optimizer", "muon", "--ckpt-dir", "ck"], "use --optimizer flash_muon")]:
         with pytest.raises(SystemExit):
             train.parse_args(argv)
         assert message in capsys.readouterr().err

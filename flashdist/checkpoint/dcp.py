@@ -96,9 +96,16 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     try:
         failure = None
         try:
-            dcp.save(_state(model, optimizer, extra), storage_writer=TiedWriter(tmp, save_id))
-        except (Exception, CheckpointException) as e:  # DCP wraps per-rank failures in a BaseException
-            failure = f"flashdist: could not save checkpoint {path}: {write_failure(e, tmp)}"
+            state = _state(model, optimizer, extra)
+        except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others wait in dcp.save
+            failure = (f"flashdist: could not save checkpoint {path}: reading the model's and optimizer's state "
+                       f"failed ({error_summary(e)}); save takes a torch.nn.Module and a torch.optim.Optimizer "
+                       f"whose state_dict() has torch's form ('state' and 'param_groups')")
+        else:
+            try:
+                dcp.save(state, storage_writer=TiedWriter(tmp, save_id))
+            except (Exception, CheckpointException) as e:  # DCP wraps per-rank failures in a BaseException
+                failure = f"flashdist: could not save checkpoint {path}: {write_failure(e, tmp)}"
         failures = _gather(failure)
         message = None
         if any(failures):
