@@ -31,6 +31,16 @@ OPTIMIZERS = {
 SHAPES = [(64, 96), (33,), (300, 257), (8,)]
 
 
+def _muon(params, **kw):
+    """FlashMuon over ``params`` as a user splits them: the matrices take Muon, the vectors AdamW."""
+    return flashdist.FlashMuon([{"params": [p for p in params if p.ndim >= 2]},
+                                {"params": [p for p in params if p.ndim < 2], "use_muon": False}],
+                               lr=1e-2, weight_decay=0.1, momentum=0.9, **kw)
+
+
+OPTIMIZERS["muon"] = _muon
+
+
 def _params(device, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [torch.nn.Parameter(torch.randn(s, generator=g).to(device, torch.bfloat16)) for s in SHAPES]
@@ -82,6 +92,19 @@ def test_capturable_changes_nothing_on_the_cpu():
     assert b.state[capt[0]]["step"].device.type == "cpu"
 
 
+def test_capturable_flash_muon_on_the_cpu_is_the_ordinary_one():
+    """FlashMuon takes capturable=True (and graphed=True, which implies it) as the family does; on the CPU it
+    changes no bit."""
+    plain, capt = _params("cpu"), _params("cpu")
+    a, b = _muon(plain), _muon(capt, capturable=True)
+    for grads in _grads(3, plain, 16):
+        _set_grads(plain, capt, grads)
+        a.step()
+        b.step()
+    _same_bits(_snapshot(a, plain), _snapshot(b, capt), "FlashMuon, capturable on the cpu")
+    assert b.capturable and _muon(_params("cpu"), graphed=True).capturable
+
+
 def test_graphed_step_refuses_what_it_cannot_capture():
     with pytest.raises(ValueError, match="capturable=True"):
         flashdist.GraphedStep(OPTIMIZERS["adamw"](_params("cpu")))
@@ -116,7 +139,7 @@ def test_capturable_step_is_the_ordinary_step(algo, tensor_lr):
 
 
 @gpu
-@pytest.mark.parametrize("algo", ["adamw", "sgd", "lion"])
+@pytest.mark.parametrize("algo", ["adamw", "sgd", "lion", "muon"])
 def test_user_captured_step_replays_the_eager_steps(algo):
     """torch.cuda.graph around optimizer.step() after one warm-up step, the learning rate a device tensor
     written between replays (as a scheduler would), gradients copied into the captured ones."""
@@ -195,6 +218,29 @@ def test_graphed_step_replays_and_falls_back_with_the_same_bits():
     assert isinstance(b.param_groups[0]["lr"], float)
 
 
+
+
+@gpu
+def test_graphed_flash_muon_replays_while_its_gradients_stay_put():
+    """FlashMuon's Muon kernels take each gradient at its address (no launch table to point elsewhere): GraphedStep
+    replays while the gradients are where the capture found them, and where one moved steps eagerly and captures
+    again, with the bits of eager steps throughout; a float learning rate changing every step needs no capture."""
+    plain, capt = _params("cuda"), _params("cuda")
+    a, b = _muon(plain, capturable=True), _muon(capt, capturable=True)
+    graphed = flashdist.GraphedStep(b)
+    for k, grads in enumerate(_grads(8, plain, 15), start=1):
+        if k == 5:  # every gradient a new tensor
+            for q in capt:
+                q.grad = torch.empty_like(q.grad)
+        _set_grads(plain, capt, grads)
+        for group in a.param_groups + b.param_groups:
+            group["lr"] = 1e-2 / k
+        a.step()
+        graphed()
+        torch.cuda.synchronize()
+        _same_bits(_snapshot(a, plain), _snapshot(b, capt), f"graphed FlashMuon step {k}")
+    # 1: eager (warm-up); 2: capture + replay; 3-4: replays; 5: eager (gradients moved); 6: capture + replay; 7-8
+    assert (graphed.eager_steps, graphed.captures, graphed.replays) == (2, 2, 6), graphed.__dict__
 
 
 @gpu
@@ -555,8 +601,9 @@ class _TinyLlama(torch.nn.Module):
 
 
 @gpu
+@pytest.mark.parametrize("kind", ["FlashAdamW", "FlashMuon"])
 @pytest.mark.parametrize("clip", [False, True], ids=["no-clip", "clip"])
-def test_graphed_optimizer_replays_with_gradients_set_to_none(clip):
+def test_graphed_optimizer_replays_with_gradients_set_to_none(clip, kind):
     """The loop every client runs (``loss.backward(); [clip_grad_norm_]; opt.step(); opt.zero_grad()``, with
     torch's default ``set_to_none=True``, so that the gradients are new tensors at every step, wherever the
     allocator puts them): a ``graphed=True`` optimizer captures once and replays every later step, bit for bit
@@ -570,11 +617,16 @@ def test_graphed_optimizer_replays_with_gradients_set_to_none(clip):
         torch.manual_seed(0)
         models.append(_TinyLlama().to("cuda", torch.bfloat16))
     ref, mod = models
-    a = flashdist.FlashAdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, capturable=True)
-    b = flashdist.FlashAdamW(mod.parameters(), lr=1e-3, weight_decay=0.1, graphed=True)
+    if kind == "FlashMuon":  # (its Muon matrices' gradients are read where they are: the allocator decides)
+        a = flashdist.FlashMuon(flashdist.muon_param_groups(ref), lr=1e-3, weight_decay=0.1, capturable=True)
+        b = flashdist.FlashMuon(flashdist.muon_param_groups(mod), lr=1e-3, weight_decay=0.1, graphed=True)
+    else:
+        a = flashdist.FlashAdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, capturable=True)
+        b = flashdist.FlashAdamW(mod.parameters(), lr=1e-3, weight_decay=0.1, graphed=True)
     scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda k: 1.0 / (1 + k)) for o in (a, b)]
     gen = torch.Generator(device="cuda").manual_seed(2)
     moved, seen = 0, None
+    fixed_moved, fixed_seen = 0, None  # FlashMuon: its Muon matrices' gradients, which its kernels read by address
     with using(DEFAULT.replace(large_numel=16384)):
         for k in range(steps):
             tokens = torch.randint(0, 512, (4, 32), device="cuda", generator=gen)
@@ -587,6 +639,9 @@ def test_graphed_optimizer_replays_with_gradients_set_to_none(clip):
                     now = [p.grad.data_ptr() for p in mod.parameters()]
                     moved += seen is not None and now != seen
                     seen = now
+                    fixed = [p.grad.data_ptr() for g in b.param_groups if g.get("use_muon") for p in g["params"]]
+                    fixed_moved += k > 0 and fixed != fixed_seen
+                    fixed_seen = fixed
                 opt.step()
                 opt.zero_grad()  # set_to_none=True
                 sched.step()
@@ -595,9 +650,12 @@ def test_graphed_optimizer_replays_with_gradients_set_to_none(clip):
                 assert torch.equal(p.view(torch.int16), q.view(torch.int16)), f"step {k + 1}"
                 assert torch.equal(a.state[p]["rho"], b.state[q]["rho"]), f"step {k + 1}"
     graph = b._graph
-    print(f"graphed, clip={clip}: {graph.captures} captures, {graph.replays} replays, {graph.eager_steps} eager "
-          f"steps, gradients at new addresses at {moved} of {steps - 1} steps")
-    assert graph.captures >= 1 and graph.replays >= steps - 3
+    print(f"graphed {kind}, clip={clip}: {graph.captures} captures, {graph.replays} replays, {graph.eager_steps} eager "
+          f"steps, gradients at new addresses at {moved} of {steps - 1} steps (Muon matrices' at {fixed_moved})")
+    if fixed_moved == 0:  # the Muon kernels' gradients stayed put (FlashAdamW: it has none): every step replays
+        assert graph.captures >= 1 and graph.replays >= steps - 3
+    else:  # a call whose Muon gradients moved steps eagerly (the same bits, checked above) and captures again
+        assert graph.replays + graph.eager_steps == steps and graph.captures <= graph.eager_steps + 1
 
 
 @gpu

@@ -9,7 +9,7 @@ import torch
 
 from ..kernels import reference
 from ..kernels.scalars import MuonScalars, muon_lr_ratio
-from .backend import BACKENDS, host_number, resolve_backend
+from .backend import BACKENDS, host_number, on_device, resolve_backend
 
 Orthogonalize = Callable[[Sequence[int], Sequence[torch.Tensor], Callable[[int, torch.Tensor], torch.Tensor]], list]
 
@@ -67,7 +67,9 @@ def flash_muon(
     tensor, ``theta = theta * (1 - lr * weight_decay) - adjusted_lr * O`` on the master weight ``param + rho``
     (``rhos`` None: the parameter itself), ``adjusted_lr`` from ``adjust_lr_fn`` and the global shape.
 
-    ``backend``: "auto" (the Triton kernels of phases 1 and 3 on CUDA, ``kernels/triton/muon.py``; the eager
+    ``lr``: a float, or a one-element tensor; with the Triton kernels, one on the parameters' device is read
+    there when the weight update runs (no host synchronisation: a CUDA graph can capture the step), with the
+    bits of the same float. ``backend``: "auto" (the Triton kernels of phases 1 and 3 on CUDA, ``kernels/triton/muon.py``; the eager
     reference elsewhere), "triton" or "reference", the same bits; there is no fused CPU step yet, so "cpu" is
     refused. ``skipped`` counts the values of
     matrices left unchanged because their update was not finite (``reference.muon_apply_``).
@@ -80,16 +82,23 @@ def flash_muon(
     if not params:
         return
     chosen = resolve_backend(backend, params[0].device)
+    # capturable: a learning rate held on the parameters' device is read there by the weight update's kernel
+    device_lr = lr if chosen == "triton" and on_device(lr, params[0].device) else None
+    ratios = [muon_lr_ratio(adjust_lr_fn, *matrix_shape(shape)) for shape in shapes]
+    scalars = [MuonScalars.make(lr=0.0 if device_lr is not None else host_number(lr), weight_decay=weight_decay,
+                                momentum=momentum, nesterov=nesterov, lr_ratio=ratio) for ratio in ratios]
     if chosen == "triton":
-        from ..kernels.triton.muon import muon_apply as apply_, muon_momentum as momentum_
+        from ..kernels.triton.muon import muon_apply, muon_momentum as momentum_
+
+        def apply_(i, param, rho, ortho):
+            muon_apply(param, rho, ortho, scalars=scalars[i], skipped=skipped, lr=device_lr,
+                       weight_decay=weight_decay, lr_ratio=ratios[i])
     else:  # (auto on the CPU: the eager reference)
-        apply_ = reference.muon_apply_
+        def apply_(i, param, rho, ortho):
+            reference.muon_apply_(param, rho, ortho, scalars=scalars[i], skipped=skipped)
 
         def momentum_(*args, **kwargs):
             return reference.muon_momentum_(*args, **kwargs).bfloat16()
-    lr = host_number(lr)
-    scalars = [MuonScalars.make(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-                                lr_ratio=muon_lr_ratio(adjust_lr_fn, *matrix_shape(shape))) for shape in shapes]
 
     def whole(i: int, update: torch.Tensor) -> torch.Tensor:
         matrix = update.reshape(matrix_shape(shapes[i]))
@@ -118,4 +127,4 @@ def flash_muon(
         del updates
         for i, ortho in zip(indices, orthos):
             if params[i].numel():
-                apply_(params[i], rhos[i] if rhos is not None else None, ortho, scalars=scalars[i], skipped=skipped)
+                apply_(i, params[i], rhos[i] if rhos is not None else None, ortho)

@@ -9,8 +9,10 @@ into it: the kernel reads every gradient's address from device tables (``kernels
 ``GraphedStep`` points at the gradients of the call before each replay, outside the graph (one small
 host-to-device copy per table). So a replay follows the gradients wherever ``zero_grad(set_to_none=True)``
 and the next backward pass put them (torch's default, and the Trainer's, Accelerate's and Lightning's).
+The exception is FlashMuon's Muon matrices, whose kernels take the gradient's address as an argument.
 What must stay where it was captured is checked at every call: the parameter addresses, the optimizer's step
-plans (its state), which parameters have a gradient, the hyper-parameters; where any differs the call steps
+plans (its state), which parameters have a gradient, the hyper-parameters, those Muon gradients' addresses;
+where any differs the call steps
 eagerly, and captures again once a step sees the same. Results are the same bits either way. The parameter
 addresses are compared in C++ (``flashdist.kernels.host``, built at first use: a few nanoseconds per tensor),
 or in Python where it cannot be built (a few hundred).
@@ -102,6 +104,9 @@ class GraphedStep:
         self._plans: list = []  # the launch plans the graph holds (kernels.triton.plans.collect_captured)
         self._unique_plans: list = []  # the same, each once
         self._plan_params: list[list] = []  # per plan: the optimizer's parameters of its lists, in their order
+        # (parameter, address) of each gradient the graph reads where the capture found it (FlashMuon's Muon
+        # matrices: their kernels take the gradient as an argument); a replay needs each still there
+        self._fixed: list[tuple] = []
         self._info: list[tuple] = []  # per plan: what _map_plans prepared for the compiled check
         self._why: str | None = None  # why the last call stepped eagerly
         self._misses = 0  # eager calls in a row since the last replay (after the warm-up)
@@ -257,6 +262,11 @@ class GraphedStep:
         False where one does not fit (``Plan.fits``: another dtype or alignment) or cannot be found. Checked in
         C++ (``kernels.host.grad_info``: a few nanoseconds per gradient), in Python where that is not built,
         for DTensors, or to say which gradient is off."""
+        for p, address in self._fixed:
+            if p.grad is None or p.grad.data_ptr() != address:
+                self._why = ("a gradient the captured step reads where it was (a Muon matrix's) is at a new address "
+                             "or gone")
+                return False
         for plan, params, (info, fitted) in zip(self._unique_plans, self._plan_params, self._info):
             if fitted is not None and self._host.grad_info(params, *info) and torch.equal(info[1:], fitted):
                 if not torch.equal(info[0], plan.grad_addresses) and not plan.retarget_addresses(info[0]):
@@ -300,11 +310,13 @@ class GraphedStep:
                 if not self._device_lr(group["lr"]):
                     group["lr"] = self._lr[i]
             with plans.collect_captured() as kept:
+                self.optimizer._fixed_grads = []
                 try:
                     with torch.cuda.graph(graph):
                         self._eager()
                 finally:
                     self._plans = kept
+                    self._fixed, self.optimizer._fixed_grads = self.optimizer._fixed_grads, None
                     self._map_plans()
         finally:
             for group, lr in held:
@@ -320,7 +332,7 @@ class GraphedStep:
             self._short = self._short + 1 if self.replays - self._replays_at_capture <= 1 else 0
         self.graph = None
         plans.release_captured(self._plans)
-        self._plans, self._plan_params, self._unique_plans, self._info = [], [], [], []
+        self._plans, self._plan_params, self._unique_plans, self._info, self._fixed = [], [], [], [], []
 
     @torch.no_grad()
     def __call__(self) -> None:

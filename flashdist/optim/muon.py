@@ -12,6 +12,7 @@ from ..functional.adam import flash_adam
 from ..functional.muon import flash_muon
 from .base import FlashOptimizer
 from .params import check_betas, check_number, param_name
+from .plan import refuse_while_capturing
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's (Keller Jordan's) quintic coefficients
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
@@ -58,11 +59,20 @@ class FlashMuon(FlashOptimizer):
         backend: "auto" (default), "triton" or "reference". Under "auto" the Muon groups' elementwise phases
             run as Triton kernels on CUDA and as the eager reference on the CPU (no fused CPU step yet), the
             AdamW groups FlashAdamW's fused steps; the same bits either way.
+        capturable, graphed: as :class:`flashdist.FlashAdamW`: on one GPU the whole step (both kernels,
+            Newton-Schulz's matmuls, the AdamW groups) is captured in a CUDA graph and replayed, with the
+            bits of eager steps; the learning rate is read on the device. Unlike the AdamW groups' launch
+            tables, the Muon kernels read each gradient where the capture found it: a replay needs the Muon
+            matrices' gradients at those addresses (the caching allocator often, not always, gives a loop's
+            new gradients the same ones), and a call where one moved steps eagerly and captures again; where
+            that keeps happening, one warning says so and steps stay eager. Sharded Muon matrices (FSDP2,
+            tensor parallelism) step eagerly: the exchange that orthogonalizes them between ranks is not
+            captured.
 
     Caveats: ``use_muon`` decides a group's state and is fixed once the optimizer is built. A matrix whose
     gradient holds a NaN or an Inf keeps its weight for that step (Newton-Schulz spreads the value over the
     whole matrix) and the groups of 32 momentum values holding it keep theirs; ``optimizer.skipped`` counts
-    the values left unchanged. Not yet: a fused CPU step, ``capturable`` / ``graphed`` steps, DeepSpeed's flat
+    the values left unchanged. Not yet: a fused CPU step, captured steps of sharded matrices, DeepSpeed's flat
     partitions.
     """
 
@@ -79,15 +89,13 @@ class FlashMuon(FlashOptimizer):
         if backend not in ("auto", "triton", "reference"):
             raise ValueError(f"flashdist: FlashMuon takes backend='auto', 'triton' or 'reference', got {backend!r} "
                              "(its Muon update has no fused CPU step yet; 'auto' gives the AdamW groups theirs)")
-        if capturable or graphed:
-            raise ValueError("flashdist: FlashMuon cannot be captured in a CUDA graph yet (its Newton-Schulz "
-                             "step gathers matrices between ranks); build it with capturable=False, graphed=False")
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
                         adjust_lr_fn=adjust_lr_fn, use_muon=True, adamw_betas=tuple(adamw_betas),
                         adamw_eps=adamw_eps, master_weight_bits=master_weight_bits,
                         quantize_states=quantize_states, companded=companded, flat_layout=False)
-        super().__init__(params, defaults, backend=backend, state_dict_format=state_dict_format)
+        super().__init__(params, defaults, backend=backend, state_dict_format=state_dict_format,
+                         capturable=capturable, graphed=graphed)
 
     def _reset_caches(self) -> None:
         super()._reset_caches()
@@ -149,12 +157,17 @@ class FlashMuon(FlashOptimizer):
                        decoupled=True, companded=group["companded"], skipped=skipped, backend=self.backend)
             return
         orthogonalize = None
+        grads = bucket.local_grads(grads)
         if bucket.dtensor:
+            refuse_while_capturing(bucket.device, "its Muon matrices are sharded (DTensors), and the exchange that "
+                                   "orthogonalizes them between ranks is not captured: they step eagerly")
             # owners continue round-robin across buckets, groups and steps (the same calls in the same order on
             # every rank), so small groups do not all land on rank 0; which rank computes changes no bit
             orthogonalize = OwnerOrthogonalize(bucket.sources, first=self._owner_position)
             self._owner_position += len(bucket.sources)
-        flash_muon(bucket.params, bucket.local_grads(grads), bucket.moments[0], bucket.scales[0], bucket.rhos,
+        elif self._fixed_grads is not None:  # (a GraphedStep capturing: the kernels take each gradient's address)
+            self._fixed_grads.extend(zip(bucket.sources, map(torch.Tensor.data_ptr, grads)))
+        flash_muon(bucket.params, grads, bucket.moments[0], bucket.scales[0], bucket.rhos,
                    cols=bucket.cols, shapes=[tuple(D.global_shape(p)) for p in bucket.sources], lr=group["lr"],
                    weight_decay=float(group["weight_decay"]), momentum=float(group["momentum"]),
                    nesterov=group["nesterov"], ns_coefficients=tuple(map(float, group["ns_coefficients"])),

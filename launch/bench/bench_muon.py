@@ -4,7 +4,7 @@ Run on a GPU machine from the repository root:
 
     python launch/bench/bench_muon.py --out bench_muon.json
 
-Workload: the matrices of the Llama-3.2-1B shapes that Muon takes (16 layers x 7 projections, 1,074 M of the
+Workload: the matrices of the Llama-3.2-1B shapes that Muon takes (16 layers x 7 projections, 973 M of the
 model's 1,236 M parameters; the embedding and the norms take AdamW in a real run and are left out here so
 that both optimizers do exactly the same Newton-Schulz work). Each row is the median of 20 steps after 5
 warm-up steps, timed with CUDA events around ``optimizer.step()``, on random non-zero gradients.
@@ -12,8 +12,9 @@ warm-up steps, timed with CUDA events around ``optimizer.step()``, on random non
 Rows:
 - torch.optim.Muon with fp32 parameters (fp32 momentum: its usual mixed-precision setup) and with bf16
   parameters (bf16 momentum, no master weights);
-- flashdist FlashMuon, 24-bit (bf16 parameters + int8 rho, 8-bit companded momentum), and with
-  ``quantize_states=False`` (fp32 momentum);
+- flashdist FlashMuon, 24-bit (bf16 parameters + int8 rho, 8-bit companded momentum), the same with
+  ``graphed=True`` (the step captured in a CUDA graph and replayed: no Python or launch work per step), and
+  with ``quantize_states=False`` (fp32 momentum);
 - "Newton-Schulz only": ``flashdist.kernels.reference.newton_schulz`` on the same matrices (bf16, 5 steps),
   the part both optimizers share, so that step - NS is each one's elementwise time.
 "B/param held" is the optimizer's parameters + gradients + state over the parameter count (measured).
@@ -95,14 +96,16 @@ def main(argv=None) -> int:
                              lambda ps: torch.optim.Muon(ps, lr=lr, weight_decay=wd)))
     rows.append(run_case("flashdist FlashMuon, 24-bit, 8-bit momentum", torch.bfloat16,
                          lambda ps: flashdist.FlashMuon(ps, lr=lr, weight_decay=wd)))
+    rows.append(run_case("flashdist FlashMuon, 24-bit, 8-bit momentum, graphed", torch.bfloat16,
+                         lambda ps: flashdist.FlashMuon(ps, lr=lr, weight_decay=wd, graphed=True)))
     rows.append(run_case("flashdist FlashMuon, 24-bit, fp32 momentum", torch.bfloat16,
                          lambda ps: flashdist.FlashMuon(ps, lr=lr, weight_decay=wd, quantize_states=False)))
     ns = rows[0]["step_ms"]
-    print(f"{'case':48s} {'step ms':>9s} {'- NS ms':>9s} {'B/param':>8s}")
+    print(f"{'case':56s} {'step ms':>9s} {'- NS ms':>9s} {'B/param':>8s}")
     for row in rows:
         if "numel" in row:
             row["elementwise_ms"] = round(row["step_ms"] - ns, 3)
-        print(f"{row['case']:48s} {row['step_ms']:9.2f} {row.get('elementwise_ms', float('nan')):9.2f} "
+        print(f"{row['case']:56s} {row['step_ms']:9.2f} {row.get('elementwise_ms', float('nan')):9.2f} "
               f"{row.get('bytes_per_param_held', float('nan')):8.3f}")
     result = {"benchmark": "bench_muon", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
               "device": torch.cuda.get_device_name(), "torch": torch.__version__,

@@ -21,13 +21,11 @@ from flashdist import FlashAdam, FlashAdamW, FlashLion, FlashMuon, FlashSGD, Fla
 @dataclass(frozen=True)
 class Entry:
     """One optimizer of the family: its class, the options a cell trains with, how a user builds its param
-    groups from a model (``groups``; None: ``model.named_parameters()``), and, where the class refuses
-    ``graphed=True`` outright, why (the noop-option cell then asserts that refusal is one line)."""
+    groups from a model (``groups``; None: ``model.named_parameters()``)."""
 
     cls: type
     kwargs: dict = field(default_factory=dict)
     groups: Callable[[torch.nn.Module], list] | None = None
-    refuses_graphed: str | None = None
 
     def build(self, model, **overrides):
         """The optimizer for ``model`` (a module: its param groups as a user builds them) or for parameters
@@ -49,18 +47,14 @@ OPTIMIZERS: dict[str, Entry] = {
     "FlashLion": Entry(FlashLion, dict(lr=1e-3, weight_decay=0.1)),
     # matrices (>= 2 dims, the 3-d one too) take Muon, biases AdamW (flashdist.muon_param_groups); the clients
     # that choose by name build the same split themselves (optim="flash_muon", torchtitan's flash_muon)
-    "FlashMuon": Entry(FlashMuon, dict(lr=2e-2, weight_decay=0.1, momentum=0.9), groups=muon_param_groups,
-                       refuses_graphed="FlashMuon refuses graphed=True (and capturable=True) when it is built: its "
-                                       "Newton-Schulz step gathers whole matrices between ranks, which no CUDA "
-                                       "graph captures yet"),
+    "FlashMuon": Entry(FlashMuon, dict(lr=2e-2, weight_decay=0.1, momentum=0.9), groups=muon_param_groups),
 }
 
 STAGES = ("train", "first-step-memory", "outside-write", "noop-option", "save", "resume-same", "resume-other",
           "export-fp32", "export-hf", "inspect")
 """train: state only for trainable parameters in param_groups; first-step-memory: before the first step the
 optimizer holds no more than AdamW; outside-write: a weight written outside the optimizer is its own master;
-noop-option: ``graphed=True`` where no graph can be made says so once (an optimizer that refuses the option,
-``Entry.refuses_graphed``, refuses it in one line when built);
+noop-option: ``graphed=True`` where no graph can be made says so once;
 save: the masters read back from the checkpoint the client writes equal the live ones; resume-same /
 resume-other: a run resumed at the same / another world size equals the uninterrupted one; export-fp32 /
 export-hf: ``flashdist export`` (safetensors / ``--hf`` folder) of that checkpoint gives the live masters;

@@ -25,7 +25,8 @@ _POWER_BITS = 32  # bits of the step count walked by the repeated squaring (fp32
 
 
 @triton.jit
-def _f64(bits):
+def f64(bits):
+    """float64 from its bits, an integer kernel argument."""
     return bits.to(tl.int64).to(tl.float64, bitcast=True)
 
 
@@ -45,10 +46,10 @@ def scalars_kernel(
     if LR_PTR:
         lr = tl.load(lr_ptr).to(tl.float64)
     else:
-        lr = _f64(lr_bits)
+        lr = f64(lr_bits)
     one = tl.full([], 1.0, tl.float64)
     if ALGO == SGD_ALGO:
-        momentum, dampening, weight_decay = _f64(h0), _f64(h1), _f64(h2)
+        momentum, dampening, weight_decay = f64(h0), f64(h1), f64(h2)
         first = n == 1
         tl.store(out_ptr + 0, tl.where(first, 0.0, momentum.to(tl.float32)))  # momentum_decay
         tl.store(out_ptr + 1, momentum.to(tl.float32))
@@ -57,17 +58,17 @@ def scalars_kernel(
         tl.store(out_ptr + 4, 0.0)
         tl.store(out_ptr + 5, weight_decay.to(tl.float32))
     else:  # Adam and Lion
-        beta1, beta2 = _f64(h0), _f64(h1)
+        beta1, beta2 = f64(h0), f64(h1)
         tl.store(out_ptr + 0, beta1.to(tl.float32))
         tl.store(out_ptr + 1, beta2.to(tl.float32))
         tl.store(out_ptr + 2, (one - beta1).to(tl.float32))
         tl.store(out_ptr + 3, (one - beta2).to(tl.float32))
         if ALGO == ADAM_ALGO:
-            eps, weight_decay = _f64(h2), _f64(h3)
+            eps, weight_decay = f64(h2), f64(h3)
             tl.store(out_ptr + 4, eps.to(tl.float32))
             tl.store(out_ptr + 5, weight_decay.to(tl.float32))
         else:
-            weight_decay = _f64(h2)
+            weight_decay = f64(h2)
             tl.store(out_ptr + 4, 0.0)
             tl.store(out_ptr + 5, 0.0)
     if DECOUPLED:
@@ -92,7 +93,8 @@ def scalars_kernel(
         tl.store(out_ptr + 8, 0.0)
 
 
-def _bits(x: float) -> int:
+def f64_bits(x: float) -> int:
+    """The bits of ``x`` as float64, as an int: a float kernel argument would travel as fp32."""
     return struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
@@ -108,9 +110,9 @@ def device_scalars(algo: int, count: torch.Tensor | None, lr: float | torch.Tens
 
     out = torch.empty(KERNEL_SLOTS, dtype=torch.float32, device=device)
     lr_is_tensor = isinstance(lr, torch.Tensor)
-    h = [_bits(x) for x in hyper] + [0] * (4 - len(hyper))
+    h = [f64_bits(x) for x in hyper] + [0] * (4 - len(hyper))
     scalars_kernel[(1,)](count if count is not None else out, lr if lr_is_tensor else out, out,
-                         0 if lr_is_tensor else _bits(lr), *h, ALGO=algo, DECOUPLED=decoupled, LR_PTR=lr_is_tensor,
+                         0 if lr_is_tensor else f64_bits(lr), *h, ALGO=algo, DECOUPLED=decoupled, LR_PTR=lr_is_tensor,
                          POWER_BITS=_POWER_BITS, **current().compile_options(quantized=False))
     return out
 

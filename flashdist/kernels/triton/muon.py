@@ -24,6 +24,7 @@ from ...quant import codes as Q
 from ..scalars import MuonScalars
 from .bits import (FP32_EXP_MASK, FP32_MAX, GROUP, INV127, LIFT, SCALE_MAX, SIGNED_CODE_MAGIC, TINY, bf16_value,
                    code_bits, div_normalized, f32_to_bf16_bits, gather, group_normalizer)
+from .device_scalars import f64, f64_bits
 from .rho_bits import merge_bf16, merge_fp16, new_param
 
 _KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
@@ -102,15 +103,21 @@ def _momentum_kernel(
         tl.store(m_ptr + offs, buf, mask=mask & (tl.abs(buf) <= FP32_MAX))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["wd_bits", "ratio_bits"])
 def _apply_kernel(
     p_ptr, rho_ptr, o_ptr, skipped_ptr,  # parameter (bf16 as int16 bits, fp16, fp32); rho; O (bf16 bits); count
-    numel, decay, alpha,  # 1 - lr * wd; -adjusted_lr
+    numel, decay, alpha,  # 1 - lr * wd; -adjusted_lr (MuonScalars), unless LR_PTR
+    lr_ptr, wd_bits, ratio_bits,  # LR_PTR: the learning rate in device memory; float64 bits of wd and lr_ratio
     P_KIND: tl.constexpr, RHO_KIND: tl.constexpr, RHO_LOG2: tl.constexpr, COUNT: tl.constexpr,
-    COMPILED: tl.constexpr, GROUPS: tl.constexpr,
+    LR_PTR: tl.constexpr, COMPILED: tl.constexpr, GROUPS: tl.constexpr,
 ):
-    decay_c: tl.float32 = decay
-    alpha_c: tl.float32 = alpha
+    if LR_PTR:  # MuonScalars.make's float64 arithmetic on the learning rate read now, rounded once to fp32
+        lr = tl.load(lr_ptr).to(tl.float64)
+        decay_c = (tl.full([], 1.0, tl.float64) - lr * f64(wd_bits)).to(tl.float32)
+        alpha_c = (-(lr * f64(ratio_bits))).to(tl.float32)
+    else:
+        decay_c: tl.float32 = decay  # (annotated: the interpreter keeps a host float as it keeps the arguments)
+        alpha_c: tl.float32 = alpha
     blk = tl.program_id(0)
     offs = (blk * GROUPS + tl.arange(0, GROUPS))[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     mask = offs < numel
@@ -184,8 +191,14 @@ def muon_momentum(grad: torch.Tensor, momentum_buffer: torch.Tensor, momentum_sc
 
 
 def muon_apply(param: torch.Tensor, rho: torch.Tensor | None, ortho: torch.Tensor, *, scalars: MuonScalars,
-               skipped: torch.Tensor | None) -> None:
-    """``reference.muon_apply_`` in one launch, in place; ``ortho`` bf16 of the parameter's shape."""
+               skipped: torch.Tensor | None, lr: torch.Tensor | None = None, weight_decay: float = 0.0,
+               lr_ratio: float = 1.0) -> None:
+    """``reference.muon_apply_`` in one launch, in place; ``ortho`` bf16 of the parameter's shape.
+
+    ``lr``: a one-element tensor on the parameter's device holding the learning rate, read when the kernel
+    runs (a capturable step: nothing on the host changes between steps); the kernel then computes
+    ``scalars.decay`` and ``scalars.alpha`` from it, ``weight_decay`` and ``lr_ratio`` as
+    ``MuonScalars.make`` does on the host (float64, rounded once to fp32): the same bits."""
     numel = param.numel()
     if numel == 0:
         return
@@ -193,5 +206,6 @@ def muon_apply(param: torch.Tensor, rho: torch.Tensor | None, ortho: torch.Tenso
     _apply_kernel[(triton.cdiv(triton.cdiv(numel, Q.GROUP), GROUPS),)](
         _bits(param), rho if rho is not None else param, ortho.contiguous().view(torch.int16),
         skipped if skipped is not None else param, numel, scalars.decay, scalars.alpha,
+        lr if lr is not None else param, f64_bits(weight_decay), f64_bits(lr_ratio),
         P_KIND=_KINDS[param.dtype], RHO_KIND=rho_kind, RHO_LOG2=rho_log2, COUNT=skipped is not None,
-        COMPILED=_compiled(param), GROUPS=GROUPS, enable_fp_fusion=False)
+        LR_PTR=lr is not None, COMPILED=_compiled(param), GROUPS=GROUPS, enable_fp_fusion=False)
