@@ -298,3 +298,21 @@ def test_offload_benchmark_runs_and_measures_host_bytes(tmp_path):
     assert rows["fsdp2_adamw"]["host_optimizer_bytes_per_param"] == 12.0  # fp32 parameters + fp32 moments
     # bf16 parameters + rho + 8-bit moments; the 1-D norm weights keep fp32 moments
     assert 5.125 < rows["fsdp2_flash"]["host_optimizer_bytes_per_param"] < 5.2
+
+
+def test_docs_results_index_names_every_file_and_only_files_that_exist():
+    """docs/results/README.md is the index of the measured figures: each file there has a row (a row may name
+    several, ``name-{a,b}.json``), and each row names files that exist."""
+    import re
+
+    folder = ROOT / "docs" / "results"
+    named = set()
+    for line in (folder / "README.md").read_text().splitlines():
+        cell = line.split("|")[1].strip() if line.startswith("| ") else ""
+        for name in filter(None, (n.strip() for n in cell.split(", ") if n.strip().endswith(".json"))):
+            braces = re.search(r"\{([^}]*)\}", name)
+            named.update([name.replace(braces.group(0), part) for part in braces.group(1).split(",")] if braces
+                         else [name])
+    files = {p.name for p in folder.iterdir() if p.name != "README.md"}
+    assert not files - named, f"docs/results files without a row in its README.md: {sorted(files - named)}"
+    assert not named - files, f"docs/results/README.md names files that are not there: {sorted(named - files)}"
