@@ -222,8 +222,8 @@ def inspect(path: str | os.PathLike) -> dict[str, Any]:
     """What a checkpoint is, without loading its tensors where the format allows (DCP: metadata plus the
     few small plain-data entries; safetensors: the header; torch, DeepSpeed and flashoptim files: their
     pickles, tensors mapped and never read but a step count, DeepSpeed's partitions reassembled as meta
-    tensors), within :func:`~flashdist.checkpoint.files.metadata_budget` (a folder of Accelerate's FSDP layout
-    excepted: read whole). A checkpoint whose parts do not have the types flashdist writes (a damaged or
+    tensors; an FSDP folder: its two DCP folders' metadata), within
+    :func:`~flashdist.checkpoint.files.metadata_budget`. A checkpoint whose parts do not have the types flashdist writes (a damaged or
     crafted one) raises :class:`CheckpointError` naming it."""
     with _as_checkpoint_error(path):
         return _inspect(Path(path))

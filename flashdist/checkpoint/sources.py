@@ -16,7 +16,8 @@
   folder (model weights + ``optimizer.bin``): read only, tensor by tensor, through
   :class:`flashdist.checkpoint.trainer_files.TrainerSource`. A PEFT adapter-only folder is refused. The same
   folders written under FSDP with a sharded state dict (``pytorch_model_fsdp_0`` and ``optimizer_0``, two DCP
-  checkpoints): read only, whole, through :func:`read_fsdp_folder`.
+  checkpoints): read only, whole, through :func:`read_fsdp_folder` (its structure alone from the metadata, for
+  ``inspect``).
 - flashoptim torch file (``{"model": ..., "optimizer": ...}`` of the FlashOptim paper's library): read only,
   through :func:`flashdist.checkpoint.flashoptim_import.read_flashoptim`.
 """
@@ -185,12 +186,32 @@ def read_dcp(path: str | os.PathLike, keys: list[str] | None = None, *, metadata
     return nested
 
 
-def read_fsdp_folder(path: str | os.PathLike) -> dict:
+def _dcp_structure(path: str | os.PathLike) -> dict:
+    """A DCP checkpoint's nested dict from its metadata: each tensor a meta tensor of its shape and dtype, but
+    the 0-d ones (step counts), which are read with the optimizer's param groups; other plain data is None.
+    Memory: the metadata's, whatever the size of the shards."""
+    where = resolve(path)
+    metadata = SafeFileSystemReader(str(where)).read_metadata()
+    entries = dcp_entries(where, metadata)
+    nested: dict = {}
+    for route, size, dtype in entries.values():  # (in the checkpoint's order)
+        _set(nested, route, torch.empty(size, dtype=dtype, device="meta") if size is not None else None)
+    small = [k for k, (route, size, _) in entries.items()
+             if size == () or (size is None and route[1:2] == ("param_groups",))]
+    if small:
+        read = read_dcp(where, small, metadata=metadata)
+        for key in small:
+            _set(nested, entries[key][0], value_at(read, entries[key][0]))
+    return nested
+
+
+def read_fsdp_folder(path: str | os.PathLike, *, structure: bool = False) -> dict:
     """The checkpoint in an FSDP folder (:func:`flashdist.checkpoint.trainer_files.is_fsdp_folder`), whole, as
     flashdist's nested dict. Accelerate writes ``{"model": model.state_dict()}`` to ``pytorch_model_fsdp_0`` and
     ``{"optimizer": get_optimizer_state_dict(model, optimizer)}`` to ``optimizer_0``: the optimizer state keyed
     by parameter name (torch's distributed state dict), so the masters need no parameter order. Read through
-    flashdist's safe DCP reader; a folder of several models or optimizers is refused."""
+    flashdist's safe DCP reader; a folder of several models or optimizers is refused. ``structure``: meta
+    tensors from the two folders' metadata, only the step counts and param groups read (``inspect``)."""
     from .trainer_files import FSDP_MODEL, FSDP_OPTIMIZER, fsdp_global_step
 
     folder = Path(path)
@@ -198,8 +219,9 @@ def read_fsdp_folder(path: str | os.PathLike) -> dict:
     if extra:
         raise CheckpointError(f"flashdist: {folder} holds several models or optimizers ({extra[0]}); flashdist reads "
                               "a folder of one model and one optimizer: save each with flashdist.checkpoint.save")
-    model = read_dcp(inside(folder, FSDP_MODEL)).get("model")
-    optim = read_dcp(inside(folder, FSDP_OPTIMIZER)).get("optimizer")
+    read_one = _dcp_structure if structure else read_dcp
+    model = read_one(inside(folder, FSDP_MODEL)).get("model")
+    optim = read_one(inside(folder, FSDP_OPTIMIZER)).get("optimizer")
     if not isinstance(model, dict) or not isinstance(optim, dict) or not isinstance(optim.get("state"), dict):
         raise CheckpointError(f"flashdist: {folder} does not hold Accelerate's FSDP layout ('model' in {FSDP_MODEL}, "
                               f"'optimizer' with its state in {FSDP_OPTIMIZER}); it is damaged or was written by "
@@ -234,7 +256,8 @@ def read(path: str | os.PathLike, *, tag: str | None = None, master_weight_bits:
          progress: Progress = quiet, structure: bool = False) -> dict:
     """The whole checkpoint as a nested dict (tensors on the CPU). ``tag`` and ``master_weight_bits`` apply to
     DeepSpeed folders only (see :func:`flashdist.checkpoint.deepspeed_import.read_deepspeed`). ``structure``
-    (DeepSpeed folders and flashoptim files): meta tensors, no tensor data read (the step counts excepted)."""
+    (DeepSpeed folders, flashoptim files and FSDP folders): meta tensors, no tensor data read (the step counts
+    excepted)."""
     kind = detect(path)
     _check_options(path, kind, tag, master_weight_bits)
     if kind == "flashoptim":
@@ -251,7 +274,7 @@ def read(path: str | os.PathLike, *, tag: str | None = None, master_weight_bits:
 
         return TrainerSource(path).read()
     if kind == "fsdp-folder":
-        return read_fsdp_folder(path)
+        return read_fsdp_folder(path, structure=structure)
     if kind == "torch":
         check_torch_file(path)
         try:

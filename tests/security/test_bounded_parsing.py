@@ -618,13 +618,34 @@ print(json.dumps([grew, whole, json.loads(out.getvalue())]))
 """
 
 
-def test_inspect_of_a_deepspeed_folder_reads_no_partition(tmp_path):
+def _fsdp_folder(folder: Path, rows: int, cols: int = 1024) -> Path:
+    """The folder the Trainer and Accelerate write under FSDP with a sharded state dict (two DCP checkpoints,
+    the optimizer state keyed by name): four bf16 (rows, cols) weights of a 24-bit flashdist optimizer with
+    fp32 moments (11 bytes per value)."""
+    import torch.distributed.checkpoint as dcp
+
+    names = [f"w{i}" for i in range(4)]
+    model = {n: torch.zeros(rows, cols, dtype=torch.bfloat16) for n in names}
+    state = {n: {"step": torch.tensor(7.0), "exp_avg": torch.full((rows, cols), 0.5),
+                 "exp_avg_sq": torch.full((rows, cols), 0.25), "rho": torch.ones(rows, cols, dtype=torch.int8)}
+             for n in names}
+    groups = [{"params": names, "lr": 1e-3, "flashdist_format": "portable", "master_weight_bits": 24}]
+    dcp.save({"model": model}, checkpoint_id=str(folder / "pytorch_model_fsdp_0"), no_dist=True)
+    dcp.save({"optimizer": {"state": state, "param_groups": groups}}, checkpoint_id=str(folder / "optimizer_0"),
+             no_dist=True)
+    return folder
+
+
+@pytest.mark.parametrize("layout", ["deepspeed", "fsdp-folder"])
+def test_inspect_of_a_folder_of_partitions_reads_none_of_them(tmp_path, layout):
     """With FLASHDIST_METADATA_MIB=8, `flashdist inspect` of a 2-rank ZeRO-2 folder of 56 MiB (partitions and
-    model states) grows the process's peak memory by less than the budget, while reading it whole (the
-    control) grows it by more than the checkpoint's size; inspect still gives the step and the parameters."""
-    big = _zero2_folder(tmp_path / "big", rows=1024)
-    small = _zero2_folder(tmp_path / "small", rows=4)
-    size = sum(f.stat().st_size for f in big.iterdir())
+    model states), or of a 66 MiB folder of Accelerate's FSDP layout (two DCP checkpoints), grows the
+    process's peak memory by less than the budget, while reading it whole (the control) grows it by more
+    than the checkpoint's size; inspect still gives the step and the parameters."""
+    build = _zero2_folder if layout == "deepspeed" else _fsdp_folder
+    big = build(tmp_path / "big", rows=1024 if layout == "deepspeed" else 1536)
+    small = build(tmp_path / "small", rows=4)
+    size = sum(f.stat().st_size for f in big.rglob("*") if f.is_file())
     budget = 8 << 20
     assert size > 7 * budget
     env = {**os.environ, "FLASHDIST_METADATA_MIB": "8", "PYTHONPATH": str(ROOT)}
@@ -632,6 +653,8 @@ def test_inspect_of_a_deepspeed_folder_reads_no_partition(tmp_path):
                          text=True, timeout=300, cwd=ROOT, env=env)
     assert run.returncode == 0, run.stderr[-2000:]
     grew, whole, info = json.loads(run.stdout.strip().splitlines()[-1])
-    assert info["kind"] == "deepspeed" and info["step"] == 7 and info["parameters"] == 4 * 1024 * 1024
+    assert info["kind"] == layout and info["step"] == 7, info
+    assert info["parameters"] == 4 * 1024 * (1024 if layout == "deepspeed" else 1536), info
+    assert layout == "deepspeed" or info["master_weight_bits"] == [24], info
     assert grew < budget, (grew / 2**20, size / 2**20)
     assert whole > size, (whole / 2**20, size / 2**20)
