@@ -71,9 +71,37 @@ def test_learning_rate_in_a_tensor_is_read_by_the_kernel_with_the_host_bits(lr_d
         assert a.dtype == b.dtype and torch.equal(a, b), f"tensor {i} differs from the float learning rate's"
 
 
+@pytest.mark.interpreted
+def test_strided_gradients_and_learning_rates_of_several_values_are_refused_before_any_change():
+    """The kernels read flat storage: a gradient that is not contiguous (a transposed layout) is refused in one
+    line before anything changes, where it would have been read in the wrong order; a learning rate tensor of
+    two values is refused as the reference refuses it, not read as its first."""
+    from flashdist.functional.muon import flash_muon
+
+    if not _interpreter.HAS_TRITON:
+        pytest.skip("triton is not installed")
+    p = torch.nn.Parameter(torch.randn(48, 64).bfloat16())
+    opt = FlashMuon([p], lr=0.02, backend="triton")
+    p.grad = torch.randn(64, 48).bfloat16().t()
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match="gradient of matrix 0 .* has strides") as refused:
+        opt.step()
+    assert "\n" not in str(refused.value) and torch.equal(p.detach(), before)
+    assert all(not torch.count_nonzero(v) for v in opt.state[p].values())  # (made for the step: zeros, step 0)
+    p.grad = p.grad.contiguous()
+    opt.step()  # the same gradient, contiguous, steps
+    buf = torch.zeros(48, 64)
+    for backend in ("triton", "reference"):
+        with pytest.raises(RuntimeError, match="2 elements"):
+            flash_muon([p.detach()], [p.grad], [buf], None, None, cols=None, shapes=[(48, 64)],
+                       lr=torch.tensor([0.02, 5.0]), weight_decay=0.1, momentum=0.95, nesterov=True,
+                       ns_coefficients=(3.4445, -4.775, 2.0315), ns_steps=5, eps=1e-7, adjust_lr_fn=None,
+                       backend=backend)
+
+
 @pytest.mark.interpreter_runner
 def test_in_interpreter_process():
     if not _interpreter.HAS_TRITON:
         pytest.skip("triton is not installed")
-    done = _interpreter.run_interpreted(__file__, "-k", "test_triton_matches_reference_bitwise or learning_rate_in")
-    assert done.returncode == 0 and f"{len(CASES) + 2} passed" in done.stdout, done.stdout[-6000:] + done.stderr[-3000:]
+    done = _interpreter.run_interpreted(__file__, "-k", "not test_in_interpreter_process")
+    assert done.returncode == 0 and f"{len(CASES) + 3} passed" in done.stdout, done.stdout[-6000:] + done.stderr[-3000:]

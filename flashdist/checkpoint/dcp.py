@@ -37,6 +37,7 @@ from ..optim.base import FlashOptimizer
 
 from .dcp_files import SafeFileSystemReader, SafeLoadPlanner, TiedWriter, shard_writer, verify_shard
 from .errors import CheckpointError, CheckpointWriteError, error_summary, write_failure
+from .files import reason
 from .publish import Claim, resolve, temp_folder
 
 # this module's public names, with those that moved to dcp_files, errors and publish (their old import path)
@@ -97,16 +98,19 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
         failure = None
         try:
             state = _state(model, optimizer, extra)
-        except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others wait in dcp.save
+        except Exception as e:  # noqa: BLE001 - every rank hears of it below, before any enters dcp.save
             failure = (f"flashdist: could not save checkpoint {path}: reading the model's and optimizer's state "
-                       f"failed ({error_summary(e)}); save takes a torch.nn.Module and a torch.optim.Optimizer "
-                       f"whose state_dict() has torch's form ('state' and 'param_groups')")
-        else:
+                       f"failed ({reason(e)})")
+            if isinstance(e, (KeyError, TypeError, AttributeError)):  # a state dict of another shape
+                failure += ("; save takes a torch.nn.Module and a torch.optim.Optimizer whose state_dict() has "
+                            "torch's form ('state' and 'param_groups')")
+        failures = _gather(failure)
+        if not any(failures):
             try:
                 dcp.save(state, storage_writer=TiedWriter(tmp, save_id))
             except (Exception, CheckpointException) as e:  # DCP wraps per-rank failures in a BaseException
                 failure = f"flashdist: could not save checkpoint {path}: {write_failure(e, tmp)}"
-        failures = _gather(failure)
+            failures = _gather(failure)
         message = None
         if any(failures):
             message = ("CheckpointWriteError", next(f for f in failures if f) + f"; {path} was not changed")

@@ -212,6 +212,13 @@ class SafeFileSystemReader(FileSystemReader):
     def _size(self, name: str) -> int:
         return regular_size(inside(self.path, name, source=Path(self.path) / ".metadata"))
 
+    def _slice_file(self, file, sinfo):
+        # each record is a torch.save stream: checked as a torch file (stored records inside it, its pickle
+        # within the budget) before torch.load inflates it, tensors included (check_metadata bounds its length)
+        check_torch_stream(_Window(file, sinfo.offset, sinfo.length), sinfo.length,
+                           f"a record of {Path(self.path) / sinfo.relative_path}")
+        return super()._slice_file(file, sinfo)
+
     def read_data(self, plan, planner):
         # every shard this rank reads is checked first; an error here reaches every rank through DCP's
         # gather of read results, so no rank goes on alone
@@ -223,7 +230,42 @@ class SafeFileSystemReader(FileSystemReader):
         return super().read_data(plan, planner)
 
 
+class _Window(io.RawIOBase):
+    """Bytes ``offset`` to ``offset + length`` of a seekable binary file, as a file of their own (what
+    :func:`check_torch_stream` reads a DCP record through: zipfile seeks from its end)."""
+
+    def __init__(self, file, offset: int, length: int):
+        super().__init__()
+        self.file, self.offset, self.length, self.position = file, offset, length, 0
+
+    def seekable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.position
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self.position, os.SEEK_END: self.length}[whence]
+        self.position = max(0, base + offset)
+        return self.position
+
+    def readinto(self, buffer) -> int:
+        n = max(0, min(len(buffer), self.length - self.position))
+        if not n:
+            return 0
+        self.file.seek(self.offset + self.position)
+        got = self.file.readinto(memoryview(buffer)[:n])
+        self.position += got
+        return got
+
+
 _TENSOR_PROPERTIES = (TensorProperties, _ShardedTensorProperties)
+# what torch.save adds to a tensor's bytes in its record (its zip entries and pickle: about 1.6 KB), with room
+# to spare: a longer record is not one DCP wrote, and reading it would cost more than the tensor
+_RECORD_SLACK = 64 << 10
 
 
 def check_metadata(metadata: Any, folder: str | os.PathLike) -> None:
@@ -231,7 +273,8 @@ def check_metadata(metadata: Any, folder: str | os.PathLike) -> None:
     folder holds, before anything is allocated from its numbers: the types DCP writes; tensor sizes, chunks
     and dtypes that fit together; shard files that are regular files inside ``folder`` (see
     :func:`~flashdist.checkpoint.files.inside`) and hold each record's bytes; no tensor larger than the bytes
-    its records hold (so building a tensor for it costs at most the size of the files); planner routes whose
+    its records hold (so building a tensor for it costs at most the size of the files), nor records much longer
+    than their tensors (so reading one costs about its tensor); planner routes whose
     list indices the entries pay for (:func:`~flashdist.checkpoint.files.check_routes`); and no storage
     transforms (compression), whose output the file's size would not bound."""
     try:
@@ -267,6 +310,7 @@ def _check_metadata(metadata: Any, folder: str | os.PathLike, source: Path) -> N
     # the shard files and the bytes each entry's records hold in them
     sizes: dict[str, int] = {}
     stored: dict[str, int] = {}
+    records: dict[str, int] = {}
     for index, info in metadata.storage_data.items():
         if not isinstance(index, MetadataIndex) or not isinstance(index.fqn, str) or not isinstance(info, _StorageInfo):
             refuse("holds an invalid storage record")
@@ -291,6 +335,7 @@ def _check_metadata(metadata: Any, folder: str | os.PathLike, source: Path) -> N
             refuse(f"stores {index.fqn[:80]!r} transformed ({shown(info.transform_descriptors)}), which flashdist "
                    "does not read")
         stored[index.fqn] = stored.get(index.fqn, 0) + length
+        records[index.fqn] = records.get(index.fqn, 0) + 1
     for key, meta in entries.items():
         if not isinstance(key, str):
             refuse(f"holds an entry named by a {type(key).__name__}")
@@ -310,9 +355,13 @@ def _check_metadata(metadata: Any, folder: str | os.PathLike, source: Path) -> N
                 refuse(f"holds a chunk of {key[:80]!r} outside its size {list(size)}")
             covered += math.prod(lengths)
         numel = math.prod(size)
-        if covered < numel or numel * meta.properties.dtype.itemsize > stored.get(key, 0):
+        itemsize = meta.properties.dtype.itemsize
+        if covered < numel or numel * itemsize > stored.get(key, 0):
             refuse(f"gives {key[:80]!r} {numel:,} elements ({list(size)[:8]}) but its records hold "
                    f"{stored.get(key, 0):,} bytes")
+        if stored.get(key, 0) > covered * itemsize + records.get(key, 0) * _RECORD_SLACK:
+            refuse(f"gives {key[:80]!r} {numel:,} elements ({list(size)[:8]}) in records of {stored[key]:,} bytes, "
+                   "far more than torch.save writes for them")
     routes = metadata.planner_data
     if routes is not None:
         if not isinstance(routes, dict) or not all(isinstance(k, str) for k in routes):

@@ -42,9 +42,9 @@ def cpu_fallback(backend: str, done: bool) -> bool:
 
 
 def on_device(value, device: torch.device) -> bool:
-    """Whether ``value`` (a step count or learning rate) is a tensor on ``device``: a CUDA step then computes
-    its scalars there (``flashdist.kernels.triton.device_scalars``), which lets a CUDA graph capture it."""
-    return isinstance(value, torch.Tensor) and value.device == device
+    """Whether ``value`` (a step count or learning rate) is a one-element tensor on ``device``: a CUDA step then
+    computes its scalars there (``flashdist.kernels.triton.device_scalars``), which lets a CUDA graph capture it."""
+    return isinstance(value, torch.Tensor) and value.device == device and value.numel() == 1
 
 
 def host_number(value) -> float:

@@ -82,6 +82,13 @@ def flash_muon(
     if not params:
         return
     chosen = resolve_backend(backend, params[0].device)
+    if chosen == "triton":  # the kernels read flat storage: checked before anything changes
+        for what, tensors in (("gradient", grads), ("parameter", params)):
+            bad = next((i for i, t in enumerate(tensors) if not t.is_contiguous()), None)
+            if bad is not None:
+                raise ValueError(f"flashdist: FlashMuon's Triton kernels read flat storage, but the {what} of matrix "
+                                 f"{bad} (shape {tuple(tensors[bad].shape)}) has strides {tensors[bad].stride()}: "
+                                 "make it contiguous (.contiguous()), or use backend='reference'")
     # capturable: a learning rate held on the parameters' device is read there by the weight update's kernel
     device_lr = lr if chosen == "triton" and on_device(lr, params[0].device) else None
     ratios = [muon_lr_ratio(adjust_lr_fn, *matrix_shape(shape)) for shape in shapes]

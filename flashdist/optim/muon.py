@@ -65,9 +65,9 @@ class FlashMuon(FlashOptimizer):
             tables, the Muon kernels read each gradient where the capture found it: a replay needs the Muon
             matrices' gradients at those addresses (the caching allocator often, not always, gives a loop's
             new gradients the same ones), and a call where one moved steps eagerly and captures again; where
-            that keeps happening, one warning says so and steps stay eager. Sharded Muon matrices (FSDP2,
-            tensor parallelism) step eagerly: the exchange that orthogonalizes them between ranks is not
-            captured.
+            that keeps happening, one warning says so and steps stay eager. A step with sharded Muon matrices
+            (FSDP2, tensor parallelism) runs eagerly, its AdamW groups included: the exchange that
+            orthogonalizes them between ranks is not captured.
 
     Caveats: ``use_muon`` decides a group's state and is fixed once the optimizer is built. A matrix whose
     gradient holds a NaN or an Inf keeps its weight for that step (Newton-Schulz spreads the value over the

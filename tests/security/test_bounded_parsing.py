@@ -658,3 +658,51 @@ def test_inspect_of_a_folder_of_partitions_reads_none_of_them(tmp_path, layout):
     assert layout == "deepspeed" or info["master_weight_bits"] == [24], info
     assert grew < budget, (grew / 2**20, size / 2**20)
     assert whole > size, (whole / 2**20, size / 2**20)
+
+
+# ----- tensor records: no longer than their tensor, and stored as torch.save writes them ---------------------
+
+
+def _record_swapped(folder: Path, record: bytes) -> Path:
+    """A plain DCP checkpoint whose 0-d tensor ``step`` (what inspect reads) points at ``record``, in a shard file
+    of its own."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    plain(folder, {"model": {"w": torch.zeros(4, 4)}, "optim": {"state": {"w": {"step": torch.tensor(7.0)}}}})
+    (folder / "__1_0.distcp").write_bytes(record)
+    metadata = metadata_of(folder)
+    index = next(i for i in metadata.storage_data if i.fqn.endswith("step"))
+    metadata.storage_data[index] = _StorageInfo(relative_path="__1_0.distcp", offset=0, length=len(record))
+    return write_metadata(folder, metadata)
+
+
+def _deflated(record: bytes) -> bytes:
+    import io
+    import zipfile
+
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(record)) as zi, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as zo:
+        for info in zi.infolist():
+            zo.writestr(info.filename, zi.read(info.filename))
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("record", ["oversized", "deflated"])
+def test_a_tensor_record_that_would_inflate_is_refused_before_it_is_read(tmp_path, record):
+    """A 0-d tensor whose record is a whole 32 MiB tensor (a record far longer than its tensor: refused with the
+    metadata), or that tensor deflated into 32 KB (a record torch.save never writes, which torch.load would
+    inflate: refused before torch.load sees it): one line naming the checkpoint, and nothing inflated."""
+    import io
+
+    from flashdist.checkpoint.convert import inspect
+
+    raw = io.BytesIO()
+    torch.save(torch.zeros(8 << 20), raw)
+    data = raw.getvalue() if record == "oversized" else _deflated(raw.getvalue())
+    assert len(data) < 64 << 10 or record == "oversized"
+    folder = _record_swapped(tmp_path / "ck", data)
+    expected = "far more than torch.save writes" if record == "oversized" else "compressed or beyond its end"
+    for read in (sources.read, inspect):
+        with pytest.raises(checkpoint.CheckpointError, match=expected) as refused:
+            read(folder)
+        assert "\n" not in str(refused.value) and str(folder) in str(refused.value)
