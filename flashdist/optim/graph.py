@@ -104,9 +104,9 @@ class GraphedStep:
         self._plans: list = []  # the launch plans the graph holds (kernels.triton.plans.collect_captured)
         self._unique_plans: list = []  # the same, each once
         self._plan_params: list[list] = []  # per plan: the optimizer's parameters of its lists, in their order
-        # (parameter, address) of each gradient the graph reads where the capture found it (FlashMuon's Muon
-        # matrices: their kernels take the gradient as an argument); a replay needs each still there
-        self._fixed: list[tuple] = []
+        # (parameters, int64 addresses) of the gradients the graph reads where the capture found them (FlashMuon's
+        # Muon matrices: their kernels take the gradient as an argument); a replay needs each still there
+        self._fixed: tuple[list, torch.Tensor] = ([], torch.zeros(0, dtype=torch.int64))
         self._info: list[tuple] = []  # per plan: what _map_plans prepared for the compiled check
         self._why: str | None = None  # why the last call stepped eagerly
         self._misses = 0  # eager calls in a row since the last replay (after the warm-up)
@@ -221,19 +221,23 @@ class GraphedStep:
 
     def _addresses_changed(self, params: list, param_seen: torch.Tensor, grad_seen: torch.Tensor,
                            dtensors: bool = False) -> bool:
-        """Whether the address of a parameter or of its gradient differs from those seen (recorded): what a
-        graph whose gradient addresses were fixed would need unchanged."""
-        changed = self._params_moved(params, param_seen, dtensors)
+        """Whether the address of a parameter or of its gradient differs from those seen (recorded)."""
+        return self._params_moved(params, param_seen, dtensors) | self._grads_moved(params, grad_seen, dtensors)
+
+    def _grads_moved(self, params: list, seen: torch.Tensor, dtensors: bool = False) -> bool:
+        """Whether the address of a parameter's gradient (0 for none; a DTensor's: its local shard's) differs from
+        ``seen``, which records the new ones: the check of the gradients a captured step reads where they were
+        (FlashMuon's Muon matrices)."""
         if self._host is not None and not dtensors:
             try:
-                return self._host.addresses_changed(params, True, grad_seen) | changed
-            except RuntimeError:
+                return self._host.addresses_changed(params, True, seen)
+            except RuntimeError:  # a DTensor: in Python
                 pass
         new = torch.tensor(_addresses(list(map(_GRAD, params))), dtype=torch.int64)
-        if not torch.equal(new, grad_seen):
-            grad_seen.copy_(new)
-            changed = True
-        return changed
+        if torch.equal(new, seen):
+            return False
+        seen.copy_(new)
+        return True
 
     def _map_plans(self) -> None:
         """The optimizer's parameters of each captured plan's lists, in their order (found by the local
@@ -262,11 +266,9 @@ class GraphedStep:
         False where one does not fit (``Plan.fits``: another dtype or alignment) or cannot be found. Checked in
         C++ (``kernels.host.grad_info``: a few nanoseconds per gradient), in Python where that is not built,
         for DTensors, or to say which gradient is off."""
-        for p, address in self._fixed:
-            if p.grad is None or p.grad.data_ptr() != address:
-                self._why = ("a gradient the captured step reads where it was (a Muon matrix's) is at a new address "
-                             "or gone")
-                return False
+        if self._fixed[0] and self._grads_moved(*self._fixed):
+            self._why = "a gradient the captured step reads where it was (a Muon matrix's) is at a new address or gone"
+            return False
         for plan, params, (info, fitted) in zip(self._unique_plans, self._plan_params, self._info):
             if fitted is not None and self._host.grad_info(params, *info) and torch.equal(info[1:], fitted):
                 if not torch.equal(info[0], plan.grad_addresses) and not plan.retarget_addresses(info[0]):
@@ -316,7 +318,8 @@ class GraphedStep:
                         self._eager()
                 finally:
                     self._plans = kept
-                    self._fixed, self.optimizer._fixed_grads = self.optimizer._fixed_grads, None
+                    fixed, self.optimizer._fixed_grads = self.optimizer._fixed_grads, None
+                    self._fixed = ([p for p, _ in fixed], torch.tensor([a for _, a in fixed], dtype=torch.int64))
                     self._map_plans()
         finally:
             for group, lr in held:
@@ -332,7 +335,8 @@ class GraphedStep:
             self._short = self._short + 1 if self.replays - self._replays_at_capture <= 1 else 0
         self.graph = None
         plans.release_captured(self._plans)
-        self._plans, self._plan_params, self._unique_plans, self._info, self._fixed = [], [], [], [], []
+        self._plans, self._plan_params, self._unique_plans, self._info = [], [], [], []
+        self._fixed = ([], torch.zeros(0, dtype=torch.int64))
 
     @torch.no_grad()
     def __call__(self) -> None:
