@@ -223,8 +223,8 @@ def inspect(path: str | os.PathLike) -> dict[str, Any]:
     few small plain-data entries; safetensors: the header; torch, DeepSpeed and flashoptim files: their
     pickles, tensors mapped and never read but a step count, DeepSpeed's partitions reassembled as meta
     tensors; an FSDP folder: its two DCP folders' metadata), within
-    :func:`~flashdist.checkpoint.files.metadata_budget`. A checkpoint whose parts do not have the types flashdist writes (a damaged or
-    crafted one) raises :class:`CheckpointError` naming it."""
+    :func:`~flashdist.checkpoint.files.metadata_budget`. A checkpoint whose parts do not have the types
+    flashdist writes (a damaged or crafted one) raises :class:`CheckpointError` naming it."""
     with _as_checkpoint_error(path):
         return _inspect(Path(path))
 

@@ -69,9 +69,9 @@ def flash_muon(
 
     ``lr``: a float, or a one-element tensor; with the Triton kernels, one on the parameters' device is read
     there when the weight update runs (no host synchronisation: a CUDA graph can capture the step), with the
-    bits of the same float. ``backend``: "auto" (the Triton kernels of phases 1 and 3 on CUDA, ``kernels/triton/muon.py``; the eager
-    reference elsewhere), "triton" or "reference", the same bits; there is no fused CPU step yet, so "cpu" is
-    refused. ``skipped`` counts the values of
+    bits of the same float. ``backend``: "auto" (the Triton kernels of phases 1 and 3 on CUDA,
+    ``kernels/triton/muon.py``; the eager reference elsewhere), "triton" or "reference", the same bits; there is
+    no fused CPU step yet, so "cpu" is refused. ``skipped`` counts the values of
     matrices left unchanged because their update was not finite (``reference.muon_apply_``).
     """
     if backend not in BACKENDS:
