@@ -122,7 +122,8 @@ def muon_groups(params) -> list[dict]:
         for use_muon in (True, False):
             part = [e for e, m in zip(entries, matrix) if m == use_muon]
             if part:
-                out.append({**group, "params": part, "use_muon": use_muon})
+                # (Muon64 takes a weight of more than 2 dims as one matrix: flatten=True)
+                out.append({**group, "params": part, "use_muon": use_muon, **({"flatten": True} if use_muon else {})})
     return out
 
 

@@ -116,13 +116,13 @@ def test_adamw_groups_are_flash_adamw_bitwise():
         assert all(torch.equal(muon.state[p][k], adamw.state[q][k]) for k in muon.state[p])
 
 
-def test_conv_weight_is_its_matrix():
-    """A weight of more than two dims is orthogonalized as (shape[0], prod(shape[1:])): the bits of the same
-    values as a matrix."""
+def test_flatten_true_orthogonalizes_one_matrix():
+    """flatten=True: a weight of more than two dims is one matrix (shape[0], prod(shape[1:])): the bits of the
+    same values given as that matrix."""
     gen = torch.Generator().manual_seed(4)
     w = torch.randn(6, 3, 2, 4, generator=gen).bfloat16()
     conv, flat = torch.nn.Parameter(w.clone()), torch.nn.Parameter(w.reshape(6, 24).clone())
-    a, b = FlashMuon([conv], lr=0.02), FlashMuon([flat], lr=0.02)
+    a, b = FlashMuon([conv], lr=0.02, flatten=True), FlashMuon([flat], lr=0.02)
     for _ in range(2):
         g = torch.randn(6, 24, generator=gen).bfloat16()
         conv.grad, flat.grad = g.reshape(w.shape).clone(), g.clone()
@@ -130,6 +130,81 @@ def test_conv_weight_is_its_matrix():
         b.step()
     assert torch.equal(conv.detach().reshape(6, 24), flat.detach())
     assert torch.equal(a.master_weight(conv).reshape(6, 24), b.master_weight(flat))
+
+
+@pytest.mark.parametrize("adjust_lr_fn", [None, "match_rms_adamw"])
+def test_flatten_false_orthogonalizes_each_matrix_of_a_stack(adjust_lr_fn):
+    """flatten=False: a (experts, out, in) weight steps as its experts given as separate (out, in) matrices,
+    bit for bit: each orthogonalized on its own, with the learning-rate adjustment of its own shape (tall
+    matrices: Newton-Schulz on the transpose, "original" scales by sqrt(rows / cols)); a 4-D stack too. (fp32
+    momentum: the 8-bit codes group 32 values along the stack's rows of in * out, the separate matrices' along
+    rows of in, so their scales differ.)"""
+    gen = torch.Generator().manual_seed(6)
+    for shape in ((3, 40, 16), (2, 2, 8, 36)):
+        w = torch.randn(shape, generator=gen).bfloat16()
+        stack = torch.nn.Parameter(w.clone())
+        parts = [torch.nn.Parameter(m.clone()) for m in w.reshape(-1, *shape[-2:])]
+        a = FlashMuon([stack], lr=0.02, flatten=False, adjust_lr_fn=adjust_lr_fn, quantize_states=False)
+        b = FlashMuon(parts, lr=0.02, adjust_lr_fn=adjust_lr_fn, quantize_states=False)
+        for _ in range(3):
+            g = (torch.randn(shape, generator=gen) * 10.0 ** torch.randint(-3, 2, shape[:-1], generator=gen)[..., None])
+            stack.grad = g.bfloat16()
+            for part, m in zip(parts, stack.grad.reshape(-1, *shape[-2:])):
+                part.grad = m.clone()
+            a.step()
+            b.step()
+        assert torch.equal(stack.detach().reshape(-1, *shape[-2:]), torch.stack([p.detach() for p in parts]))
+        assert torch.equal(a.master_weight(stack).reshape(-1, *shape[-2:]),
+                           torch.stack([b.master_weight(p) for p in parts]))
+        assert not torch.equal(stack.detach(), w)
+
+
+def test_muon_param_groups_stack_hugging_face_fused_experts():
+    """Hugging Face's MoE models hold their experts as fused (experts, out, in) weights: muon_param_groups puts
+    them in a flatten=False group (each expert's matrix orthogonalized on its own), and a training step runs."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
+                                        num_experts_per_tok=2)
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(config).bfloat16()
+    groups = muon_param_groups(model)
+    stacked = [[n for n, _ in g["params"]] for g in groups if g.get("flatten") is False]
+    assert stacked == [["model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"]]
+    opt = FlashMuon(groups, lr=0.02)
+    experts = model.model.layers[0].mlp.experts.gate_up_proj
+    before = experts.detach().clone()
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    assert not torch.equal(experts.detach(), before)
+
+
+def test_a_weight_of_more_than_two_dims_needs_its_view_chosen():
+    """Neither view of a 3-D weight is right for every model (a conv weight is one matrix, MoE experts are a
+    stack), so a Muon group that has not chosen one refuses it in one line naming it, at construction and at
+    a step whose group went back to None, before anything changes."""
+    experts = torch.nn.Parameter(torch.randn(4, 8, 16).bfloat16())
+    with pytest.raises(ValueError, match=r"'experts' \(shape \(4, 8, 16\).*set flatten in its param group"):
+        FlashMuon([("experts", experts)])
+    with pytest.raises(ValueError, match="flatten must be None, True or False, got 1"):
+        FlashMuon([experts], flatten=1)
+    matrix = torch.nn.Parameter(torch.randn(8, 16).bfloat16())
+    opt = FlashMuon([{"params": [matrix]}, {"params": [experts], "flatten": False}], lr=0.02)
+    matrix.grad, experts.grad = torch.ones_like(matrix), torch.ones_like(experts)
+    opt.step()
+    before = [matrix.detach().clone(), experts.detach().clone(), copy.deepcopy(opt.state_dict())]
+    opt.param_groups[1]["flatten"] = None
+    with pytest.raises(ValueError, match="set flatten in its param group"):
+        opt.step()
+    assert torch.equal(matrix, before[0]) and torch.equal(experts, before[1])
+    assert json.dumps(opt.state_dict()["param_groups"][0]) == json.dumps(before[2]["param_groups"][0])
+    with pytest.raises(ValueError, match="set flatten"):
+        flashdist.functional.flash_muon([experts], [experts.grad], [torch.zeros(4, 8, 16)], None, None, cols=None,
+                                        shapes=[(4, 8, 16)], lr=0.02, weight_decay=0.0, momentum=0.95, nesterov=True,
+                                        ns_coefficients=(3.4445, -4.775, 2.0315), ns_steps=5, eps=1e-7,
+                                        adjust_lr_fn=None)
+    assert torch.equal(experts, before[1])
 
 
 def test_nonfinite_gradient_keeps_the_matrix():
@@ -167,6 +242,29 @@ def test_muon_param_groups():
     assert groups[1] == {**groups[1], "use_muon": False, "lr": 3e-4}
     opt = FlashMuon(muon_param_groups(model.bfloat16()), lr=0.02)
     assert [g["use_muon"] for g in opt.param_groups] == [True, False]
+    assert [g["flatten"] for g in opt.param_groups] == [None, None]
+
+
+def test_muon_param_groups_choose_the_view_of_conv_and_stacked_weights():
+    """A convolution's weight is one matrix (flatten=True); another weight of more than 2 dims (MoE experts)
+    a stack of matrices (flatten=False); 2-D matrices keep the group without the key."""
+
+    class Experts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_up_proj = torch.nn.Parameter(torch.randn(4, 8, 12))
+
+    model = torch.nn.ModuleDict(dict(conv=torch.nn.Conv1d(3, 8, 5), proj=torch.nn.Linear(8, 8), experts=Experts(),
+                                     embed=torch.nn.Embedding(10, 8)))
+    groups = muon_param_groups(model)
+    got = [([n for n, _ in g["params"]], g["use_muon"], g.get("flatten", "absent")) for g in groups]
+    assert got == [(["proj.weight"], True, "absent"), (["conv.weight"], True, True),
+                   (["experts.gate_up_proj"], True, False),
+                   (["conv.bias", "proj.bias", "embed.weight"], False, "absent")]
+    opt = FlashMuon(muon_param_groups(model.bfloat16()), lr=0.02)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
 
 
 def test_refusals():
@@ -317,7 +415,7 @@ def test_empty_matrices_step_and_save():
     empties = [torch.nn.Parameter(torch.zeros(s, dtype=torch.bfloat16)) for s in ((3, 0), (0, 5), (2, 0, 3))]
     params = [torch.nn.Parameter(w.clone()), *empties]
     alone = torch.nn.Parameter(w.clone())
-    a, b = FlashMuon(params, lr=0.02), FlashMuon([alone], lr=0.02)
+    a, b = FlashMuon(params, lr=0.02, flatten=False), FlashMuon([alone], lr=0.02)
     for _ in range(2):
         g = torch.randn(8, 40, generator=gen).bfloat16()
         params[0].grad, alone.grad = g.clone(), g
@@ -327,7 +425,7 @@ def test_empty_matrices_step_and_save():
         b.step()
     assert torch.equal(params[0], alone) and torch.equal(a.master_weight(params[0]), b.master_weight(alone))
     for fmt in ("portable", "compressed"):
-        again = FlashMuon([torch.nn.Parameter(p.detach().clone()) for p in params], lr=0.02)
+        again = FlashMuon([torch.nn.Parameter(p.detach().clone()) for p in params], lr=0.02, flatten=False)
         again.load_state_dict(a.state_dict(format=fmt))
         for p, q in zip(params, again.param_groups[0]["params"]):
             assert a.state[p].keys() == again.state[q].keys()

@@ -22,7 +22,7 @@ def _stepped(case, backend: str) -> list[torch.Tensor]:
     params = [torch.nn.Parameter(torch.randn(shape, generator=gen).to(DTYPES[dtype]).cuda())
               for shape in ((5, 70), (40, 16), (3, 4, 24), (1024, 1100))]
     opt = FlashMuon(params, lr=0.02, nesterov=nesterov, master_weight_bits=bits, quantize_states=quantize,
-                    companded=companded, backend=backend)
+                    companded=companded, backend=backend, flatten=False)
     for step in range(3):
         for p in params:
             g = torch.randn(p.shape, generator=gen) * 10.0 ** torch.randint(-4, 3, p.shape, generator=gen)

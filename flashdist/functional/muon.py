@@ -14,14 +14,30 @@ from .backend import BACKENDS, host_number, on_device, resolve_backend
 Orthogonalize = Callable[[Sequence[int], Sequence[torch.Tensor], Callable[[int, torch.Tensor], torch.Tensor]], list]
 
 
-def matrix_shape(shape) -> tuple[int, int]:
-    """The matrix Muon orthogonalizes for a parameter of GLOBAL ``shape`` (two or more dims): ``(shape[0],
-    prod(shape[1:]))``, rows as flashdist's quantization layout takes them (a conv weight ``(out, in, kh,
-    kw)`` is ``(out, in * kh * kw)``, as Keller Jordan's Muon reshapes it)."""
+def matrix_shape(shape, flatten: bool | None = True) -> tuple[int, int]:
+    """The shape of each matrix Muon orthogonalizes for a parameter of GLOBAL ``shape`` (two or more dims).
+    2-D: the parameter itself. More dims with ``flatten=True``: one matrix ``(shape[0], prod(shape[1:]))``, rows
+    as flashdist's quantization layout takes them (a conv weight ``(out, in, kh, kw)`` is ``(out, in * kh *
+    kw)``, as Keller Jordan's Muon reshapes it); with ``flatten=False``: ``prod(shape[:-2])`` matrices of
+    ``(shape[-2], shape[-1])``, each orthogonalized on its own (stacked weights such as MoE experts ``(experts,
+    out, in)``). ``flatten=None`` (not chosen) refuses more than 2 dims: neither view is right for every
+    weight, and a wrong one trains without a word."""
     if len(shape) < 2:
         raise ValueError(f"flashdist: Muon orthogonalizes matrices; a parameter of shape {tuple(shape)} has fewer "
                          "than 2 dims (give it use_muon=False: flashdist.muon_param_groups does)")
-    return shape[0], math.prod(shape[1:])
+    if len(shape) == 2 or flatten:
+        return shape[0], math.prod(shape[1:])
+    if flatten is None:
+        raise ValueError(unchosen_view(f"a parameter of shape {tuple(shape)}"))
+    return shape[-2], shape[-1]
+
+
+def unchosen_view(what: str) -> str:
+    """The one-line refusal of a parameter of more than 2 dims in a Muon group that has not chosen its view."""
+    return (f"flashdist: FlashMuon got {what}, which has more than 2 dims: set flatten in its param group, True for "
+            "a conv-like weight (one matrix (shape[0], rest), Keller Jordan's reshape) or False for stacked "
+            "matrices such as MoE experts (each [i, ...] of the last two dims orthogonalized on its own); "
+            "flashdist.muon_param_groups(model) sets it from the module")
 
 
 def local_orthogonalize(indices: Sequence[int], updates: Sequence[torch.Tensor],
@@ -47,6 +63,7 @@ def flash_muon(
     ns_steps: int,
     eps: float,
     adjust_lr_fn: str | None,
+    flatten: bool | None = None,
     companded: bool = True,
     skipped: torch.Tensor | None = None,
     backend: str = "auto",
@@ -58,14 +75,17 @@ def flash_muon(
     with bf16 ``momentum_scales`` of shape (rows, ceil(cols/32)), or fp32 ``momentum_buffers`` when
     ``momentum_scales`` is None), and the update ``U = lerp(g, buf, momentum)`` (Nesterov) or ``buf``.
     2: Newton-Schulz on each WHOLE matrix (``shapes[i]``, the parameter's global shape, viewed as
-    ``matrix_shape``): ``orthogonalize(indices, local updates, whole)`` returns each tensor's local part of
-    ``whole(i, full update i)``; the default takes the local tensors to be whole (one process), and
+    ``matrix_shape(shapes[i], flatten)``: a parameter of more than 2 dims is one matrix with ``flatten=True``,
+    a stack of matrices orthogonalized one by one with ``flatten=False``, refused with None):
+    ``orthogonalize(indices, local updates, whole)`` returns each tensor's local part of ``whole(i, full
+    update i)``; the default takes the local tensors to be whole (one process), and
     ``flashdist.distributed.gather.OwnerOrthogonalize`` gathers each to one owner rank and sends the result
     back. Newton-Schulz starts by rounding the update to bf16, so that is what travels. The three phases run
     on ``orthogonalize.chunk`` matrices at a time (its attribute; 1 by default): the owners of a chunk's
-    matrices compute at the same time, and only a chunk's updates are held (bf16) beside the state. 3: on each local
-    tensor, ``theta = theta * (1 - lr * weight_decay) - adjusted_lr * O`` on the master weight ``param + rho``
-    (``rhos`` None: the parameter itself), ``adjusted_lr`` from ``adjust_lr_fn`` and the global shape.
+    matrices compute at the same time, and only a chunk's updates are held (bf16) beside the state. 3: on
+    each local tensor, ``theta = theta * (1 - lr * weight_decay) - adjusted_lr * O`` on the master weight
+    ``param + rho`` (``rhos`` None: the parameter itself), ``adjusted_lr`` from ``adjust_lr_fn`` and the
+    shape of each matrix.
 
     ``lr``: a float, or a one-element tensor; with the Triton kernels, one on the parameters' device is read
     there when the weight update runs (no host synchronisation: a CUDA graph can capture the step), with the
@@ -91,7 +111,10 @@ def flash_muon(
                                  "make it contiguous (.contiguous()), or use backend='reference'")
     # capturable: a learning rate held on the parameters' device is read there by the weight update's kernel
     device_lr = lr if chosen == "triton" and on_device(lr, params[0].device) else None
-    ratios = [muon_lr_ratio(adjust_lr_fn, *matrix_shape(shape)) for shape in shapes]
+    views = [matrix_shape(shape, flatten) for shape in shapes]  # (refuses an unchosen view before any change)
+    stacks = [(1 if len(shape) == 2 or flatten else math.prod(shape[:-2]), *view)
+              for shape, view in zip(shapes, views)]
+    ratios = [muon_lr_ratio(adjust_lr_fn, *view) for view in views]
     scalars = [MuonScalars.make(lr=0.0 if device_lr is not None else host_number(lr), weight_decay=weight_decay,
                                 momentum=momentum, nesterov=nesterov, lr_ratio=ratio) for ratio in ratios]
     if chosen == "triton":
@@ -107,9 +130,16 @@ def flash_muon(
         def momentum_(*args, **kwargs):
             return reference.muon_momentum_(*args, **kwargs).bfloat16()
 
+    def newton_schulz(matrix: torch.Tensor) -> torch.Tensor:
+        return reference.newton_schulz(matrix, coefficients=ns_coefficients, steps=ns_steps, eps=eps)
+
     def whole(i: int, update: torch.Tensor) -> torch.Tensor:
-        matrix = update.reshape(matrix_shape(shapes[i]))
-        out = reference.newton_schulz(matrix, coefficients=ns_coefficients, steps=ns_steps, eps=eps)
+        matrices = update.reshape(stacks[i])  # one matrix, or the stack flatten=False orthogonalizes one by one
+        if len(matrices) == 1:
+            return newton_schulz(matrices[0]).reshape(update.shape)
+        out = torch.empty(matrices.shape, dtype=torch.bfloat16, device=update.device)
+        for k, matrix in enumerate(matrices):
+            out[k] = newton_schulz(matrix)
         return out.reshape(update.shape)
 
     if orthogonalize is None:

@@ -289,14 +289,15 @@ def flash_muon(lr: float = 0.02, *, adamw_lr: float = 8e-4,
     """FlashMuon in two groups, as :func:`flashdist.muon_param_groups` splits a model: embeddings, norms,
     biases and the output head (names matching ``NON_MUON_PATTERN``) take FlashAdamW's update
     (``use_muon=False``, ``adamw_lr``, betas (0.9, 0.95), weight decay 0.1); every other parameter, the
-    matrices, takes Muon's (momentum 0.95, Nesterov, weight decay 0.1). ``kwargs`` are further options of the
-    Muon group."""
+    matrices, takes Muon's (momentum 0.95, Nesterov, weight decay 0.1), with ``flatten=False``: a weight of
+    more than 2 dims there (the ``(experts, out, in)`` weights of torchtitan's ``GroupedExperts``) is a stack of
+    matrices, each orthogonalized on its own. ``kwargs`` are further options of the Muon group."""
     return FlashOptimizersContainer.Config(
         state_dict_format=state_dict_format, backend=backend, param_groups=[
             ParamGroupConfig(pattern=NON_MUON_PATTERN, optimizer_name="FlashMuon", optimizer_kwargs={
                 "lr": adamw_lr, "adamw_betas": (0.9, 0.95), "weight_decay": 0.1, "use_muon": False}),
             ParamGroupConfig(pattern=r".*", optimizer_name="FlashMuon",
-                             optimizer_kwargs={"lr": lr, "weight_decay": 0.1, **kwargs})])
+                             optimizer_kwargs={"lr": lr, "weight_decay": 0.1, "flatten": False, **kwargs})])
 
 
 NON_MUON_PATTERN = r"embed|norm|bias|(^|\.)(" + "|".join(HEAD_NAMES) + r")\."

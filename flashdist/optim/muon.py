@@ -9,7 +9,7 @@ import torch
 from .. import distributed as D
 from ..distributed.gather import OwnerOrthogonalize
 from ..functional.adam import flash_adam
-from ..functional.muon import flash_muon
+from ..functional.muon import flash_muon, unchosen_view
 from .base import FlashOptimizer
 from .params import check_betas, check_number, param_name
 from .plan import refuse_while_capturing
@@ -52,6 +52,12 @@ class FlashMuon(FlashOptimizer):
         lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn: as
             ``torch.optim.Muon`` (defaults 1e-3, 0.1, 0.95, True, (3.4445, -4.775, 2.0315), 1e-7, 5, None);
             ``lr`` and ``weight_decay`` are those of AdamW in ``use_muon=False`` groups.
+        flatten: how a Muon group's parameters of more than 2 dims are orthogonalized (2-D ones are their own
+            matrix): True, as one matrix ``(shape[0], prod(shape[1:]))`` (conv weights, Keller Jordan's
+            reshape); False, as a stack of matrices over the last two dims, each orthogonalized on its own
+            with its own learning-rate adjustment (MoE experts ``(experts, out, in)``); None (the default)
+            refuses them in one line, since neither view is right for every weight and torch.optim.Muon
+            takes 2-D parameters only. ``flashdist.muon_param_groups(model)`` sets it from the module.
         adamw_betas, adamw_eps: AdamW's betas and eps in ``use_muon=False`` groups ((0.9, 0.999), 1e-8).
         master_weight_bits, quantize_states, companded, state_dict_format: as :class:`flashdist.FlashAdamW`;
             the portable state dict holds fp32 ``momentum_buffer`` (torch.optim.Muon's name) plus ``rho`` and
@@ -82,6 +88,7 @@ class FlashMuon(FlashOptimizer):
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
                  nesterov: bool = True, ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
                  eps: float = 1e-7, ns_steps: int = 5, adjust_lr_fn: str | None = None, *,
+                 flatten: bool | None = None,
                  adamw_betas: tuple[float, float] = (0.9, 0.999), adamw_eps: float = 1e-8,
                  master_weight_bits: int | None = 24, quantize_states: bool = True, companded: bool = True,
                  backend: str = "auto", state_dict_format: str = "portable", capturable: bool = False,
@@ -91,7 +98,7 @@ class FlashMuon(FlashOptimizer):
                              "(its Muon update has no fused CPU step yet; 'auto' gives the AdamW groups theirs)")
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
-                        adjust_lr_fn=adjust_lr_fn, use_muon=True, adamw_betas=tuple(adamw_betas),
+                        adjust_lr_fn=adjust_lr_fn, flatten=flatten, use_muon=True, adamw_betas=tuple(adamw_betas),
                         adamw_eps=adamw_eps, master_weight_bits=master_weight_bits,
                         quantize_states=quantize_states, companded=companded, flat_layout=False)
         super().__init__(params, defaults, backend=backend, state_dict_format=state_dict_format,
@@ -139,6 +146,14 @@ class FlashMuon(FlashOptimizer):
             raise ValueError(f"flashdist: ns_steps must be an int in [0, 100) (as torch.optim.Muon), got {steps!r}")
         if group["adjust_lr_fn"] not in ADJUST_LR_FNS:
             raise ValueError(f"flashdist: adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {group['adjust_lr_fn']!r}")
+        flatten = group.get("flatten")  # (a group loaded from a state dict saved before the key existed: None)
+        if flatten is not None and not isinstance(flatten, bool):
+            raise ValueError(f"flashdist: flatten must be None, True or False, got {flatten!r}")
+        if flatten is None:  # (every step too: a group whose flatten went back to None refuses before any change)
+            for i, p in enumerate(group["params"]):
+                p = p[1] if isinstance(p, tuple) else p
+                if isinstance(p, torch.Tensor) and p.ndim > 2:
+                    raise ValueError(unchosen_view(param_name(group, i, p)))
         if id(group) in self._layouts:  # a live group: its parameters were checked when it was added
             return
         for i, p in enumerate(group["params"]):
@@ -172,7 +187,7 @@ class FlashMuon(FlashOptimizer):
                    weight_decay=float(group["weight_decay"]), momentum=float(group["momentum"]),
                    nesterov=group["nesterov"], ns_coefficients=tuple(map(float, group["ns_coefficients"])),
                    ns_steps=group["ns_steps"], eps=float(group["eps"]), adjust_lr_fn=group["adjust_lr_fn"],
-                   companded=group["companded"], skipped=skipped, backend=self.backend,
+                   flatten=group.get("flatten"), companded=group["companded"], skipped=skipped, backend=self.backend,
                    orthogonalize=orthogonalize)
 
 
@@ -187,21 +202,32 @@ def muon_param_groups(model: torch.nn.Module, *, exclude=(), adamw_lr: float | N
     ``classifier``, ``score``), parameters tied to either (the same tensor), and the names in ``exclude``
     (full names, or a callable ``(name, parameter) -> bool``). Biases, norm weights and the excluded take
     AdamW; ``adamw_lr`` / ``adamw_weight_decay`` set that group's ``lr`` / ``weight_decay`` (the optimizer's
-    defaults otherwise). Edit the returned dicts for anything else: ``use_muon`` is a group key."""
-    leave = set()
+    defaults otherwise). Muon parameters of more than 2 dims get a group with their ``flatten``: True for the
+    weights of convolutions (``nn.Conv1d/2d/3d`` and the transposed ones: one matrix of ``(out, in * kernel)``),
+    False for the others (stacked matrices such as the ``(experts, out, in)`` weights of MoE layers: each
+    expert's matrix orthogonalized on its own). Edit the returned dicts for anything else: ``use_muon`` and
+    ``flatten`` are group keys."""
+    leave, conv = set(), set()
     for module_name, module in model.named_modules():
         if isinstance(module, torch.nn.Embedding) or module_name.rsplit(".", 1)[-1] in HEAD_NAMES:
             leave.update(id(p) for p in module.parameters(recurse=False))
-    muon, other = [], []
+        if isinstance(module, torch.nn.modules.conv._ConvNd):
+            conv.update(id(p) for p in module.parameters(recurse=False))
+    muon, convs, stacks, other = [], [], [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         excluded = exclude(name, p) if callable(exclude) else name in exclude
-        (other if p.ndim < 2 or id(p) in leave or excluded else muon).append((name, p))
+        if p.ndim < 2 or id(p) in leave or excluded:
+            other.append((name, p))
+        else:
+            (muon if p.ndim == 2 else convs if id(p) in conv else stacks).append((name, p))
     adamw = {"use_muon": False}
     if adamw_lr is not None:
         adamw["lr"] = adamw_lr
     if adamw_weight_decay is not None:
         adamw["weight_decay"] = adamw_weight_decay
     groups = [{"params": muon, "use_muon": True}] if muon else []
+    groups += [{"params": convs, "use_muon": True, "flatten": True}] if convs else []
+    groups += [{"params": stacks, "use_muon": True, "flatten": False}] if stacks else []
     return groups + ([{"params": other, **adamw}] if other else [])

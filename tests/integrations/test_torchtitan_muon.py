@@ -35,3 +35,33 @@ def test_container_builds_flash_muon_with_adamw_groups():
         own.step()
     for p, q in zip(model.parameters(), twin.parameters()):
         assert torch.equal(p, q)
+
+
+def test_flash_muon_helper_orthogonalizes_grouped_experts_one_by_one():
+    """The FlashMuon helper's Muon group stacks weights of more than 2 dims (torchtitan's GroupedExperts
+    ``(experts, out, in)``): each expert's matrix orthogonalized on its own, as separate matrices would be."""
+    from flashdist.integrations.torchtitan import flash_muon
+
+    class Experts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w1_EFD = torch.nn.Parameter(torch.randn(3, 16, 8, generator=torch.Generator().manual_seed(0)))
+
+    class Moe(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts, self.norm = Experts(), torch.nn.Parameter(torch.ones(8))
+
+    model = Moe().bfloat16()
+    parts = [torch.nn.Parameter(m.detach().clone()) for m in model.experts.w1_EFD]
+    (muon,) = list(flash_muon(lr=0.02, quantize_states=False).build(model_parts=[model]))
+    own = FlashMuon(parts, lr=0.02, weight_decay=0.1, quantize_states=False)
+    for step in range(2):
+        g = torch.randn(3, 16, 8, generator=torch.Generator().manual_seed(10 + step)).bfloat16()
+        model.experts.w1_EFD.grad, model.norm.grad = g, torch.zeros_like(model.norm)
+        for part, m in zip(parts, g):
+            part.grad = m.clone()
+        muon.step()
+        own.step()
+    assert [g.get("flatten") for g in muon.param_groups if g["use_muon"]] == [False]
+    assert torch.equal(model.experts.w1_EFD.detach(), torch.stack([p.detach() for p in parts]))
