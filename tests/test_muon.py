@@ -395,6 +395,39 @@ def test_checkpoint_inspect_export_and_convert(tmp_path, fmt):
         assert all(torch.equal(opt.state[p][k], loaded.state[q][k]) for k in opt.state[p]), name
 
 
+def test_a_checkpoint_saved_before_flatten_existed_loads(tmp_path):
+    """A DCP checkpoint whose param groups lack an option added since (flatten) loads, the groups keeping
+    this optimizer's value, and training goes on with the bits of the run it was saved from."""
+    from flashdist import checkpoint
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.ModuleDict(dict(proj=torch.nn.Linear(8, 16, bias=False), norm=torch.nn.LayerNorm(16)))
+        model.register_parameter("experts", torch.nn.Parameter(torch.randn(3, 16, 8)))
+        model = model.bfloat16()
+        return model, FlashMuon(muon_param_groups(model, adamw_lr=1e-3), lr=0.02)
+
+    def step(model, opt, seed):
+        gen = torch.Generator().manual_seed(seed)
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=gen).bfloat16()
+        opt.step()
+
+    model, opt = build()
+    step(model, opt, 0)
+    options = [g.pop("flatten") for g in opt.param_groups]  # as a checkpoint of an earlier flashdist
+    checkpoint.save(str(tmp_path / "ck"), model, opt)
+    for g, value in zip(opt.param_groups, options):
+        g["flatten"] = value
+    again, resumed = build()
+    checkpoint.load(str(tmp_path / "ck"), again, resumed)
+    assert [g["flatten"] for g in resumed.param_groups] == options == [None, False, None]
+    step(model, opt, 1)
+    step(again, resumed, 1)
+    for (name, p), q in zip(model.named_parameters(), again.parameters()):
+        assert torch.equal(p, q), name
+
+
 def test_names_and_defaults_are_torch_muons():
     """Every option of torch.optim.Muon is an option of FlashMuon, with the same name and default (the
     learning-rate adjustment included: adjust_lr_fn None, "original" or "match_rms_adamw")."""

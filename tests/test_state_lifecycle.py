@@ -17,6 +17,7 @@ import weakref
 import pytest
 import torch
 
+import flashdist
 import flashdist.optim.base
 import flashdist.optim.lifecycle
 from flashdist import FlashAdamW, FlashSGD, PrecisionWarning, memory_report
@@ -476,3 +477,70 @@ def test_a_state_dict_after_an_outside_write_saves_rho_0_and_a_normal_run_keeps_
     assert not sd["state"][3]["rho"].any() and sd["state"][0]["rho"].any()
     model[2].bias.data.add_(1.0)  # through .data: its own version counter, not seen (documented)
     assert opt.adopt_outside_writes() == 0
+
+
+# ----- parameters cast after their state was made -----------------------------------------------------------
+
+_CAST_OPTIMIZERS = {"adamw": lambda model, lr: FlashAdamW(model.parameters(), lr=lr),
+                    "muon": lambda model, lr: flashdist.FlashMuon(flashdist.muon_param_groups(model), lr=lr)}
+
+
+@pytest.mark.parametrize("kind", _CAST_OPTIMIZERS)
+def test_a_model_cast_up_to_fp32_after_steps_keeps_its_exact_master_weights(kind):
+    """bf16 weights with rho, then model.float(): the master weights (weight + rho) become the fp32 weights,
+    exactly, both as master_weight reports them before the next step and as that step starts from."""
+    model = _model()
+    opt = _CAST_OPTIMIZERS[kind](model, 1e-2)
+    _train(model, opt, 3)
+    masters = [opt.master_weight(p) for p in model.parameters()]
+    assert any(opt.state[p]["rho"].any() for p in model.parameters())
+    model.float()
+    assert all(torch.equal(opt.master_weight(p), m) for p, m in zip(model.parameters(), masters))
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)  # a step with zero gradients moves by the decay and the momentum only
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PrecisionWarning)  # nothing rounded: no warning
+        opt.step()
+    assert all("rho" not in opt.state[p] for p in model.parameters())
+    assert all(not torch.equal(p, m) for p, m in zip(model.parameters(), masters) if p.ndim == 2)
+    _train(model, opt, 1, start=3)
+
+
+@pytest.mark.parametrize("kind", _CAST_OPTIMIZERS)
+def test_a_model_cast_down_after_steps_gets_master_weights_from_the_cast_values(kind):
+    """fp32 weights stepped, then model.to(bf16): the next step adds rho (one PrecisionWarning says the cast
+    values are the master weights from there), so updates far below a bf16 spacing still add up (before,
+    they rounded away without a word)."""
+    model, twin = _model(dtype=torch.float32), _model(dtype=torch.float32)  # the twin stays fp32
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PrecisionWarning)  # (the fp32-model advice at construction)
+        opt, ref = _CAST_OPTIMIZERS[kind](model, 1e-5), _CAST_OPTIMIZERS[kind](twin, 1e-5)
+    _train(model, opt, 1)
+    _train(twin, ref, 1)
+    model.to(torch.bfloat16)
+    start = [p.detach().float().clone() for p in model.parameters()]
+    twin_start = [p.detach().clone() for p in twin.parameters()]
+    with pytest.warns(PrecisionWarning, match="changed dtype after their optimizer state was made"):
+        _train(model, opt, 1, start=1)
+    _train(model, opt, 8, start=2)
+    _train(twin, ref, 9, start=1)
+    assert all("rho" in opt.state[p] for p in model.parameters())
+    for p, q, s, t in zip(model.parameters(), twin.parameters(), start, twin_start):
+        if p.ndim == 2:  # 9 updates far below a bf16 spacing: the master weights moved as the fp32 twin's did
+            moved, fp32_moved = (opt.master_weight(p) - s).abs().mean(), (q - t).abs().mean()
+            assert 0.7 < moved / fp32_moved < 1.3, (moved, fp32_moved)
+            assert opt.state[p]["rho"].any()
+
+
+def test_a_model_cast_between_bf16_and_fp16_after_steps_restarts_rho():
+    """rho counts steps of the parameter's own spacing: after a cast between bf16 and fp16 it restarts at 0
+    (the cast value is the master weight), with one PrecisionWarning, instead of being read in the wrong
+    spacing."""
+    model = _model()
+    opt = FlashAdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, 3)
+    model.half()
+    assert all(torch.equal(opt.master_weight(p), p.float()) for p in model.parameters())
+    with pytest.warns(PrecisionWarning, match="changed dtype"):
+        _train(model, opt, 1, start=3)
+    assert all(opt.state[p]["rho"].dtype == torch.int8 for p in model.parameters())

@@ -219,6 +219,10 @@ def _load(path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
     want = {k: v for k, v in _flat_shapes(state).items() if not k.startswith("extra.")}
     have = {k: getattr(m, "size", None) for k, m in metadata.state_dict_metadata.items() if not k.startswith("extra.")}
     missing = sorted(k for k in want if k not in have)
+    # a param-group option newer than the checkpoint (FlashMuon's flatten) keeps this optimizer's value, as
+    # load_state_dict keeps a group key the state dict lacks
+    newer = _newer_group_options(state, missing)
+    missing = [k for k in missing if k not in newer]
     unexpected = sorted(k for k in have if k not in want)
     wrong = sorted(k for k, shape in want.items() if k in have and shape is not None and have[k] is not None
                    and tuple(have[k]) != shape)
@@ -240,6 +244,8 @@ def _load(path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
     except (Exception, CheckpointException) as e:  # DCP wraps per-rank failures in a BaseException
         raise CheckpointError(f"flashdist: could not read checkpoint {where}: {error_summary(e)}; the model and "
                               "optimizer were not changed") from e
+    for key, (group, value) in newer.items():
+        group[key.rsplit(".", 1)[-1]] = value
     # the optimizer validates everything before it copies; a refusal (other master_weight_bits, format version,
     # ...) is a CheckpointError on every rank, told by the ranks that refused
     failure = None
@@ -255,6 +261,22 @@ def _load(path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
         raise CheckpointError(f"{text} (on rank {rank}); this rank's model was not changed")
     set_model_state_dict(model, state["model"])
     return state["extra"]
+
+
+def _newer_group_options(state: dict, missing: list[str]) -> dict[str, tuple[dict, object]]:
+    """The ``optim.param_groups.<i>.<option>`` keys of ``missing`` that name a plain option of a live param
+    group (not its parameters), each taken out of the load template ``state`` with its group and value."""
+    taken = {}
+    groups = state["optim"].get("param_groups")
+    for key in missing:
+        parts = key.split(".")
+        if (len(parts) == 4 and parts[:2] == ["optim", "param_groups"] and parts[2].isdigit()
+                and isinstance(groups, list) and int(parts[2]) < len(groups)
+                and parts[3] not in ("params", "param_names")):
+            group = groups[int(parts[2])]
+            if parts[3] in group and not isinstance(group[parts[3]], (torch.Tensor, dict, list)):
+                taken[key] = (group, group.pop(parts[3]))
+    return taken
 
 
 def _saved_format(metadata) -> str | None:

@@ -232,6 +232,11 @@ class FlashOptimizer(StateLifecycle, OutsideWrites, StateIO, torch.optim.Optimiz
         was = self._recorded_version(p) if rho is not None else None
         if rho is None or (was is not None and was != p._version):  # (written outside: its own master)
             return p.detach().float()
+        cast_from = self._stepped_dtype(p)  # (cast since its last step: what its next step takes, _adopt_casts)
+        if cast_from is not None and cast_from is not p.dtype:
+            if p.dtype in (torch.bfloat16, torch.float16) or cast_from not in (torch.bfloat16, torch.float16):
+                return p.detach().float()
+            return D.state_like(p, R.merge(D.local(p).detach().to(cast_from), D.local(rho)), tuple(p.shape))
         master = R.merge(D.local(p).detach(), D.local(rho))
         return D.state_like(p, master, tuple(D.global_shape(p)))
 
@@ -342,6 +347,7 @@ class FlashOptimizer(StateLifecycle, OutsideWrites, StateIO, torch.optim.Optimiz
                                    "gradients, their state or optimizer.capturable changed)")
             if self._groups_changed():  # (gradient release steps through here, not through step())
                 self.sync_state()
+            self._adopt_casts(group, params, plan)
             for p in params:
                 if not self._state_ready(p, group):
                     self._init_state(p, group)

@@ -15,6 +15,7 @@ from ..quant import rho as R
 from ..quant.moment import MomentLayout, QuantizedMoment
 from .layout import LayoutOptions
 from .params import check_overlaps, check_param, param_name
+from .precision import warn_precision
 
 
 class _State(defaultdict):
@@ -205,6 +206,46 @@ class StateLifecycle:
         if R.splits(p.dtype, group["master_weight_bits"]) and "rho" not in state:
             rho_dtype = R.rho_dtype(group["master_weight_bits"])
             state["rho"] = D.state_like(p, torch.zeros_like(lp, dtype=rho_dtype), shape)
+
+    def _stepped_dtype(self, p: torch.Tensor) -> torch.dtype | None:
+        """The dtype ``p`` had at its last step (the cached plan's record), or None when no plan holds it."""
+        plan = self._plans.get(self._plan_keys.get(id(p)))
+        return plan.dtypes[plan.position(p)] if plan is not None else None
+
+    def _adopt_casts(self, group: dict, params: list[torch.Tensor], plan) -> None:
+        """Bring the state of parameters cast since their state was made (``module.to(dtype)`` after a step
+        changes their dtype in place) to their dtype, before the step that rebuilds their plan: from 16 bits
+        to fp32, the master weight (the old parameter plus rho) goes into the parameter and rho goes; from
+        fp32 to 16 bits, ``_init_state`` adds a zero rho; between bf16 and fp16, rho is zeroed. Where the cast
+        rounded (to 16 bits), the cast value is the master weight from then on: one PrecisionWarning says so.
+        ``plan``: the step plan these parameters had, which knows their dtypes (None: not known)."""
+        was = dict(zip(map(id, plan.params), plan.dtypes)) if plan is not None else {}
+        rounded = []
+        for p in params:
+            state, old = self.state.get(p), was.get(id(p))
+            if not state or old is p.dtype:
+                continue
+            rho, splits = state.get("rho"), R.splits(p.dtype, group["master_weight_bits"])
+            if rho is None:
+                if old is not None and splits:  # fp32 -> 16 bits: _init_state adds a zero rho
+                    rounded.append(p)
+            elif splits:  # bf16 <-> fp16: rho counts steps of another spacing
+                if old is not None:
+                    D.local(rho).zero_()
+                    rounded.append(p)
+            else:  # 16 bits -> fp32: the exact master weight, rho merged in (unknown dtype: the cast value)
+                if old in (torch.bfloat16, torch.float16):
+                    local = D.local(p)
+                    local.copy_(R.merge(local.detach().to(old), D.local(rho)))
+                else:
+                    rounded.append(p)
+                del state["rho"]  # (the caller builds the plan of these parameters again: none keeps the old rho)
+        if rounded:
+            first = next(i for i, q in enumerate(group["params"]) if q is rounded[0])
+            warn_precision(f"flashdist: {len(rounded)} parameter(s) changed dtype after their optimizer state was "
+                           f"made (model.to() after a step?), the first {param_name(group, first, rounded[0])}: "
+                           "their master weights are the cast values from here on (cast the model before the "
+                           "first step to keep them)")
 
     def _state_ready(self, p: torch.Tensor, group: dict) -> bool:
         """Cheap check, once per step: does ``p`` hold exactly the state its group's layout makes?"""

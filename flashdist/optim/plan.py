@@ -67,6 +67,7 @@ class StepPlan:
 
     def __init__(self, opt, group: dict, params: list[torch.Tensor]):
         self.params = list(params)
+        self.dtypes = list(map(_DTYPE, params))  # what each state's rho belongs to (module.to() keeps the objects)
         self.states = [opt.state[p] for p in params]
         # The parameters' version counters after the optimizer's last write (None: not stepped yet): a
         # parameter whose counter moved since was written outside the optimizer (base.py, stale rho). A
@@ -111,9 +112,10 @@ class StepPlan:
         return self._position[id(p)]
 
     def matches(self, opt, params: list[torch.Tensor]) -> bool:
-        """Same parameters, and (flat_layout groups) no state added behind the optimizer's back, and
+        """Same parameters of the same dtypes, and (flat_layout groups) no state added behind the optimizer's back, and
         ``opt.capturable`` as when built."""
         return (len(params) == len(self.params) and all(map(operator.is_, params, self.params))
+                and all(map(operator.is_, map(_DTYPE, params), self.dtypes))
                 and (self.sizes is None or list(map(len, self.states)) == self.sizes)
                 and self.capturable == capturable(opt, params))
 
@@ -125,6 +127,7 @@ def versions(tensors: list[torch.Tensor]) -> list[int]:
 
 
 _VERSION = operator.attrgetter("_version")
+_DTYPE = operator.attrgetter("dtype")
 
 
 def capturable(opt, params: list[torch.Tensor]) -> bool:
