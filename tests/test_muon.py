@@ -245,6 +245,25 @@ def test_muon_param_groups():
     assert [g["flatten"] for g in opt.param_groups] == [None, None]
 
 
+def test_muon_param_groups_leave_heads_tables_and_vectors_to_adamw():
+    """A head that is a Sequential (torchvision's classifier) with everything in it, an EmbeddingBag, and a
+    vector in another shape (a (1, 1, d) class token) take AdamW; exclude names a tied weight by either of its
+    names, and a name that is no parameter is refused."""
+    model = torch.nn.Module()
+    model.features = torch.nn.Linear(8, 8)
+    model.classifier = torch.nn.Sequential(torch.nn.Dropout(), torch.nn.Linear(8, 4))
+    model.bag = torch.nn.EmbeddingBag(10, 8)
+    model.cls_token = torch.nn.Parameter(torch.zeros(1, 1, 8))
+    model.proj = torch.nn.Linear(8, 8, bias=False)
+    model.twin = model.proj  # tied: named_parameters() gives proj.weight only
+    muon = [n for g in muon_param_groups(model) if g["use_muon"] for n, _ in g["params"]]
+    assert muon == ["features.weight", "proj.weight"]
+    muon = [n for g in muon_param_groups(model, exclude=("twin.weight",)) if g["use_muon"] for n, _ in g["params"]]
+    assert muon == ["features.weight"]
+    with pytest.raises(ValueError, match=r"exclude names that are no parameter of the model: \['feature.weight'\]"):
+        muon_param_groups(model, exclude=("feature.weight",))
+
+
 def test_muon_param_groups_choose_the_view_of_conv_and_stacked_weights():
     """A convolution's weight is one matrix (flatten=True); another weight of more than 2 dims (MoE experts)
     a stack of matrices (flatten=False); 2-D matrices keep the group without the key."""
@@ -267,7 +286,14 @@ def test_muon_param_groups_choose_the_view_of_conv_and_stacked_weights():
     opt.step()
 
 
-def test_refusals():
+def test_refusals(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for cls in (FlashMuon, FlashAdamW):  # (it failed inside triton with "0 active drivers")
+        weight = torch.nn.Parameter(torch.ones(4, 8, dtype=torch.bfloat16))
+        opt, weight.grad = cls([weight], backend="triton"), torch.ones(4, 8, dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match="backend='triton' runs on CUDA tensors and these are on cpu"):
+            opt.step()
+        assert torch.equal(weight, torch.ones_like(weight))
     vector = torch.nn.Parameter(torch.zeros(8, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="'bias'.*fewer than 2 dims.*use_muon=False"):
         FlashMuon([("bias", vector)])
@@ -282,6 +308,13 @@ def test_refusals():
     opt.param_groups[0]["use_muon"] = False
     with pytest.raises(ValueError, match="use_muon of a param group was True"):
         opt.step()
+    opt.param_groups[0]["use_muon"] = True
+    vector.grad = torch.ones_like(vector)
+    opt.param_groups[0]["params"].append(vector)  # a vector put into a live Muon group: refused before any change
+    before = matrix.detach().clone(), copy.deepcopy(opt.state[matrix])
+    with pytest.raises(ValueError, match="fewer than 2 dims"):
+        opt.step()
+    assert torch.equal(matrix, before[0]) and all(torch.equal(v, before[1][k]) for k, v in opt.state[matrix].items())
 
 
 def test_memory():

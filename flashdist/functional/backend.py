@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .._compat import HAS_TRITON
@@ -26,6 +28,9 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         return "reference"
     if backend == "triton" and not HAS_TRITON:
         raise RuntimeError("flashdist: backend='triton' needs the triton package (pip install triton)")
+    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"flashdist: backend='triton' runs on CUDA tensors and these are on {device}: use "
+                         "backend='auto' (TRITON_INTERPRET=1 runs the kernels on the CPU, slowly, for tests)")
     return backend
 
 

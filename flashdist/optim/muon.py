@@ -149,19 +149,17 @@ class FlashMuon(FlashOptimizer):
         flatten = group.get("flatten")  # (a group loaded from a state dict saved before the key existed: None)
         if flatten is not None and not isinstance(flatten, bool):
             raise ValueError(f"flashdist: flatten must be None, True or False, got {flatten!r}")
-        if flatten is None:  # (every step too: a group whose flatten went back to None refuses before any change)
-            for i, p in enumerate(group["params"]):
-                p = p[1] if isinstance(p, tuple) else p
-                if isinstance(p, torch.Tensor) and p.ndim > 2:
-                    raise ValueError(unchosen_view(param_name(group, i, p)))
-        if id(group) in self._layouts:  # a live group: its parameters were checked when it was added
-            return
+        # every step (a live group's list may have changed since; one pass over it), before anything changes
         for i, p in enumerate(group["params"]):
             p = p[1] if isinstance(p, tuple) else p  # (named parameters, before add_param_group unpacks them)
-            if isinstance(p, torch.Tensor) and p.ndim < 2:
+            if not isinstance(p, torch.Tensor) or p.ndim == 2:
+                continue
+            if p.ndim < 2:
                 raise ValueError(f"flashdist: {param_name(group, i, p)} is in a Muon param group but has fewer than "
                                  "2 dims; put it in a group with use_muon=False (flashdist.muon_param_groups(model) "
                                  "builds both groups)")
+            if flatten is None:
+                raise ValueError(unchosen_view(param_name(group, i, p)))
 
     def _step_bucket(self, group, bucket, grads, step, skipped):
         if not group["use_muon"]:
@@ -197,28 +195,40 @@ def muon_param_groups(model: torch.nn.Module, *, exclude=(), adamw_lr: float | N
     "use_muon": False}]``, each as ``(name, parameter)`` pairs of ``model.named_parameters()`` with
     ``requires_grad`` (a group that would be empty is left out).
 
-    Muon takes every parameter of two or more dims except: the weights of ``nn.Embedding`` modules, those of
-    output layers (a module whose own name is one of ``HEAD_NAMES``: ``lm_head``, ``output``, ``head``,
-    ``classifier``, ``score``), parameters tied to either (the same tensor), and the names in ``exclude``
-    (full names, or a callable ``(name, parameter) -> bool``). Biases, norm weights and the excluded take
-    AdamW; ``adamw_lr`` / ``adamw_weight_decay`` set that group's ``lr`` / ``weight_decay`` (the optimizer's
-    defaults otherwise). Muon parameters of more than 2 dims get a group with their ``flatten``: True for the
-    weights of convolutions (``nn.Conv1d/2d/3d`` and the transposed ones: one matrix of ``(out, in * kernel)``),
-    False for the others (stacked matrices such as the ``(experts, out, in)`` weights of MoE layers: each
-    expert's matrix orthogonalized on its own). Edit the returned dicts for anything else: ``use_muon`` and
-    ``flatten`` are group keys."""
+    Muon takes every parameter of two or more dims except: the weights of ``nn.Embedding`` and
+    ``nn.EmbeddingBag`` modules, the parameters of output layers (a module whose own name is one of
+    ``HEAD_NAMES``: ``lm_head``, ``output``, ``head``, ``classifier``, ``score``, with everything inside it,
+    as torchvision's ``classifier`` Sequential), parameters tied to either (the same tensor), parameters with
+    fewer than two dims larger than 1 (vectors in another shape, e.g. a ``(1, 1, d)`` class token), and
+    ``exclude`` (full names, a tied parameter's other names included; a name that matches no parameter is
+    refused; or a callable ``(name, parameter) -> bool``). Biases, norm weights and the excluded take AdamW;
+    ``adamw_lr`` / ``adamw_weight_decay`` set that group's ``lr`` / ``weight_decay`` (the optimizer's defaults
+    otherwise). Muon parameters of more than 2 dims get a group with their ``flatten``: True for the weights of
+    convolutions (``nn.Conv1d/2d/3d`` and the transposed ones: one matrix of ``(out, in * kernel)``), False for
+    the others (stacked matrices such as the ``(experts, out, in)`` weights of MoE layers: each expert's matrix
+    orthogonalized on its own). Edit the returned dicts for anything else: ``use_muon`` and ``flatten`` are
+    group keys."""
     leave, conv = set(), set()
     for module_name, module in model.named_modules():
-        if isinstance(module, torch.nn.Embedding) or module_name.rsplit(".", 1)[-1] in HEAD_NAMES:
+        if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
             leave.update(id(p) for p in module.parameters(recurse=False))
+        if module_name.rsplit(".", 1)[-1] in HEAD_NAMES:
+            leave.update(id(p) for p in module.parameters())
         if isinstance(module, torch.nn.modules.conv._ConvNd):
             conv.update(id(p) for p in module.parameters(recurse=False))
+    if not callable(exclude):
+        every = dict(model.named_parameters(remove_duplicate=False))
+        unknown = [name for name in exclude if name not in every]
+        if unknown:
+            raise ValueError(f"flashdist: muon_param_groups got exclude names that are no parameter of the model: "
+                             f"{unknown[:4]} (full names, as model.named_parameters() gives them)")
+        leave.update(id(every[name]) for name in exclude)
     muon, convs, stacks, other = [], [], [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        excluded = exclude(name, p) if callable(exclude) else name in exclude
-        if p.ndim < 2 or id(p) in leave or excluded:
+        excluded = callable(exclude) and exclude(name, p)
+        if sum(d > 1 for d in p.shape) < 2 or id(p) in leave or excluded:
             other.append((name, p))
         else:
             (muon if p.ndim == 2 else convs if id(p) in conv else stacks).append((name, p))
