@@ -99,9 +99,35 @@ def test_strided_gradients_and_learning_rates_of_several_values_are_refused_befo
                        backend=backend)
 
 
+@pytest.mark.interpreted
+def test_momentum_kernel_reads_the_gradient_the_cell_points_at():
+    """A captured step's momentum launch reads the gradient's address from a device cell (G_CELL), which
+    GraphedStep rewrites before each replay: the bits of the launch given the gradient itself, for each
+    gradient dtype and momentum storage, whatever tensor stands in for the gradient's dtype and shape."""
+    from flashdist.kernels.scalars import MuonScalars
+    from flashdist.kernels.triton.muon import muon_momentum
+    from flashdist.quant import codes as Q
+
+    if not _interpreter.HAS_TRITON:
+        pytest.skip("triton is not installed")
+    gen = torch.Generator().manual_seed(3)
+    scalars = MuonScalars.make(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, lr_ratio=1.0)
+    for dtype, quantized in itertools.product((torch.bfloat16, torch.float16, torch.float32), (True, False)):
+        grad = torch.randn(24, 40, generator=gen).to(dtype)
+        start = torch.randn(24, 40, generator=gen)
+        codes, scales = Q.quantize_exp_avg(start, 40, True) if quantized else (start, None)
+        states = [(codes.clone(), scales.clone() if quantized else None) for _ in range(2)]
+        cell = torch.tensor([[grad.data_ptr(), 0]], dtype=torch.int64)
+        direct = muon_momentum(grad, *states[0], cols=40 if quantized else None, scalars=scalars, companded=True)
+        via = muon_momentum(torch.zeros_like(grad), *states[1], cols=40 if quantized else None, scalars=scalars,
+                            companded=True, grad_cell=cell[0])
+        assert torch.equal(direct, via), (dtype, quantized)
+        assert all(torch.equal(a, b) for a, b in zip(states[0], states[1]) if a is not None), (dtype, quantized)
+
+
 @pytest.mark.interpreter_runner
 def test_in_interpreter_process():
     if not _interpreter.HAS_TRITON:
         pytest.skip("triton is not installed")
     done = _interpreter.run_interpreted(__file__, "-k", "not test_in_interpreter_process")
-    assert done.returncode == 0 and f"{len(CASES) + 3} passed" in done.stdout, done.stdout[-6000:] + done.stderr[-3000:]
+    assert done.returncode == 0 and f"{len(CASES) + 4} passed" in done.stdout, done.stdout[-6000:] + done.stderr[-3000:]

@@ -68,6 +68,7 @@ def flash_muon(
     skipped: torch.Tensor | None = None,
     backend: str = "auto",
     orthogonalize: Orthogonalize | None = None,
+    grad_cells: torch.Tensor | None = None,
 ) -> None:
     """One Muon step (torch.optim.Muon's update, decoupled weight decay), in place, on local tensors.
 
@@ -93,6 +94,9 @@ def flash_muon(
     ``kernels/triton/muon.py``; the eager reference elsewhere), "triton" or "reference", the same bits; there is
     no fused CPU step yet, so "cpu" is refused. ``skipped`` counts the values of
     matrices left unchanged because their update was not finite (``reference.muon_apply_``).
+    ``grad_cells`` (Triton kernels only): an int64 tensor on the parameters' device whose row ``i`` starts with
+    the address the momentum kernel reads gradient ``i`` from (``grads[i]`` then gives its dtype and shape), so
+    that a CUDA graph capturing the step reads each replay's gradients where the cells say (``GraphedStep``).
     """
     if backend not in BACKENDS:
         raise ValueError(f"flashdist: backend must be one of {BACKENDS}, got {backend!r}")
@@ -109,6 +113,8 @@ def flash_muon(
                 raise ValueError(f"flashdist: FlashMuon's Triton kernels read flat storage, but the {what} of matrix "
                                  f"{bad} (shape {tuple(tensors[bad].shape)}) has strides {tensors[bad].stride()}: "
                                  "make it contiguous (.contiguous()), or use backend='reference'")
+    if grad_cells is not None and chosen != "triton":
+        raise ValueError("flashdist: flash_muon's grad_cells are read by the Triton kernels: use CUDA tensors")
     # capturable: a learning rate held on the parameters' device is read there by the weight update's kernel
     device_lr = lr if chosen == "triton" and on_device(lr, params[0].device) else None
     views = [matrix_shape(shape, flatten) for shape in shapes]  # (refuses an unchosen view before any change)
@@ -156,7 +162,8 @@ def flash_muon(
         # weight to change; its empty update still takes part in the exchange, which every rank makes alike
         updates = [
             momentum_(grads[i], momentum_buffers[i], momentum_scales[i] if momentum_scales is not None else None,
-                      cols=cols[i] if cols is not None else None, scalars=scalars[i], companded=companded)
+                      cols=cols[i] if cols is not None else None, scalars=scalars[i], companded=companded,
+                      **({"grad_cell": grad_cells[i]} if grad_cells is not None else {}))
             if params[i].numel() else grads[i].bfloat16()
             for i in indices
         ]

@@ -91,9 +91,9 @@ class FlashOptimizer(StateLifecycle, OutsideWrites, StateIO, torch.optim.Optimiz
         self._plans: dict[tuple, StepPlan] = {}
         self._plan_keys: dict[int, tuple] = {}  # id(param) -> key of the plan that holds its step counter
         self._graph = None  # the GraphedStep of a graphed optimizer, made at its first step on a GPU
-        # while a GraphedStep captures: (parameter, address) of each gradient the step reads where it is (a
-        # kernel argument, not a launch table the GraphedStep points at the next gradients), added by the step
-        self._fixed_grads: list | None = None
+        # while a GraphedStep captures: (parameters, device cells, gradient dtypes) of each launch that reads its
+        # gradients' addresses from cells (FlashMuon's Muon matrices), which GraphedStep writes before a replay
+        self._grad_cells: list | None = None
         self._no_graph_at = None  # plan_generation when one could not be made (parameters on the CPU, ...)
         # changes whenever a step plan is dropped or made (so do the tensors a captured step reads): GraphedStep
         self.plan_generation = next(_GENERATIONS)

@@ -5,15 +5,14 @@ A step over thousands of tensors spends more time on the host (Python, launches)
 A capturable flashdist optimizer (``capturable=True``: the step count and the update's scalars live on the
 device) can be captured in a CUDA graph, as torch.optim's capturable optimizers can; a replay runs the whole
 step with no host work. A graph holds the addresses it was captured with, but no gradient address is fixed
-into it: the kernel reads every gradient's address from device tables (``kernels.triton.plans``), which
-``GraphedStep`` points at the gradients of the call before each replay, outside the graph (one small
-host-to-device copy per table). So a replay follows the gradients wherever ``zero_grad(set_to_none=True)``
-and the next backward pass put them (torch's default, and the Trainer's, Accelerate's and Lightning's).
-The exception is FlashMuon's Muon matrices, whose kernels take the gradient's address as an argument.
-What must stay where it was captured is checked at every call: the parameter addresses, the optimizer's step
-plans (its state), which parameters have a gradient, the hyper-parameters, those Muon gradients' addresses;
-where any differs the call steps
-eagerly, and captures again once a step sees the same. Results are the same bits either way. The parameter
+into it: the kernels read every gradient's address from device tables (``kernels.triton.plans``) or cells
+(FlashMuon's Muon matrices, ``kernels.triton.muon``), which ``GraphedStep`` points at the gradients of the
+call before each replay, outside the graph (one small host-to-device copy per table). So a replay follows
+the gradients wherever ``zero_grad(set_to_none=True)`` and the next backward pass put them (torch's default,
+and the Trainer's, Accelerate's and Lightning's). What must stay where it was captured is checked at every
+call: the parameter addresses, the optimizer's step plans (its state), which parameters have a gradient and
+their dtypes, the hyper-parameters; where any differs the call steps eagerly, and captures again once a step
+sees the same. Results are the same bits either way. The parameter
 addresses are compared in C++ (``flashdist.kernels.host``, built at first use: a few nanoseconds per tensor),
 or in Python where it cannot be built (a few hundred).
 """
@@ -104,9 +103,9 @@ class GraphedStep:
         self._plans: list = []  # the launch plans the graph holds (kernels.triton.plans.collect_captured)
         self._unique_plans: list = []  # the same, each once
         self._plan_params: list[list] = []  # per plan: the optimizer's parameters of its lists, in their order
-        # (parameters, int64 addresses) of the gradients the graph reads where the capture found them (FlashMuon's
-        # Muon matrices: their kernels take the gradient as an argument); a replay needs each still there
-        self._fixed: tuple[list, torch.Tensor] = ([], torch.zeros(0, dtype=torch.int64))
+        # per launch that reads gradient addresses from device cells (FlashMuon's Muon matrices): its parameters,
+        # the cells, the gradient dtypes it was captured with, and the addresses last written into the cells
+        self._cells: list[tuple[list, torch.Tensor, list, list]] = []
         self._info: list[tuple] = []  # per plan: what _map_plans prepared for the compiled check
         self._why: str | None = None  # why the last call stepped eagerly
         self._misses = 0  # eager calls in a row since the last replay (after the warm-up)
@@ -266,9 +265,19 @@ class GraphedStep:
         False where one does not fit (``Plan.fits``: another dtype or alignment) or cannot be found. Checked in
         C++ (``kernels.host.grad_info``: a few nanoseconds per gradient), in Python where that is not built,
         for DTensors, or to say which gradient is off."""
-        if self._fixed[0] and self._grads_moved(*self._fixed):
-            self._why = "a gradient the captured step reads where it was (a Muon matrix's) is at a new address or gone"
-            return False
+        for params, cells, dtypes, written in self._cells:
+            grads = list(map(_GRAD, params))
+            if any(map(operator.is_, grads, _NONE)):
+                self._why = "a parameter was given or denied a gradient"
+                return False
+            if any(g.dtype is not d or not g.is_contiguous() or g.device != cells.device
+                   for g, d in zip(grads, dtypes)):
+                self._why = "a Muon matrix's gradient has another dtype or device, or is not contiguous"
+                return False
+            addresses = list(map(_data_ptr, grads))
+            if addresses != written:  # (one small host-to-device copy, ordered before the replay on this stream)
+                cells.copy_(torch.tensor([[a, 0] for a in addresses], dtype=torch.int64))
+                written[:] = addresses
         for plan, params, (info, fitted) in zip(self._unique_plans, self._plan_params, self._info):
             if fitted is not None and self._host.grad_info(params, *info) and torch.equal(info[1:], fitted):
                 if not torch.equal(info[0], plan.grad_addresses) and not plan.retarget_addresses(info[0]):
@@ -312,14 +321,14 @@ class GraphedStep:
                 if not self._device_lr(group["lr"]):
                     group["lr"] = self._lr[i]
             with plans.collect_captured() as kept:
-                self.optimizer._fixed_grads = []
+                self.optimizer._grad_cells = []
                 try:
                     with torch.cuda.graph(graph):
                         self._eager()
                 finally:
                     self._plans = kept
-                    fixed, self.optimizer._fixed_grads = self.optimizer._fixed_grads, None
-                    self._fixed = ([p for p, _ in fixed], torch.tensor([a for _, a in fixed], dtype=torch.int64))
+                    cells, self.optimizer._grad_cells = self.optimizer._grad_cells, None
+                    self._cells = [(params, cell, dtypes, []) for params, cell, dtypes in cells]
                     self._map_plans()
         finally:
             for group, lr in held:
@@ -336,7 +345,7 @@ class GraphedStep:
         self.graph = None
         plans.release_captured(self._plans)
         self._plans, self._plan_params, self._unique_plans, self._info = [], [], [], []
-        self._fixed = ([], torch.zeros(0, dtype=torch.int64))
+        self._cells = []
 
     @torch.no_grad()
     def __call__(self) -> None:

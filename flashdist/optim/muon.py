@@ -67,11 +67,10 @@ class FlashMuon(FlashOptimizer):
             AdamW groups FlashAdamW's fused steps; the same bits either way.
         capturable, graphed: as :class:`flashdist.FlashAdamW`: on one GPU the whole step (both kernels,
             Newton-Schulz's matmuls, the AdamW groups) is captured in a CUDA graph and replayed, with the
-            bits of eager steps; the learning rate is read on the device. Unlike the AdamW groups' launch
-            tables, the Muon kernels read each gradient where the capture found it: a replay needs the Muon
-            matrices' gradients at those addresses (the caching allocator often, not always, gives a loop's
-            new gradients the same ones), and a call where one moved steps eagerly and captures again; where
-            that keeps happening, one warning says so and steps stay eager. A step with sharded Muon matrices
+            bits of eager steps; the learning rate is read on the device, and the Muon kernels read each
+            gradient's address from a device cell that ``GraphedStep`` writes before a replay, so replays
+            follow the gradients wherever ``zero_grad(set_to_none=True)`` and backward put them (a gradient of
+            another dtype, or strided, steps eagerly). A step with sharded Muon matrices
             (FSDP2, tensor parallelism) runs eagerly, its AdamW groups included: the exchange that
             orthogonalizes them between ranks is not captured.
 
@@ -178,15 +177,19 @@ class FlashMuon(FlashOptimizer):
             # every rank), so small groups do not all land on rank 0; which rank computes changes no bit
             orthogonalize = OwnerOrthogonalize(bucket.sources, first=self._owner_position)
             self._owner_position += len(bucket.sources)
-        elif self._fixed_grads is not None:  # (a GraphedStep capturing: the kernels take each gradient's address)
-            self._fixed_grads.extend(zip(bucket.sources, map(torch.Tensor.data_ptr, grads)))
+        grad_cells = None
+        if self._grad_cells is not None and orthogonalize is None:
+            # a GraphedStep capturing: the momentum kernels read each gradient's address from a cell (allocated
+            # in the graph's pool: the capture runs nothing), which GraphedStep writes before each replay
+            grad_cells = torch.empty((len(grads), 2), dtype=torch.int64, device=grads[0].device)
+            self._grad_cells.append((list(bucket.sources), grad_cells, [g.dtype for g in grads]))
         flash_muon(bucket.params, grads, bucket.moments[0], bucket.scales[0], bucket.rhos,
                    cols=bucket.cols, shapes=[tuple(D.global_shape(p)) for p in bucket.sources], lr=group["lr"],
                    weight_decay=float(group["weight_decay"]), momentum=float(group["momentum"]),
                    nesterov=group["nesterov"], ns_coefficients=tuple(map(float, group["ns_coefficients"])),
                    ns_steps=group["ns_steps"], eps=float(group["eps"]), adjust_lr_fn=group["adjust_lr_fn"],
                    flatten=group.get("flatten"), companded=group["companded"], skipped=skipped, backend=self.backend,
-                   orthogonalize=orthogonalize)
+                   orthogonalize=orthogonalize, grad_cells=grad_cells)
 
 
 def muon_param_groups(model: torch.nn.Module, *, exclude=(), adamw_lr: float | None = None,

@@ -4,7 +4,9 @@ give the reference's bits (under ``TRITON_INTERPRET=1`` on CPU, and on CUDA: eve
 round-to-nearest, the lerps and the step are explicit ``tl.fma`` and nothing else is contracted into one
 (``enable_fp_fusion=False``, as the fused step), the companding division is ``div_normalized`` as there). Phase 2, Newton-Schulz, is torch's matmuls on the whole matrix (``reference.newton_schulz``).
 
-One launch per tensor and phase (the multi-tensor work tables of ``fused.py`` are not used yet). A block is
+One launch per tensor and phase (the multi-tensor work tables of ``fused.py`` are not used yet). A captured
+step's momentum launches read each gradient's address from a device cell (``G_CELL``), which ``GraphedStep``
+rewrites before each replay, so that new gradients at new addresses need no new capture. A block is
 ``GROUPS`` groups of 32 slots, laid out as in ``step.step_block``: group space with 8-bit momentum, element
 space with fp32 momentum and in phase 3.
 
@@ -41,9 +43,18 @@ def _momentum_kernel(
     G_KIND: tl.constexpr, QUANTIZED: tl.constexpr, COMPANDED: tl.constexpr, ALIGNED: tl.constexpr,
     BUF_SMALL: tl.constexpr, NESTEROV: tl.constexpr, NEST_SMALL: tl.constexpr, COMPILED: tl.constexpr,
     GROUPS: tl.constexpr,
+    G_CELL: tl.constexpr = False,  # g_ptr points at an int64 cell holding the gradient's address
 ):
     buf_c: tl.float32 = buf_coef  # (annotated: the interpreter keeps a host float as it keeps the arguments)
     nest_c: tl.float32 = nest_coef
+    if G_CELL:  # (a captured step: the address is written before each replay, optim.graph.GraphedStep)
+        g_addr = tl.load(g_ptr).to(tl.int64)
+        if G_KIND == 0:
+            g_ptr = g_addr.to(tl.pointer_type(tl.int16))
+        elif G_KIND == 1:
+            g_ptr = g_addr.to(tl.pointer_type(tl.float16))
+        else:
+            g_ptr = g_addr.to(tl.pointer_type(tl.float32))
     blk = tl.program_id(0)
     gid = blk * GROUPS + tl.arange(0, GROUPS)
     lane = tl.arange(0, GROUP)
@@ -161,9 +172,13 @@ def _compiled(t: torch.Tensor) -> bool:
 
 
 def muon_momentum(grad: torch.Tensor, momentum_buffer: torch.Tensor, momentum_scales: torch.Tensor | None, *,
-                  cols: int | None, scalars: MuonScalars, companded: bool) -> torch.Tensor:
+                  cols: int | None, scalars: MuonScalars, companded: bool,
+                  grad_cell: torch.Tensor | None = None) -> torch.Tensor:
     """``reference.muon_momentum_`` in one launch: updates the codes and scales (or the fp32 buffer) in place
-    and returns ``U`` as bf16 (the reference's fp32 update rounded to bf16, as ``flash_muon`` sends it)."""
+    and returns ``U`` as bf16 (the reference's fp32 update rounded to bf16, as ``flash_muon`` sends it).
+    ``grad_cell``: an int64 device tensor whose first element is the address the kernel reads the gradient
+    from (``grad`` then gives only its dtype and shape): a CUDA graph that captured the launch reads the
+    gradient wherever the cell says at each replay."""
     update = torch.empty(grad.shape, dtype=torch.bfloat16, device=grad.device)
     numel = grad.numel()
     if numel == 0:
@@ -181,12 +196,14 @@ def muon_momentum(grad: torch.Tensor, momentum_buffer: torch.Tensor, momentum_sc
     buf_small, nest_small = sc.buffer_weight < 0.5, sc.momentum < 0.5
     codes = momentum_buffer.view(torch.uint8) if quantized and companded else momentum_buffer
     _momentum_kernel[(triton.cdiv(units, GROUPS),)](
-        _bits(grad), codes, momentum_scales.view(torch.int16) if quantized else momentum_buffer,
+        grad_cell if grad_cell is not None else _bits(grad), codes,
+        momentum_scales.view(torch.int16) if quantized else momentum_buffer,
         update.view(torch.int16), Q.exp_avg_table(grad.device), numel, ngroups, cols, gpr,
         sc.buffer_weight if buf_small else sc.buffer_weight - 1.0, sc.momentum if nest_small else sc.momentum - 1.0,
         G_KIND=_KINDS[grad.dtype], QUANTIZED=quantized, COMPANDED=companded,
         ALIGNED=quantized and cols % Q.GROUP == 0, BUF_SMALL=buf_small, NESTEROV=sc.nesterov,
-        NEST_SMALL=nest_small, COMPILED=_compiled(grad), GROUPS=GROUPS, enable_fp_fusion=False)
+        NEST_SMALL=nest_small, COMPILED=_compiled(grad), GROUPS=GROUPS, G_CELL=grad_cell is not None,
+        enable_fp_fusion=False)
     return update
 
 
