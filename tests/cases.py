@@ -237,7 +237,8 @@ OPTIMIZERS = {o.name: o for o in [
     # 0-d parameters take the AdamW groups' update (muon_groups). Bitwise against torch.optim.Muon:
     # tests/test_muon.py
     Optimizer("muon", FlashMuon, dict(weight_decay=0.1), flash_muon, Muon64, lr=1e-2, update="unit",
-              arith=MUON_ARITH, quant=MUON_QUANT, groups=muon_groups, elementwise=False, backends=("triton",)),
+              arith=MUON_ARITH, quant=MUON_QUANT, groups=muon_groups, elementwise=False,
+              backends=("triton", "cpu")),
 ]}
 
 

@@ -112,8 +112,8 @@ def _cases():
             continue  # the group layout only matters to 8-bit moments
         if not OPTIMIZERS[opt].moments and moments != "fp32m":
             continue  # no momentum: no moments
-        if "cpu" not in OPTIMIZERS[opt].backends:
-            continue  # no fused CPU step (FlashMuon's Muon update)
+        if "cpu" not in OPTIMIZERS[opt].backends or not OPTIMIZERS[opt].elementwise:
+            continue  # (FlashMuon's phases, one tensor per call around Newton-Schulz: test_muon_phases_...)
         yield Case(opt, dtype, bits, moments, flat)
 
 
@@ -473,3 +473,44 @@ def test_avx2_path(tmp_path):
         for bits in (None, 24):
             test_sgd_skips_a_group_whose_new_parameter_is_not_finite(bits, True)
         test_first_moment_code_minus_128(True)
+
+
+# ----- FlashMuon's elementwise phases (momentum, weight update): one tensor per call -------------------------
+
+MUON_CASES = ([(d, b, m, True) for d, b, m in itertools.product(DTYPES, (24, 32, None), MOMENTS)
+               if d != "fp32" or b is None] + [("bf16", 24, m, False) for m in MOMENTS])
+
+
+def _muon_stepped(case, backend: str) -> list[torch.Tensor]:
+    from flashdist import FlashMuon
+
+    dtype, bits, moments, nesterov = case
+    quantize, companded = MOMENTS[moments]
+    gen = torch.Generator().manual_seed(0)
+    shapes = ((5, 70), (40, 16), (3, 4, 24), (300, 257))  # odd rows, a stack of matrices, a parallel one
+    params = [torch.nn.Parameter(_params(s, DTYPES[dtype], gen).reshape(s)) for s in shapes]
+    opt = FlashMuon(params, lr=0.02, nesterov=nesterov, momentum=0.3 if not nesterov else 0.95, flatten=False,
+                    master_weight_bits=bits, quantize_states=quantize, companded=companded, backend=backend)
+    for step in range(3):
+        for p in params:
+            g = torch.randn(p.shape, generator=gen) * 10.0 ** torch.randint(-4, 3, p.shape, generator=gen)
+            if step == 1 and p.ndim == 3:
+                g[1, 2, 5] = float("nan")  # that matrix keeps its weight, its momentum group its buffer
+            if step == 2 and p.shape == (40, 16):
+                g[3, :] = 3e38  # a buffer that overflows: its groups keep theirs
+            p.grad = g.to(p.dtype)
+        opt.step()
+    return [t for p in params for t in (p.detach(), opt.master_weight(p), *opt.state[p].values())] + [opt.skipped]
+
+
+@pytest.mark.parametrize("case", MUON_CASES,
+                         ids=lambda c: f"{c[0]}-{c[1] or 'nosplit'}-{c[2]}-{'nesterov' if c[3] else 'plain'}")
+def test_muon_phases_match_the_reference_bitwise(case):
+    """backend='cpu' (an error where the fused phases cannot run, never the reference in their place) against
+    the reference, bit for bit, NaN payloads aside, over 3 steps with a non-finite gradient and an overflowing
+    buffer."""
+    got, want = _muon_stepped(case, "cpu"), _muon_stepped(case, "reference")
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        same = (a == b) | (torch.isnan(a.float()) & torch.isnan(b.float()) if a.is_floating_point() else False)
+        assert a.dtype == b.dtype and bool(same.all()), f"tensor {i} differs from the reference's"

@@ -9,7 +9,7 @@ import torch
 
 from ..kernels import reference
 from ..kernels.scalars import MuonScalars, muon_lr_ratio
-from .backend import BACKENDS, host_number, on_device, resolve_backend
+from .backend import BACKENDS, cpu_fallback, host_number, on_device, resolve_backend
 
 Orthogonalize = Callable[[Sequence[int], Sequence[torch.Tensor], Callable[[int, torch.Tensor], torch.Tensor]], list]
 
@@ -91,8 +91,8 @@ def flash_muon(
     ``lr``: a float, or a one-element tensor; with the Triton kernels, one on the parameters' device is read
     there when the weight update runs (no host synchronisation: a CUDA graph can capture the step), with the
     bits of the same float. ``backend``: "auto" (the Triton kernels of phases 1 and 3 on CUDA,
-    ``kernels/triton/muon.py``; the eager reference elsewhere), "triton" or "reference", the same bits; there is
-    no fused CPU step yet, so "cpu" is refused. ``skipped`` counts the values of
+    ``kernels/triton/muon.py``; the fused CPU phases on the CPU, ``kernels/cpu``, where they are built, else
+    the eager reference), "triton", "cpu" or "reference", the same bits. ``skipped`` counts the values of
     matrices left unchanged because their update was not finite (``reference.muon_apply_``).
     ``grad_cells`` (Triton kernels only): an int64 tensor on the parameters' device whose row ``i`` starts with
     the address the momentum kernel reads gradient ``i`` from (``grads[i]`` then gives its dtype and shape), so
@@ -100,9 +100,6 @@ def flash_muon(
     """
     if backend not in BACKENDS:
         raise ValueError(f"flashdist: backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "cpu":
-        raise ValueError("flashdist: FlashMuon has no fused CPU step yet; use backend='auto' (the eager reference "
-                         "on the CPU, the Triton kernels on CUDA)")
     if not params:
         return
     chosen = resolve_backend(backend, params[0].device)
@@ -129,7 +126,19 @@ def flash_muon(
         def apply_(i, param, rho, ortho):
             muon_apply(param, rho, ortho, scalars=scalars[i], skipped=skipped, lr=device_lr,
                        weight_decay=weight_decay, lr_ratio=ratios[i])
-    else:  # (auto on the CPU: the eager reference)
+    elif chosen == "cpu":  # the fused CPU phases, the reference where they cannot run (auto) or an error (cpu)
+        from ..kernels import cpu
+
+        def apply_(i, param, rho, ortho):
+            if cpu_fallback(backend, cpu.muon_apply(param, rho, ortho.contiguous(), scalars=scalars[i],
+                                                    skipped=skipped)):
+                reference.muon_apply_(param, rho, ortho, scalars=scalars[i], skipped=skipped)
+
+        def momentum_(*args, **kwargs):
+            update = cpu.muon_momentum(*args, **kwargs)
+            return reference.muon_momentum_(*args, **kwargs).bfloat16() if cpu_fallback(backend, update is not None) \
+                else update
+    else:
         def apply_(i, param, rho, ortho):
             reference.muon_apply_(param, rho, ortho, scalars=scalars[i], skipped=skipped)
 

@@ -62,9 +62,10 @@ class FlashMuon(FlashOptimizer):
         master_weight_bits, quantize_states, companded, state_dict_format: as :class:`flashdist.FlashAdamW`;
             the portable state dict holds fp32 ``momentum_buffer`` (torch.optim.Muon's name) plus ``rho`` and
             ``step`` for Muon matrices, ``exp_avg`` / ``exp_avg_sq`` for AdamW groups.
-        backend: "auto" (default), "triton" or "reference". Under "auto" the Muon groups' elementwise phases
-            run as Triton kernels on CUDA and as the eager reference on the CPU (no fused CPU step yet), the
-            AdamW groups FlashAdamW's fused steps; the same bits either way.
+        backend: "auto" (default), "triton", "cpu" or "reference", as :class:`flashdist.FlashAdamW`: the Muon
+            groups' elementwise phases run as Triton kernels on CUDA and as fused C++ phases on the CPU
+            (Newton-Schulz between them is torch's matmuls), the AdamW groups FlashAdamW's fused steps; the
+            same bits either way.
         capturable, graphed: as :class:`flashdist.FlashAdamW`: on one GPU the whole step (both kernels,
             Newton-Schulz's matmuls, the AdamW groups) is captured in a CUDA graph and replayed, with the
             bits of eager steps; the learning rate is read on the device, and the Muon kernels read each
@@ -77,8 +78,7 @@ class FlashMuon(FlashOptimizer):
     Caveats: ``use_muon`` decides a group's state and is fixed once the optimizer is built. A matrix whose
     gradient holds a NaN or an Inf keeps its weight for that step (Newton-Schulz spreads the value over the
     whole matrix) and the groups of 32 momentum values holding it keep theirs; ``optimizer.skipped`` counts
-    the values left unchanged. Not yet: a fused CPU step, captured steps of sharded matrices, DeepSpeed's flat
-    partitions.
+    the values left unchanged. Not yet: captured steps of sharded matrices, DeepSpeed's flat partitions.
     """
 
     _moments = ("momentum_buffer",)
@@ -92,9 +92,6 @@ class FlashMuon(FlashOptimizer):
                  master_weight_bits: int | None = 24, quantize_states: bool = True, companded: bool = True,
                  backend: str = "auto", state_dict_format: str = "portable", capturable: bool = False,
                  graphed: bool = False):
-        if backend not in ("auto", "triton", "reference"):
-            raise ValueError(f"flashdist: FlashMuon takes backend='auto', 'triton' or 'reference', got {backend!r} "
-                             "(its Muon update has no fused CPU step yet; 'auto' gives the AdamW groups theirs)")
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
                         adjust_lr_fn=adjust_lr_fn, flatten=flatten, use_muon=True, adamw_betas=tuple(adamw_betas),

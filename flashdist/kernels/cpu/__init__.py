@@ -1,4 +1,5 @@
-"""Fused CPU steps (FlashAdam(W), FlashSGD(W), FlashLion): one multi-threaded, vectorised C++ pass per call.
+"""Fused CPU steps (FlashAdam(W), FlashSGD(W), FlashLion; FlashMuon's momentum and weight-update phases, one
+tensor per call): one multi-threaded, vectorised C++ pass per call.
 
 The arithmetic is that of ``flashdist.kernels.reference``, operation for operation in fp32, so the result is
 bitwise the reference's (NaN payloads aside: a NaN written to a parameter is a NaN, not necessarily the same
@@ -35,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from ..scalars import AdamScalars, LionScalars, SGDScalars
+from ..scalars import AdamScalars, LionScalars, MuonScalars, SGDScalars
 
 SOURCE = Path(__file__).with_name("step.cpp")  # includes avx512.h beside it
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp")
@@ -250,4 +251,31 @@ def lion_step(params, grads, exp_avgs, exp_avg_scales, rhos, *, cols, scalars: L
     n = module.lion_step(list(params), list(grads), list(exp_avgs), list(exp_avg_scales) if quantized else [],
                          list(rhos) if rhos is not None else [], list(cols) if quantized else [], quantized,
                          sc.beta1, sc.beta2, sc.one_minus_beta1, sc.one_minus_beta2, sc.decay, sc.lr, companded)
+    return _count(skipped, n)
+
+
+def muon_momentum(grad, momentum_buffer, momentum_scales, *, cols: int | None, scalars: MuonScalars,
+                  companded: bool) -> torch.Tensor | None:
+    """``reference.muon_momentum_`` on CPU tensors, with the update returned as bf16 (as ``flash_muon`` sends
+    it); None (nothing changed) where the kernel is not built or the tensors are not ones it handles."""
+    module = load()
+    if module is None:
+        return None
+    sc = scalars
+    quantized = momentum_scales is not None
+    update = torch.empty(grad.shape, dtype=torch.bfloat16)
+    buf_small, nest_small = sc.buffer_weight < 0.5, sc.momentum < 0.5
+    done = module.muon_momentum(update, grad, momentum_buffer, momentum_scales if quantized else update,
+                                int(cols or 0), quantized, sc.buffer_weight if buf_small else sc.buffer_weight - 1.0,
+                                sc.momentum if nest_small else sc.momentum - 1.0, buf_small, sc.nesterov, nest_small,
+                                companded)
+    return update if done else None
+
+
+def muon_apply(param, rho, ortho, *, scalars: MuonScalars, skipped: torch.Tensor | None) -> bool:
+    """``reference.muon_apply_`` on CPU tensors; returns as ``adam_step``."""
+    module = load()
+    if module is None:
+        return False
+    n = module.muon_apply(param, ortho, [rho] if rho is not None else [], scalars.decay, scalars.alpha)
     return _count(skipped, n)

@@ -1,7 +1,8 @@
-// Fused CPU steps of FlashAdam(W), FlashSGD(W) and FlashLion: the arithmetic of flashdist/kernels/reference.py,
-// operation for operation, in fp32 (reference.py is the definition; its docstrings and those of quant/codes.py
-// and quant/rho.py say why each operation is what it is). Built with -ffp-contract=off and without
-// -ffast-math, so every + - * / sqrt below is one IEEE round-to-nearest operation, as in torch's eager ops.
+// Fused CPU steps of FlashAdam(W), FlashSGD(W), FlashLion and FlashMuon's elementwise phases: the arithmetic
+// of flashdist/kernels/reference.py, operation for operation, in fp32 (reference.py is the definition; its
+// docstrings and those of quant/codes.py and quant/rho.py say why each operation is what it is). Built with
+// -ffp-contract=off and without -ffast-math, so every + - * / sqrt below is one IEEE round-to-nearest
+// operation, as in torch's eager ops (and std::fma one fused multiply-add, as torch's lerp).
 //
 // Work is cut into blocks of up to 256 values of one row (8 quantization groups of 32; with fp32 moments simply
 // 256 consecutive values), each computed in small fp32 arrays that the compiler vectorises; at::parallel_for
@@ -731,6 +732,66 @@ struct Lion {
   }
 };
 
+// Muon's elementwise phases (reference.muon_momentum_ and reference.muon_apply_), one tensor per call: the
+// matrix is orthogonalized between them. torch's lerp is one fused multiply-add, std::fma here (exact).
+struct MuonMomentum {
+  float buf_coef, nest_coef;  // lerp coefficients: w where it is below 0.5, else w - 1 (reference.lerp_)
+  bool buf_small, nesterov, nest_small, companded;
+
+  // d.param: the update U (bf16, written); d.grad: the gradient; d.mom[0]: the codes or the fp32 buffer
+  int64_t block(const Desc& d, bool quantized, int64_t bi) const {
+    Block s = block_of(d, quantized, bi);
+    const int L = s.L;
+    float g[B], buf[B], u[B];
+    load(d.grad, d.gdt, s.base, s.n, L, g);
+    if (quantized) load_signed(d, s, 0, companded, 1.0f, buf);
+    else load(d.mom[0], F32, s.base, s.n, L, buf);
+    for (int k = 0; k < L; ++k) buf[k] = std::fma(g[k] - buf[k], buf_coef, buf_small ? buf[k] : g[k]);
+    if (nesterov) {
+      for (int k = 0; k < L; ++k) u[k] = std::fma(buf[k] - g[k], nest_coef, nest_small ? g[k] : buf[k]);
+    } else {
+      for (int k = 0; k < L; ++k) u[k] = buf[k];
+    }
+    store(d.param, BF16, s.base, s.n, L, u, nullptr);
+    bool keep[B];
+    if (!quantized) {  // a value whose new buffer is not finite keeps the stored one
+      int64_t bad = finite_values(s, buf, nullptr, keep);
+      store(d.mom[0], F32, s.base, s.n, L, buf, bad ? keep : nullptr);
+      return 0;
+    }
+    zero_tail(buf, s);
+    float am[B / G];
+    bool gbad[B / G];
+    for (int q = 0; q * G < L; ++q) {
+      am[q] = absmax(buf + q * G);
+      gbad[q] = !(am[q] <= SCALE_MAX);  // a group whose new buffer does not fit a scale keeps the stored one
+    }
+    const bool* mask;
+    skip_groups(s, gbad, nullptr, keep, mask);
+    store_codes(d, s, 0, buf, am, true, companded, gbad, mask);
+    return 0;
+  }
+};
+
+struct MuonApply {
+  float decay, alpha;  // 1 - lr * weight_decay; -adjusted_lr
+
+  // d.grad: the orthogonalized update O (bf16); values of O that are not finite leave theirs unchanged
+  int64_t block(const Desc& d, bool, int64_t bi) const {
+    Block s = block_of(d, false, bi);
+    const int L = s.L;
+    float o[B], theta[B];
+    bool keep[B];
+    load(d.grad, d.gdt, s.base, s.n, L, o);
+    int64_t bad = finite_values(s, o, nullptr, keep);
+    for (int k = 0; k < L; ++k) o[k] = keep[k] ? o[k] : 0.f;
+    load_theta(d, s, theta);
+    for (int k = 0; k < L; ++k) theta[k] = std::fma(o[k], alpha, theta[k] * decay);
+    store_theta(d, s, theta, bad ? keep : nullptr);
+    return bad;
+  }
+};
+
 // ---- tensor lists -> descriptors ----
 
 int dtype_code(const at::Tensor& t) {
@@ -884,6 +945,39 @@ int64_t lion_step(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
   return skipped;
 }
 
+// Muon's phase 1 on one tensor: false when the tensors are not ones this kernel handles (nothing changed)
+bool muon_momentum(at::Tensor update, at::Tensor grad, at::Tensor buffer, at::Tensor scales, int64_t cols,
+                   bool quantized, double buf_coef, double nest_coef, bool buf_small, bool nesterov, bool nest_small,
+                   bool companded) {
+  std::vector<Desc> descs;
+  std::vector<at::Tensor> updates{update}, grads{grad}, buffers{buffer}, buffer_scales;
+  std::vector<std::vector<at::Tensor>> scale_lists;
+  std::vector<int64_t> col_list;
+  if (quantized) {
+    buffer_scales.push_back(scales);
+    scale_lists.push_back(buffer_scales);
+    col_list.push_back(cols);
+  }
+  if (!describe(updates, grads, {buffers}, scale_lists, {}, col_list, quantized, descs)) return false;
+  if (!descs.empty() && descs[0].pdt != BF16) return false;
+  MuonMomentum op{float(buf_coef), float(nest_coef), buf_small, nesterov, nest_small, companded};
+  run(descs, quantized, op);
+  bump({&updates, &buffers, &buffer_scales});
+  return true;
+}
+
+// Muon's phase 3 on one tensor: -1 when the tensors are not ones this kernel handles (nothing changed), else
+// the number of values left unchanged (not finite in O)
+int64_t muon_apply(at::Tensor param, at::Tensor ortho, std::vector<at::Tensor> rhos, double decay, double alpha) {
+  std::vector<Desc> descs;
+  std::vector<at::Tensor> params{param}, orthos{ortho};
+  if (!describe(params, orthos, {}, {}, rhos, {}, false, descs)) return -1;
+  MuonApply op{float(decay), float(alpha)};
+  int64_t skipped = run(descs, false, op);
+  bump({&params, &rhos});
+  return skipped;
+}
+
 // The instruction set of the explicitly vectorised paths this build has ("" where the block code runs alone).
 std::string vector_isa() {
 #if defined(FLASHDIST_AVX512)
@@ -902,4 +996,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("adam_step", &adam_step, "fused FlashAdam(W) step (see flashdist.kernels.cpu)");
   m.def("sgd_step", &sgd_step, "fused FlashSGD(W) step (see flashdist.kernels.cpu)");
   m.def("lion_step", &lion_step, "fused FlashLion step (see flashdist.kernels.cpu)");
+  m.def("muon_momentum", &muon_momentum, "FlashMuon's momentum phase on one tensor (see flashdist.kernels.cpu)");
+  m.def("muon_apply", &muon_apply, "FlashMuon's weight update on one tensor (see flashdist.kernels.cpu)");
 }
