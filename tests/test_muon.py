@@ -254,14 +254,21 @@ def test_muon_param_groups_leave_heads_tables_and_vectors_to_adamw():
     model.classifier = torch.nn.Sequential(torch.nn.Dropout(), torch.nn.Linear(8, 4))
     model.bag = torch.nn.EmbeddingBag(10, 8)
     model.cls_token = torch.nn.Parameter(torch.zeros(1, 1, 8))
+    model.pos_embed = torch.nn.Parameter(torch.zeros(1, 5, 8))  # (1, n, d): a table, not a stack of matrices
     model.proj = torch.nn.Linear(8, 8, bias=False)
     model.twin = model.proj  # tied: named_parameters() gives proj.weight only
+    model.layer = torch.nn.Module()  # BERT's layer.N.output: a "head" name deeper down, holding a dense Linear
+    model.layer.output = torch.nn.Module()
+    model.layer.output.dense = torch.nn.Linear(8, 8, bias=False)
     muon = [n for g in muon_param_groups(model) if g["use_muon"] for n, _ in g["params"]]
-    assert muon == ["features.weight", "proj.weight"]
-    muon = [n for g in muon_param_groups(model, exclude=("twin.weight",)) if g["use_muon"] for n, _ in g["params"]]
-    assert muon == ["features.weight"]
+    assert muon == ["features.weight", "proj.weight", "layer.output.dense.weight"]
+    excluded = muon_param_groups(model, exclude=(n for n in ["twin.weight"]))  # (a generator, a tied alias)
+    assert [n for g in excluded if g["use_muon"] for n, _ in g["params"]] == ["features.weight",
+                                                                              "layer.output.dense.weight"]
     with pytest.raises(ValueError, match=r"exclude names that are no parameter of the model: \['feature.weight'\]"):
         muon_param_groups(model, exclude=("feature.weight",))
+    with pytest.raises(ValueError, match=r"pass \['proj.weight'\]"):
+        muon_param_groups(model, exclude="proj.weight")
 
 
 def test_muon_param_groups_choose_the_view_of_conv_and_stacked_weights():
@@ -311,8 +318,9 @@ def test_refusals(monkeypatch):
     opt.param_groups[0]["use_muon"] = True
     vector.grad = torch.ones_like(vector)
     opt.param_groups[0]["params"].append(vector)  # a vector put into a live Muon group: refused before any change
+    opt.param_groups[0]["param_names"] = ["matrix"]  # (named: the appended one has no name, its position says)
     before = matrix.detach().clone(), copy.deepcopy(opt.state[matrix])
-    with pytest.raises(ValueError, match="fewer than 2 dims"):
+    with pytest.raises(ValueError, match=r"\['params'\]\[1\] \(shape \(8,\).*fewer than 2 dims"):
         opt.step()
     assert torch.equal(matrix, before[0]) and all(torch.equal(v, before[1][k]) for k, v in opt.state[matrix].items())
 

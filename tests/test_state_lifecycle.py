@@ -506,6 +506,41 @@ def test_a_model_cast_up_to_fp32_after_steps_keeps_its_exact_master_weights(kind
     _train(model, opt, 1, start=3)
 
 
+@pytest.mark.parametrize("between", ["state_dict", "clear_plans", "deepcopy", "another-subset-steps"])
+def test_a_cast_up_is_exact_whatever_happens_before_the_next_step(between):
+    """The dtype rho belongs to is kept with the optimizer (and its copies), not with a cached step plan: a
+    state dict, dropped plans, a deepcopy or a step over another subset of parameters between the cast and the
+    next step keep the exact master weights."""
+    model = _model()
+    opt = FlashAdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, 3)
+    masters = [opt.master_weight(p) for p in model.parameters()]
+    model.float()
+    if between == "state_dict":
+        opt.state_dict()
+    elif between == "clear_plans":
+        opt.clear_plans()
+    elif between == "deepcopy":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", PrecisionWarning)  # (the fp32-parameter advice, as at construction)
+            model, opt = copy.deepcopy((model, opt))
+    for group in opt.param_groups:
+        group["lr"] = 0.0  # a step that changes no weight: the parameters then are the master weights
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PrecisionWarning)  # nothing rounded: no warning
+        if between == "another-subset-steps":
+            first = list(model.parameters())[:2]
+            for p in first:
+                p.grad = torch.zeros_like(p)
+            opt.step()
+            opt.zero_grad()
+        assert all(torch.equal(opt.master_weight(p), m) for p, m in zip(model.parameters(), masters))
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        opt.step()
+    assert all(torch.equal(p, m) for p, m in zip(model.parameters(), masters))
+
+
 @pytest.mark.parametrize("kind", _CAST_OPTIMIZERS)
 def test_a_model_cast_down_after_steps_gets_master_weights_from_the_cast_values(kind):
     """fp32 weights stepped, then model.to(bf16): the next step adds rho (one PrecisionWarning says the cast

@@ -82,6 +82,9 @@ class FlashOptimizer(StateLifecycle, OutsideWrites, StateIO, torch.optim.Optimiz
         self._precision_warned = False
         self._graph_warned = False  # graphed=True had no effect on a step, and a warning said so
         self._reset_caches()
+        # param -> the dtype its rho counts steps of (the parameter's when rho was made): a parameter cast since
+        # (module.to() keeps the Parameter) is adopted from it (_adopt_casts); copies and pickles carry it
+        self._rho_dtypes: dict[torch.Tensor, torch.dtype] = {}
         super().__init__(params, defaults)
         self._wrap_state()
 
@@ -232,7 +235,7 @@ class FlashOptimizer(StateLifecycle, OutsideWrites, StateIO, torch.optim.Optimiz
         was = self._recorded_version(p) if rho is not None else None
         if rho is None or (was is not None and was != p._version):  # (written outside: its own master)
             return p.detach().float()
-        cast_from = self._stepped_dtype(p)  # (cast since its last step: what its next step takes, _adopt_casts)
+        cast_from = self._rho_dtypes.get(p)  # (cast since rho was made: what its next step takes)
         if cast_from is not None and cast_from is not p.dtype:
             if p.dtype in (torch.bfloat16, torch.float16) or cast_from not in (torch.bfloat16, torch.float16):
                 return p.detach().float()

@@ -105,6 +105,7 @@ class StateLifecycle:
         self._invalidate_plans()
         live_state = set(map(id, self.state))
         self._written = {k: v for k, v in self._written.items() if k in live_state}
+        self._rho_dtypes = {p: v for p, v in self._rho_dtypes.items() if id(p) in live_state}
         self._dtensor_groups = {id(g) for g in self.param_groups if any(D.is_dtensor(p) for p in g["params"])}
         self._layouts = layouts
         self._synced = [_synced_entry(group) for group in self.param_groups]
@@ -144,6 +145,7 @@ class StateLifecycle:
             for p in params:
                 self.state.pop(p, None)
                 self._written.pop(id(p), None)
+                self._rho_dtypes.pop(p, None)
             self._invalidate_plans()
 
     def ensure_state(self, p: torch.Tensor, group: dict | None = None) -> None:
@@ -206,46 +208,59 @@ class StateLifecycle:
         if R.splits(p.dtype, group["master_weight_bits"]) and "rho" not in state:
             rho_dtype = R.rho_dtype(group["master_weight_bits"])
             state["rho"] = D.state_like(p, torch.zeros_like(lp, dtype=rho_dtype), shape)
+            self._rho_dtypes[p] = p.dtype
 
-    def _stepped_dtype(self, p: torch.Tensor) -> torch.dtype | None:
-        """The dtype ``p`` had at its last step (the cached plan's record), or None when no plan holds it."""
-        plan = self._plans.get(self._plan_keys.get(id(p)))
-        return plan.dtypes[plan.position(p)] if plan is not None else None
+    def _adopt_all_casts(self) -> None:
+        """``_adopt_casts`` for every parameter with state, before a state dict is made or loaded: the saved
+        rho then belongs to the saved parameter dtypes."""
+        changed = False
+        for group in self.param_groups:
+            held = [p for p in group["params"] if isinstance(p, torch.Tensor) and self.state.get(p)]
+            changed |= self._adopt_casts(group, held)
+        if changed:
+            self._invalidate_plans()
 
-    def _adopt_casts(self, group: dict, params: list[torch.Tensor], plan) -> None:
-        """Bring the state of parameters cast since their state was made (``module.to(dtype)`` after a step
-        changes their dtype in place) to their dtype, before the step that rebuilds their plan: from 16 bits
-        to fp32, the master weight (the old parameter plus rho) goes into the parameter and rho goes; from
-        fp32 to 16 bits, ``_init_state`` adds a zero rho; between bf16 and fp16, rho is zeroed. Where the cast
+    def _adopt_casts(self, group: dict, params: list[torch.Tensor], plan=None) -> bool:
+        """Bring the state of parameters cast since their rho was made (``module.to(dtype)`` changes their dtype
+        in place, keeping the Parameter) to their dtype: from 16 bits to fp32, the master weight (the old
+        parameter plus rho) goes into the parameter and rho goes; between bf16 and fp16 rho restarts at 0 (it
+        counts steps of the old spacing); from fp32 to 16 bits ``_init_state`` adds a zero rho. Where the cast
         rounded (to 16 bits), the cast value is the master weight from then on: one PrecisionWarning says so.
-        ``plan``: the step plan these parameters had, which knows their dtypes (None: not known)."""
+        The dtype rho belongs to is recorded when it is made (``_rho_dtypes``); ``plan``: the step plan these
+        parameters had, whose dtypes tell an fp32 parameter cast to 16 bits. Whether anything changed."""
         was = dict(zip(map(id, plan.params), plan.dtypes)) if plan is not None else {}
-        rounded = []
+        rounded, changed = [], False
         for p in params:
-            state, old = self.state.get(p), was.get(id(p))
-            if not state or old is p.dtype:
+            state = self.state.get(p)
+            rho = state.get("rho") if state else None
+            if rho is None:  # fp32 -> 16 bits after a step: _init_state adds a zero rho
+                if state and was.get(id(p)) is torch.float32 and R.splits(p.dtype, group["master_weight_bits"]):
+                    rounded.append(p)
                 continue
-            rho, splits = state.get("rho"), R.splits(p.dtype, group["master_weight_bits"])
-            if rho is None:
-                if old is not None and splits:  # fp32 -> 16 bits: _init_state adds a zero rho
-                    rounded.append(p)
-            elif splits:  # bf16 <-> fp16: rho counts steps of another spacing
-                if old is not None:
-                    D.local(rho).zero_()
-                    rounded.append(p)
-            else:  # 16 bits -> fp32: the exact master weight, rho merged in (unknown dtype: the cast value)
-                if old in (torch.bfloat16, torch.float16):
-                    local = D.local(p)
+            old = self._rho_dtypes.get(p)
+            if old is p.dtype or (old is None and p.dtype in (torch.bfloat16, torch.float16)):
+                continue  # (None: state loaded straight into optimizer.state, taken as the parameter's dtype)
+            changed = True
+            if R.splits(p.dtype, group["master_weight_bits"]):  # bf16 <-> fp16
+                D.local(rho).zero_()
+                self._rho_dtypes[p] = p.dtype
+                rounded.append(p)
+                continue
+            if old is not None:  # 16 bits -> fp32: the exact master weight, rho merged in
+                local = D.local(p)
+                with torch.no_grad():
                     local.copy_(R.merge(local.detach().to(old), D.local(rho)))
-                else:
-                    rounded.append(p)
-                del state["rho"]  # (the caller builds the plan of these parameters again: none keeps the old rho)
+            else:  # (16 bits unknown: the cast value)
+                rounded.append(p)
+            del state["rho"]
+            self._rho_dtypes.pop(p, None)
         if rounded:
             first = next(i for i, q in enumerate(group["params"]) if q is rounded[0])
             warn_precision(f"flashdist: {len(rounded)} parameter(s) changed dtype after their optimizer state was "
                            f"made (model.to() after a step?), the first {param_name(group, first, rounded[0])}: "
                            "their master weights are the cast values from here on (cast the model before the "
                            "first step to keep them)")
+        return changed
 
     def _state_ready(self, p: torch.Tensor, group: dict) -> bool:
         """Cheap check, once per step: does ``p`` hold exactly the state its group's layout makes?"""

@@ -197,9 +197,11 @@ def muon_param_groups(model: torch.nn.Module, *, exclude=(), adamw_lr: float | N
 
     Muon takes every parameter of two or more dims except: the weights of ``nn.Embedding`` and
     ``nn.EmbeddingBag`` modules, the parameters of output layers (a module whose own name is one of
-    ``HEAD_NAMES``: ``lm_head``, ``output``, ``head``, ``classifier``, ``score``, with everything inside it,
-    as torchvision's ``classifier`` Sequential), parameters tied to either (the same tensor), parameters with
-    fewer than two dims larger than 1 (vectors in another shape, e.g. a ``(1, 1, d)`` class token), and
+    ``HEAD_NAMES``: ``lm_head``, ``output``, ``head``, ``classifier``, ``score``; a child of the model with
+    everything inside it, as torchvision's ``classifier`` Sequential, a deeper one with its own parameters
+    only, as BERT's ``layer.N.output`` holding a ``dense`` Linear), parameters tied to either (the same tensor),
+    parameters with fewer than two dims larger than 1 (vectors in another shape, e.g. a ``(1, 1, d)`` class
+    token) or with leading dims of 1 only (a ``(1, n, d)`` position table: one matrix, no stack), and
     ``exclude`` (full names, a tied parameter's other names included; a name that matches no parameter is
     refused; or a callable ``(name, parameter) -> bool``). Biases, norm weights and the excluded take AdamW;
     ``adamw_lr`` / ``adamw_weight_decay`` set that group's ``lr`` / ``weight_decay`` (the optimizer's defaults
@@ -212,11 +214,16 @@ def muon_param_groups(model: torch.nn.Module, *, exclude=(), adamw_lr: float | N
     for module_name, module in model.named_modules():
         if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
             leave.update(id(p) for p in module.parameters(recurse=False))
-        if module_name.rsplit(".", 1)[-1] in HEAD_NAMES:
-            leave.update(id(p) for p in module.parameters())
+        if module_name.rsplit(".", 1)[-1] in HEAD_NAMES:  # a model's own head with all inside it (torchvision's
+            # classifier Sequential); deeper, only its own parameters (BERT's layer.N.output holds a dense Linear)
+            leave.update(id(p) for p in module.parameters(recurse="." not in module_name))
         if isinstance(module, torch.nn.modules.conv._ConvNd):
             conv.update(id(p) for p in module.parameters(recurse=False))
+    if isinstance(exclude, str):
+        raise ValueError(f"flashdist: muon_param_groups takes exclude as names (a list or tuple) or a callable, got "
+                         f"the string {exclude!r}: pass [{exclude!r}]")
     if not callable(exclude):
+        exclude = list(exclude)  # (a generator: read once)
         every = dict(model.named_parameters(remove_duplicate=False))
         unknown = [name for name in exclude if name not in every]
         if unknown:
@@ -228,7 +235,8 @@ def muon_param_groups(model: torch.nn.Module, *, exclude=(), adamw_lr: float | N
         if not p.requires_grad:
             continue
         excluded = callable(exclude) and exclude(name, p)
-        if sum(d > 1 for d in p.shape) < 2 or id(p) in leave or excluded:
+        table = p.ndim > 2 and all(d == 1 for d in p.shape[:-2])  # a (1, n, d) position table: no stack
+        if sum(d > 1 for d in p.shape) < 2 or table or id(p) in leave or excluded:
             other.append((name, p))
         else:
             (muon if p.ndim == 2 else convs if id(p) in conv else stacks).append((name, p))

@@ -16,7 +16,8 @@ SUPPORTED_PARAM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 def param_name(group: dict, index: int, p: torch.Tensor) -> str:
     """The parameter's name when the optimizer was given ``named_parameters()``, else its position."""
     names = group.get("param_names")
-    where = f"'{names[index]}'" if names else f"param_groups[...]['params'][{index}]"
+    named = names and index < len(names)  # (a parameter appended to a named group's list has no name)
+    where = f"'{names[index]}'" if named else f"param_groups[...]['params'][{index}]"
     return f"{where} (shape {tuple(p.shape)}, {p.dtype})"
 
 

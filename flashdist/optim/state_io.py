@@ -43,6 +43,7 @@ class StateIO:
             _check_format(format, "state_dict's format")
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
+        self._adopt_all_casts()  # (parameters cast since their rho was made: rho follows first)
         self._ensure_trainable_state()
         self.adopt_outside_writes()  # (a saved rho belongs to the weights saved beside it)
         state_dict = export_state_dict(self, self._packed_state_dict(), format)
@@ -96,6 +97,7 @@ class StateIO:
             if result is not None:
                 state_dict = result
         self.sync_state()
+        self._adopt_all_casts()  # (the live state made for the parameters' dtypes now, as the loaded one)
         self._invalidate_plans()
         had_state = {id(p) for p, s in self.state.items() if s}
         try:
@@ -125,10 +127,11 @@ class StateIO:
         state.update(backend=self.backend, state_dict_format=self.state_dict_format, skipped=self.skipped,
                      _precision_warned=self._precision_warned, _graph_warned=self._graph_warned,
                      capturable=self.capturable,
-                     graphed=self.graphed)
+                     graphed=self.graphed, _rho_dtypes=self._rho_dtypes)
         return state
 
     def __setstate__(self, state: dict) -> None:
+        state.setdefault("_rho_dtypes", {})  # (an optimizer pickled by an earlier version)
         super().__setstate__(state)
         self._wrap_state()
         self._reset_caches()
