@@ -12,6 +12,10 @@ in the list, the same on every rank, so the matmul work divides over the ranks. 
 exact whole matrix of a one-process run with the same (deterministic) function, so every rank ends with
 the one-process bits, at any world size and on any mesh.
 
+A stack of matrices orthogonalized one by one (FlashMuon's ``flatten=False``, MoE experts) that is sharded
+along its stack dims only (FSDP2's ``Shard(0)`` of ``(experts, out, in)``, expert parallelism) is computed
+where it is: each rank holds whole matrices, the same function gives the same bits, and nothing travels.
+
 Communication per step: every part of the update that is not on its owner travels there once (bf16, 2 bytes
 per value) and its result comes back once (2 bytes): 4 (world - 1) / world bytes per parameter per step in
 all, and on each rank as many bytes sent and as many received per local parameter (2 and 2 on 2 ranks,
@@ -95,10 +99,14 @@ class OwnerOrthogonalize:
     owner): it gathers all of them, then each owner computes its own while the others compute theirs, then
     it sends all the results back."""
 
-    def __init__(self, params: Sequence[torch.Tensor], first: int = 0):
+    def __init__(self, params: Sequence[torch.Tensor], first: int = 0, stacked: Sequence[bool] | None = None):
         self.params = list(params)
         self.first = first
         self.chunk = max([p.device_mesh.size() for p in self.params if hasattr(p, "device_mesh")] or [1])
+        # stacks of matrices (``stacked[i]``: each matrix of the last two dims orthogonalized on its own) that
+        # are sharded along their stack dims only (FSDP2's Shard(0) of (experts, out, in), expert parallelism):
+        # every rank holds whole matrices, orthogonalized where they are, with nothing sent
+        self.local = [bool(stacked and stacked[i]) and _whole_matrices(p) for i, p in enumerate(self.params)]
 
     def __call__(self, indices: Sequence[int], updates: Sequence[torch.Tensor],
                  whole: Callable[[int, torch.Tensor], torch.Tensor]) -> list:
@@ -106,7 +114,7 @@ class OwnerOrthogonalize:
         exchanges = []
         for k, (i, u) in enumerate(zip(indices, updates)):
             p = self.params[i]
-            if not hasattr(p, "device_mesh"):
+            if not hasattr(p, "device_mesh") or self.local[i]:
                 out[k] = whole(i, u)
                 continue
             exchange = _Exchange(p, u, self.first + i)
@@ -120,6 +128,14 @@ class OwnerOrthogonalize:
         for k, i, exchange in exchanges:
             out[k] = exchange.scatter()
         return out
+
+
+def _whole_matrices(p: torch.Tensor) -> bool:
+    """Whether every local shard of the stack ``p`` (a DTensor of 3 or more dims) holds whole matrices of its
+    last two dims: each placement shards a leading dim or replicates (none is partial)."""
+    if not hasattr(p, "placements") or p.ndim < 3:
+        return False
+    return all((P.is_shard(pl) and pl.dim % p.ndim < p.ndim - 2) or pl.is_replicate() for pl in p.placements)
 
 
 class _Exchange:

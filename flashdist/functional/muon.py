@@ -115,8 +115,7 @@ def flash_muon(
     # capturable: a learning rate held on the parameters' device is read there by the weight update's kernel
     device_lr = lr if chosen == "triton" and on_device(lr, params[0].device) else None
     views = [matrix_shape(shape, flatten) for shape in shapes]  # (refuses an unchosen view before any change)
-    stacks = [(1 if len(shape) == 2 or flatten else math.prod(shape[:-2]), *view)
-              for shape, view in zip(shapes, views)]
+    stacked = [len(shape) > 2 and flatten is False for shape in shapes]  # stacks of matrices, one by one
     ratios = [muon_lr_ratio(adjust_lr_fn, *view) for view in views]
     scalars = [MuonScalars.make(lr=0.0 if device_lr is not None else host_number(lr), weight_decay=weight_decay,
                                 momentum=momentum, nesterov=nesterov, lr_ratio=ratio) for ratio in ratios]
@@ -149,7 +148,8 @@ def flash_muon(
         return reference.newton_schulz(matrix, coefficients=ns_coefficients, steps=ns_steps, eps=eps)
 
     def whole(i: int, update: torch.Tensor) -> torch.Tensor:
-        matrices = update.reshape(stacks[i])  # one matrix, or the stack flatten=False orthogonalizes one by one
+        # one matrix, or a stack orthogonalized one by one (whole, or the whole matrices of a rank's shard of it)
+        matrices = update.reshape(math.prod(update.shape[:-2]) if stacked[i] else 1, *views[i])
         if len(matrices) == 1:
             return newton_schulz(matrices[0]).reshape(update.shape)
         out = torch.empty(matrices.shape, dtype=torch.bfloat16, device=update.device)

@@ -172,7 +172,9 @@ class FlashMuon(FlashOptimizer):
                                    "orthogonalizes them between ranks is not captured: they step eagerly")
             # owners continue round-robin across buckets, groups and steps (the same calls in the same order on
             # every rank), so small groups do not all land on rank 0; which rank computes changes no bit
-            orthogonalize = OwnerOrthogonalize(bucket.sources, first=self._owner_position)
+            flatten = group.get("flatten")
+            orthogonalize = OwnerOrthogonalize(bucket.sources, first=self._owner_position,
+                                               stacked=[p.ndim > 2 and flatten is False for p in bucket.sources])
             self._owner_position += len(bucket.sources)
         grad_cells = None
         if self._grad_cells is not None and orthogonalize is None:

@@ -13,6 +13,7 @@ from harness import run_ranks
 from sharding_cases import assert_bitwise_equal, check_state_layout, make_tiny_lm, shard_tiny_lm, single_threaded, snapshot
 
 from flashdist import FlashMuon, checkpoint, muon_param_groups
+from flashdist.distributed.gather import OwnerOrthogonalize
 
 pytestmark = pytest.mark.slow  # multi-process
 
@@ -170,19 +171,30 @@ def _tp_run(rank, world_size, mesh_shape):
     import torch.distributed as dist
     from test_tensor_parallel import _mesh, _placements_seen, make_block, parallelize
 
+    from flashdist.distributed.gather import TRAFFIC
+
     model = parallelize(make_block(), _mesh(mesh_shape))
     optimizer = _tp_optimizer(model)
+    TRAFFIC.update(sent=0, received=0)
     _tp_train(model, optimizer)
     skipped = optimizer.skipped.clone()
     dist.all_reduce(skipped)  # no Muon matrix is replicated on this mesh: each value is counted once
-    out = (snapshot(model, optimizer), int(skipped), _placements_seen(model))  # (a collective: every rank)
+    # the experts stack (flatten=False), sharded on its experts dim only, holds whole matrices: orthogonalized
+    # where they are, nothing sent; the mixer stack, sharded inside its matrices (Shard(1)), travels
+    expert_group = next(g for g in optimizer.param_groups if any(p is model.experts for p in g["params"]))
+    local = [OwnerOrthogonalize([p], stacked=[True]).local[0] for p in (model.experts, model.mixer)]
+    traffic = torch.tensor([TRAFFIC["sent"]], dtype=torch.float64)
+    dist.all_reduce(traffic)
+    out = (snapshot(model, optimizer), int(skipped), _placements_seen(model),  # (a collective: every rank)
+           (expert_group.get("flatten"), local, float(traffic)))
     return out if rank == 0 else None
 
 
 @pytest.mark.parametrize("mesh_shape", [(2, 2), (1, 4)], ids=lambda m: "x".join(map(str, m)))
 def test_fsdp2_x_tp_step_is_bit_identical(mesh_shape):
-    got, skipped, placements = run_ranks(_tp_run, 4, mesh_shape, timeout=180)[0]
+    got, skipped, placements, (flatten, local, sent) = run_ranks(_tp_run, 4, mesh_shape, timeout=180)[0]
     assert {"Shard(0)", "Shard(1)"} <= placements, placements
+    assert flatten is False and local == [True, False] and sent > 0, (flatten, local, sent)
     want, want_skipped = tp_single_process()
     assert_bitwise_equal(got, want, f"FlashMuon step under FSDP2 x TP at {mesh_shape}")
     assert skipped == want_skipped > 0, (skipped, want_skipped)
