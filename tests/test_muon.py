@@ -467,6 +467,12 @@ def test_a_checkpoint_saved_before_flatten_existed_loads(tmp_path):
     step(again, resumed, 1)
     for (name, p), q in zip(model.named_parameters(), again.parameters()):
         assert torch.equal(p, q), name
+    momenta = [g.pop("momentum") for g in opt.param_groups]  # any other option missing still refuses it
+    checkpoint.save(str(tmp_path / "other"), model, opt)
+    for g, value in zip(opt.param_groups, momenta):
+        g["momentum"] = value
+    with pytest.raises(checkpoint.CheckpointError, match="missing from the checkpoint.*momentum"):
+        checkpoint.load(str(tmp_path / "other"), *build())
 
 
 def test_names_and_defaults_are_torch_muons():

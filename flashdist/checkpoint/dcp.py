@@ -221,7 +221,7 @@ def _load(path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
     missing = sorted(k for k in want if k not in have)
     # a param-group option newer than the checkpoint (FlashMuon's flatten) keeps this optimizer's value, as
     # load_state_dict keeps a group key the state dict lacks
-    newer = _newer_group_options(state, missing)
+    newer = _newer_group_options(state, missing, getattr(optimizer, "newer_group_options", ()))
     missing = [k for k in missing if k not in newer]
     unexpected = sorted(k for k in have if k not in want)
     wrong = sorted(k for k, shape in want.items() if k in have and shape is not None and have[k] is not None
@@ -263,16 +263,17 @@ def _load(path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
     return state["extra"]
 
 
-def _newer_group_options(state: dict, missing: list[str]) -> dict[str, tuple[dict, object]]:
-    """The ``optim.param_groups.<i>.<option>`` keys of ``missing`` that name a plain option of a live param
-    group (not its parameters), each taken out of the load template ``state`` with its group and value."""
+def _newer_group_options(state: dict, missing: list[str], options) -> dict[str, tuple[dict, object]]:
+    """The ``optim.param_groups.<i>.<option>`` keys of ``missing`` whose option is one of ``options`` (the
+    optimizer's ``newer_group_options``: added since its first checkpoints), each taken out of the load
+    template ``state`` with its live group and value. Any other missing key still refuses the checkpoint."""
     taken = {}
     groups = state["optim"].get("param_groups")
     for key in missing:
         parts = key.split(".")
         if (len(parts) == 4 and parts[:2] == ["optim", "param_groups"] and parts[2].isdigit()
                 and isinstance(groups, list) and int(parts[2]) < len(groups)
-                and parts[3] not in ("params", "param_names")):
+                and parts[3] in options):
             group = groups[int(parts[2])]
             if parts[3] in group and not isinstance(group[parts[3]], (torch.Tensor, dict, list)):
                 taken[key] = (group, group.pop(parts[3]))
