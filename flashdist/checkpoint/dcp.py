@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -222,7 +223,7 @@ def _load(path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
     # a param-group option newer than the checkpoint (FlashMuon's flatten) keeps this optimizer's value, as
     # load_state_dict keeps a group key the state dict lacks
     newer = _newer_group_options(state, missing, getattr(optimizer, "newer_group_options", ()))
-    missing = [k for k in missing if k not in newer]
+    missing = [k for k in missing if k not in newer["keys"]]
     unexpected = sorted(k for k in have if k not in want)
     wrong = sorted(k for k, shape in want.items() if k in have and shape is not None and have[k] is not None
                    and tuple(have[k]) != shape)
@@ -244,8 +245,7 @@ def _load(path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
     except (Exception, CheckpointException) as e:  # DCP wraps per-rank failures in a BaseException
         raise CheckpointError(f"flashdist: could not read checkpoint {where}: {error_summary(e)}; the model and "
                               "optimizer were not changed") from e
-    for key, (group, value) in newer.items():
-        group[key.rsplit(".", 1)[-1]] = value
+    _restore_newer_group_options(state, newer, where)
     # the optimizer validates everything before it copies; a refusal (other master_weight_bits, format version,
     # ...) is a CheckpointError on every rank, told by the ranks that refused
     failure = None
@@ -263,21 +263,48 @@ def _load(path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
     return state["extra"]
 
 
-def _newer_group_options(state: dict, missing: list[str], options) -> dict[str, tuple[dict, object]]:
+def _newer_group_options(state: dict, missing: list[str], options) -> dict:
     """The ``optim.param_groups.<i>.<option>`` keys of ``missing`` whose option is one of ``options`` (the
-    optimizer's ``newer_group_options``: added since its first checkpoints), each taken out of the load
-    template ``state`` with its live group and value. Any other missing key still refuses the checkpoint."""
-    taken = {}
+    optimizer's ``newer_group_options``: added since its first checkpoints), taken out of the load template
+    ``state``, with the live value of each option per parameter (by FQN: the checkpoint's groups may list the
+    parameters in another order). Any other missing key still refuses the checkpoint."""
+    keys, by_param = [], {}
     groups = state["optim"].get("param_groups")
     for key in missing:
         parts = key.split(".")
         if (len(parts) == 4 and parts[:2] == ["optim", "param_groups"] and parts[2].isdigit()
-                and isinstance(groups, list) and int(parts[2]) < len(groups)
-                and parts[3] in options):
+                and isinstance(groups, list) and int(parts[2]) < len(groups) and parts[3] in options):
             group = groups[int(parts[2])]
             if parts[3] in group and not isinstance(group[parts[3]], (torch.Tensor, dict, list)):
-                taken[key] = (group, group.pop(parts[3]))
-    return taken
+                keys.append(key)
+                value = group.pop(parts[3])
+                for fqn in group.get("params", []):
+                    by_param.setdefault(parts[3], {})[fqn] = value
+    return {"keys": keys, "by_param": by_param}
+
+
+def _restore_newer_group_options(state: dict, newer: dict, where) -> None:
+    """Put back, in each group the checkpoint loaded, the live value of the options ``_newer_group_options``
+    took out, found by the group's parameters; a checkpoint group whose parameters had different live values
+    is refused. A FlashMuon group with weights of more than 2 dims and ``flatten=False`` is told that the
+    checkpoint, saved before the option, trained each of them as one matrix."""
+    for option, values in newer["by_param"].items():
+        for group in state["optim"].get("param_groups", []):
+            found = {values[f] for f in group.get("params", []) if f in values}
+            if len(found) > 1:
+                raise CheckpointError(f"flashdist: checkpoint {where} was saved before the param-group option "
+                                      f"{option!r} and groups parameters that this optimizer gives different "
+                                      f"values of it; group them as the checkpoint does")
+            if found:
+                group[option] = found.pop()
+                saved = state["optim"].get("state", {})
+                stacks = any(isinstance(t, torch.Tensor) and t.ndim > 2 for f in group.get("params", [])
+                             for t in (saved.get(f) or {}).values())
+                if option == "flatten" and group[option] is False and stacks:
+                    warnings.warn(f"flashdist: checkpoint {where} was saved before FlashMuon's flatten option, when "
+                                  "a weight of more than 2 dims was orthogonalized as one (shape[0], rest) matrix "
+                                  "(flatten=True); this optimizer's flatten=False group goes on orthogonalizing "
+                                  "each matrix of its stacks on its own", UserWarning, stacklevel=3)
 
 
 def _saved_format(metadata) -> str | None:
