@@ -136,7 +136,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _add_plan_parser(sub, fmt) -> None:
-    from .memory_plan import MODES, PRESETS
+    from .memory_plan import FAMILIES, MODES, PRESETS
 
     p = sub.add_parser(
         "plan", help="will a model fit: per-GPU memory with flashdist and with AdamW", formatter_class=fmt,
@@ -146,7 +146,8 @@ def _add_plan_parser(sub, fmt) -> None:
         epilog="examples:\n  flashdist plan llama-3.1-8b --gpus 8 --gpu-memory 80\n"
                "  flashdist plan llama-3.1-70b --gpus 64 --mode hsdp --gradient-release --recompute 80\n"
                "  flashdist plan path/to/config.json --gpus 1 --gpu-memory 24 --offload\n"
-               "  flashdist plan --params 3e9 --gpus 4 --mode zero2 --json")
+               "  flashdist plan --params 3e9 --gpus 4 --mode zero2 --json\n"
+               "  flashdist plan llama-3.1-8b --gpus 1 --gpu-memory 141 --optimizer muon")
     p.add_argument("model", nargs="?", help=f"a preset ({', '.join(PRESETS)}) or a Hugging Face config.json")
     p.add_argument("--params", type=float, help="a parameter count instead of a model (no activations then)")
     p.add_argument("--gpus", type=int, default=1, help="number of GPUs (default 1)")
@@ -158,6 +159,9 @@ def _add_plan_parser(sub, fmt) -> None:
     p.add_argument("--seq", type=int, default=2048, help="tokens per sequence (default 2048)")
     p.add_argument("--batch", type=int, default=1, help="sequences per GPU (default 1)")
     p.add_argument("--recompute", type=int, default=0, help="decoder layers with activation checkpointing")
+    p.add_argument("--optimizer", choices=FAMILIES, default="adamw",
+                   help="adamw: FlashAdamW against torch's AdamW (default); muon: FlashMuon against "
+                        "torch.optim.Muon, the embedding, head and norms taking AdamW in both")
     p.add_argument("--json", action="store_true", help="print JSON (for scripts)")
 
 
@@ -171,7 +175,7 @@ def _plan(args) -> int:
         result = plan(model=args.model, params=args.params, gpus=args.gpus, gpu_memory_gib=args.gpu_memory,
                       mode=args.mode, gpus_per_node=args.gpus_per_node, offload=args.offload,
                       gradient_release=args.gradient_release, seq=args.seq, batch=args.batch,
-                      recomputed=args.recompute)
+                      recomputed=args.recompute, optimizer=args.optimizer)
     except ValueError as e:
         print(f"flashdist plan: {e}", file=sys.stderr)
         return 1

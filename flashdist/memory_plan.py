@@ -1,8 +1,10 @@
 """Will a model fit? Per-GPU memory of training with flashdist's FlashAdamW and with torch's AdamW (fp32 master
-weights), part by part, for a decoder (a preset, a Hugging Face ``config.json``) or a parameter count, a number of
-GPUs and their memory, and a sharding mode; the largest batch that fits. ``flashdist plan`` prints it;
-docs/scaling.md's tables come from it; tests/test_memory_plan.py checks it against the measured 8B peaks
-(docs/results/fit-8b-1xh200-2026-12-02.json: within 10% of every peak, within 1% of the fixed part).
+weights), or FlashMuon and torch.optim.Muon (``optimizer="muon"``: the decoder layers' matrices take Muon, the
+embedding, head and norms AdamW, as ``muon_param_groups`` splits them), part by part, for a decoder (a preset,
+a Hugging Face ``config.json``) or a parameter count, a number of GPUs and their memory, and a sharding mode;
+the largest batch that fits. ``flashdist plan`` prints it; docs/scaling.md's tables come from it;
+tests/test_memory_plan.py checks it against the measured 8B peaks (docs/results/fit-8b-1xh200-2026-12-02.json
+and fit-8b-flashmuon-1xh200-2026-12-04.json: within 10% of every peak, within 1% of the fixed part).
 
 Per GPU, for P parameters (bytes per parameter from :func:`flashdist.bytes_per_param`: weights = master + rho,
 gradient, optimizer state = the moments), S = the GPUs a part is sharded over:
@@ -40,6 +42,9 @@ PARAM_BYTES, GRAD_REDUCE_BYTES = 2, 4  # FSDP2 MixedPrecisionPolicy(param_dtype=
 LOGIT_BYTES = 12  # per token and vocabulary entry: bf16 logits + bf16 grad + fp32 log-softmax + fp32 grad
 MODES = ("fsdp2", "hsdp", "tp", "zero1", "zero2", "zero3")
 OPTIMIZERS = {"flashdist": "flash_adamw", "adamw": "adamw"}  # row -> flashdist.bytes_per_param kind
+# --optimizer muon: (matrices' kind, the rest's kind) per row; the rest (embedding, head, norms) takes AdamW
+MUON_OPTIMIZERS = {"flashdist": ("flash_muon", "flash_adamw"), "muon": ("muon", "adamw")}
+FAMILIES = ("adamw", "muon")
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,10 @@ class Shape:
     def layer_params(self) -> int:
         kv = self.kv_heads * (self.hidden // self.heads)
         return 2 * self.hidden * self.hidden + 2 * self.hidden * kv + 3 * self.hidden * self.mlp + 2 * self.hidden
+
+    def layer_matrix_params(self) -> int:
+        """A decoder layer's matrices (what Muon takes): its parameters less its two norms."""
+        return self.layer_params() - 2 * self.hidden
 
     def root_params(self) -> int:
         return (1 if self.tied else 2) * self.vocab * self.hidden + self.hidden  # embedding, head, final norm
@@ -120,12 +129,23 @@ def resolve_model(model: str) -> Shape:
                      "or --params N")
 
 
-def _parts(kind: str, params: float, mode: str, gpus: int, gpus_per_node: int, offload: bool,
+def _per_param(kinds: list[tuple[str, float]], gradient_release: bool) -> dict[str, float]:
+    """Bytes per parameter of each part over ``kinds`` ((kind, share of the parameters) pairs)."""
+    out = {"master": 0.0, "grad": 0.0, "state": 0.0, "total": 0.0}
+    for kind, share in kinds:
+        b = bytes_per_param(kind, gradient_release=gradient_release)
+        out["master"] += share * (b["master"] + b["ecc"])
+        out["grad"] += share * b["grad"]
+        out["state"] += share * (b["m"] + b.get("v", 0.0))
+        out["total"] += share * b["total"]
+    return out
+
+
+def _parts(kinds: list[tuple[str, float]], params: float, mode: str, gpus: int, gpus_per_node: int, offload: bool,
            gradient_release: bool) -> dict:
-    b = bytes_per_param(kind, gradient_release=gradient_release)
+    b = _per_param(kinds, gradient_release)
     shards = gpus_per_node if mode == "hsdp" and gpus > gpus_per_node else gpus
-    master = b["master"] + b["ecc"]
-    state = b["m"] + b.get("v", 0.0)
+    master, state = b["master"], b["state"]
     if mode in ("zero1", "zero2"):  # bf16 model weights whole; the rest of the master sharded beside them
         weights = PARAM_BYTES * params + (master - PARAM_BYTES) * params / shards
         grads = b["grad"] * params / (shards if mode == "zero2" else 1)
@@ -143,11 +163,17 @@ def _parts(kind: str, params: float, mode: str, gpus: int, gpus_per_node: int, o
 
 def plan(*, model: str | Shape | None = None, params: float | None = None, gpus: int = 1,
          gpu_memory_gib: float = 80.0, mode: str = "fsdp2", gpus_per_node: int = 8, offload: bool = False,
-         gradient_release: bool = False, seq: int = 2048, batch: int = 1, recomputed: int = 0) -> dict:
-    """Per-GPU GiB of each part with flashdist and with AdamW, whether ``batch`` sequences per GPU fit in
-    ``gpu_memory_gib``, and the largest batch that does (None without a shape). See the module docstring."""
+         gradient_release: bool = False, seq: int = 2048, batch: int = 1, recomputed: int = 0,
+         optimizer: str = "adamw") -> dict:
+    """Per-GPU GiB of each part with flashdist and with torch, whether ``batch`` sequences per GPU fit in
+    ``gpu_memory_gib``, and the largest batch that does (None without a shape). See the module docstring.
+    ``optimizer``: "adamw" (FlashAdamW against torch's AdamW) or "muon" (FlashMuon against torch.optim.Muon
+    with fp32 master weights, each with AdamW for the embedding, head and norms: ``muon_param_groups``'s
+    split; with ``params`` alone every parameter counts as a matrix)."""
     if mode not in MODES:
         raise ValueError(f"flashdist: mode {mode!r}: expected one of {', '.join(MODES)}")
+    if optimizer not in FAMILIES:
+        raise ValueError(f"flashdist: optimizer {optimizer!r}: expected one of {', '.join(FAMILIES)}")
     if gpus < 1 or gpus_per_node < 1 or seq < 1 or batch < 1:
         raise ValueError("flashdist: gpus, gpus_per_node, seq and batch must be positive")
     shape = resolve_model(model) if isinstance(model, str) else model
@@ -161,10 +187,14 @@ def plan(*, model: str | Shape | None = None, params: float | None = None, gpus:
     buffers = shape.buffer_bytes() / tp if shape else 0.0
     result = {"model": asdict(shape) if shape else None, "params": n, "gpus": gpus, "mode": mode,
               "gpu_memory_gib": gpu_memory_gib, "offload": offload, "gradient_release": gradient_release,
-              "seq": seq, "batch": batch, "recomputed_layers": recomputed, "optimizers": {}}
-    for name, kind in OPTIMIZERS.items():
-        release = gradient_release and name == "flashdist"  # AdamW (torch) has no gradient release
-        p = _parts(kind, n, mode, gpus, gpus_per_node, offload, release)
+              "seq": seq, "batch": batch, "recomputed_layers": recomputed, "optimizer": optimizer,
+              "optimizers": {}}
+    matrices = shape.layers * shape.layer_matrix_params() / n if shape else 1.0  # (Muon's share)
+    rows = ({name: [(kind, 1.0)] for name, kind in OPTIMIZERS.items()} if optimizer == "adamw" else
+            {name: [(muon, matrices), (rest, 1.0 - matrices)] for name, (muon, rest) in MUON_OPTIMIZERS.items()})
+    for name, kinds in rows.items():
+        release = gradient_release and name == "flashdist"  # torch's optimizers have no gradient release
+        p = _parts(kinds, n, mode, gpus, gpus_per_node, offload, release)
         fixed = p["weights"] + p["grads"] + p["optimizer_state"] + buffers
         total = fixed + batch * activations_per_seq
         room = gpu_memory_gib * GIB - fixed
@@ -183,7 +213,8 @@ def format_plan(result: dict) -> str:
     opts = result["optimizers"]
     shape = result["model"]
     head = (f"{result['params'] / 1e9:.2f} B parameters, {result['gpus']} GPU(s) of {result['gpu_memory_gib']:g} GiB, "
-            f"{result['mode']}" + (", offload" if result["offload"] else "")
+            f"{result['mode']}" + (", Muon" if result.get("optimizer") == "muon" else "")
+            + (", offload" if result["offload"] else "")
             + (", gradient release (flashdist)" if result["gradient_release"] else ""))
     if shape:
         head += (f"; {result['batch']} sequence(s) of {result['seq']} tokens per GPU, "
@@ -202,4 +233,4 @@ def format_plan(result: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["MODES", "PRESETS", "Shape", "format_plan", "plan", "resolve_model", "shape_from_hf_config"]
+__all__ = ["FAMILIES", "MODES", "PRESETS", "Shape", "format_plan", "plan", "resolve_model", "shape_from_hf_config"]

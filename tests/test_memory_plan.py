@@ -40,6 +40,29 @@ def test_plan_matches_the_measured_8b_peaks(case):
         assert got == pytest.approx(t["peak_gib"], rel=tolerance), (t, got)
 
 
+def test_muon_plan_matches_the_measured_flash_muon_8b_peaks():
+    """--optimizer muon: the decoder matrices at FlashMuon's bytes, the embedding, head and norms at FlashAdamW's;
+    against FlashMuon's measured 8B fit on one H200 (fit-8b-flashmuon-1xh200-2026-12-04.json)."""
+    measured = json.loads((ROOT / "docs" / "results" / "fit-8b-flashmuon-1xh200-2026-12-04.json").read_text())
+    case = measured["cases"]["flash_muon_24bit"]
+    seq = measured["meta"]["args"]["seq"]
+    row = plan(model="llama-3.1-8b", gpus=1, gpu_memory_gib=137.8, seq=seq, optimizer="muon")["optimizers"]
+    assert _fixed(row["flashdist"]) == pytest.approx(case["fixed_gib"], rel=0.01)
+    trials = [t for t in case["trials"] if "peak_gib" in t]
+    assert len(trials) >= 2
+    for t in trials:
+        got = plan(model="llama-3.1-8b", gpus=1, gpu_memory_gib=137.8, seq=seq, batch=t["batch"],
+                   recomputed=t["checkpointed"], optimizer="muon")["optimizers"]["flashdist"]["total_gib"]
+        assert got == pytest.approx(t["peak_gib"], rel=0.06), (t, got)
+    shape = PRESETS["llama-3.1-8b"]
+    share = shape.layers * shape.layer_matrix_params() / shape.params()  # Muon's share of the parameters
+    want = share * bytes_per_param("flash_muon")["total"] + (1 - share) * bytes_per_param("flash_adamw")["total"]
+    assert row["flashdist"]["bytes_per_param"] == pytest.approx(want)
+    assert row["muon"]["bytes_per_param"] == pytest.approx(share * 12 + (1 - share) * 16)
+    with pytest.raises(ValueError, match="optimizer 'lamb'"):
+        plan(model="llama-3.1-8b", optimizer="lamb")
+
+
 def test_parts_shard_as_each_mode_says():
     """FSDP2 divides every part by the GPUs, HSDP by a node's, ZeRO-1 only the optimizer state (and the master
     beyond the bf16 weight), ZeRO-2 the gradients too; offload moves the state to the host."""
@@ -84,6 +107,8 @@ def test_cli_prints_the_parts_and_refuses_bad_input(tmp_path):
     assert "optimizer state" in out and "largest batch per GPU" in out and "70.55 B parameters" in out
     rc, out, _ = run_cli("plan", "--params", "3e9", "--gpus", "4", "--mode", "zero2", "--json")
     assert rc == 0 and json.loads(out)["optimizers"]["flashdist"]["largest_batch"] is None
+    rc, out, err = run_cli("plan", "8b", "--optimizer", "muon")
+    assert rc == 0 and ", Muon;" in out and out.splitlines()[2].split() == ["GiB", "per", "GPU", "flashdist", "muon"]
     rc, _, err = run_cli("plan", "gpt-9")
     assert rc == 1 and "unknown model 'gpt-9'" in err
     rc, _, err = run_cli("plan", "8b", "--mode", "zero3", "--gradient-release")
