@@ -579,3 +579,19 @@ def test_a_model_cast_between_bf16_and_fp16_after_steps_restarts_rho():
     with pytest.warns(PrecisionWarning, match="changed dtype"):
         _train(model, opt, 1, start=3)
     assert all(opt.state[p]["rho"].dtype == torch.int8 for p in model.parameters())
+
+
+@pytest.mark.parametrize("kind", _CAST_OPTIMIZERS)
+def test_storage_of_another_shape_swapped_in_after_a_step_is_refused_before_any_change(kind):
+    """``p.data = t`` with ``t`` of another shape keeps the Parameter and its state: the next step refuses it in
+    one line naming it (it failed inside the step with a size mismatch), changing nothing."""
+    model = _model()
+    opt = _CAST_OPTIMIZERS[kind](model, 1e-2)
+    _train(model, opt, 1)
+    weight = model[0].weight
+    weight.data = torch.zeros(16, 32, dtype=weight.dtype)
+    weight.grad = torch.ones_like(weight)
+    others = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"shape \(16, 32\).*has state '.*' of shape \(64, 32\), made for another"):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), others))

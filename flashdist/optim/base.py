@@ -350,6 +350,7 @@ class FlashOptimizer(StateLifecycle, OutsideWrites, StateIO, torch.optim.Optimiz
                                    "gradients, their state or optimizer.capturable changed)")
             if self._groups_changed():  # (gradient release steps through here, not through step())
                 self.sync_state()
+            self._check_state_shapes(group, params)
             self._adopt_casts(group, params, plan)
             for p in params:
                 if not self._state_ready(p, group):

@@ -210,6 +210,19 @@ class StateLifecycle:
             state["rho"] = D.state_like(p, torch.zeros_like(lp, dtype=rho_dtype), shape)
             self._rho_dtypes[p] = p.dtype
 
+    def _check_state_shapes(self, group: dict, params: list[torch.Tensor]) -> None:
+        """Refuse, naming it, a parameter whose state was made for another shape (``p.data = ...`` with a tensor
+        of another shape keeps the Parameter and its state): its moments, codes and rho must have its shape."""
+        names = {"rho", *self.moments_of(group), *map(QuantizedMoment.codes_key, self.moments_of(group))}
+        for p in params:
+            shape = tuple(D.global_shape(p))
+            for key, value in (self.state.get(p) or {}).items():
+                if key in names and isinstance(value, torch.Tensor) and tuple(value.shape) != shape:
+                    index = next(i for i, q in enumerate(group["params"]) if q is p)
+                    raise ValueError(f"flashdist: {param_name(group, index, p)} has state '{key}' of shape "
+                                     f"{tuple(value.shape)}, made for another shape (p.data replaced by a tensor of "
+                                     "another shape after its first step?): build a new optimizer for it")
+
     def _adopt_all_casts(self) -> None:
         """``_adopt_casts`` for every parameter with state, before a state dict is made or loaded: the saved
         rho then belongs to the saved parameter dtypes."""

@@ -68,6 +68,7 @@ class StepPlan:
     def __init__(self, opt, group: dict, params: list[torch.Tensor]):
         self.params = list(params)
         self.dtypes = list(map(_DTYPE, params))  # what each state's rho belongs to (module.to() keeps the objects)
+        self.shapes = list(map(_SHAPE, params))  # (p.data = a tensor of another shape keeps the object too)
         self.states = [opt.state[p] for p in params]
         # The parameters' version counters after the optimizer's last write (None: not stepped yet): a
         # parameter whose counter moved since was written outside the optimizer (base.py, stale rho). A
@@ -112,10 +113,11 @@ class StepPlan:
         return self._position[id(p)]
 
     def matches(self, opt, params: list[torch.Tensor]) -> bool:
-        """Same parameters of the same dtypes, and (flat_layout groups) no state added behind the optimizer's back, and
+        """Same parameters of the same dtypes and shapes, and (flat_layout groups) no state added behind the optimizer's back, and
         ``opt.capturable`` as when built."""
         return (len(params) == len(self.params) and all(map(operator.is_, params, self.params))
                 and all(map(operator.is_, map(_DTYPE, params), self.dtypes))
+                and list(map(_SHAPE, params)) == self.shapes
                 and (self.sizes is None or list(map(len, self.states)) == self.sizes)
                 and self.capturable == capturable(opt, params))
 
@@ -128,6 +130,7 @@ def versions(tensors: list[torch.Tensor]) -> list[int]:
 
 _VERSION = operator.attrgetter("_version")
 _DTYPE = operator.attrgetter("dtype")
+_SHAPE = operator.attrgetter("shape")
 
 
 def capturable(opt, params: list[torch.Tensor]) -> bool:
