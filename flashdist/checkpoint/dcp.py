@@ -279,7 +279,8 @@ def _newer_group_options(state: dict, missing: list[str], options) -> dict:
                 keys.append(key)
                 value = group.pop(parts[3])
                 for fqn in group.get("params", []):
-                    by_param.setdefault(parts[3], {})[fqn] = value
+                    if isinstance(fqn, str):
+                        by_param.setdefault(parts[3], {})[fqn] = value
     return {"keys": keys, "by_param": by_param}
 
 
@@ -290,7 +291,9 @@ def _restore_newer_group_options(state: dict, newer: dict, where) -> None:
     checkpoint, saved before the option, trained each of them as one matrix."""
     for option, values in newer["by_param"].items():
         for group in state["optim"].get("param_groups", []):
-            found = {values[f] for f in group.get("params", []) if f in values}
+            fqns = group.get("params", []) if isinstance(group, dict) else []
+            fqns = [f for f in fqns if isinstance(f, str)] if isinstance(fqns, list) else []  # (a crafted file)
+            found = {values[f] for f in fqns if f in values}
             if len(found) > 1:
                 raise CheckpointError(f"flashdist: checkpoint {where} was saved before the param-group option "
                                       f"{option!r} and groups parameters that this optimizer gives different "
@@ -298,8 +301,9 @@ def _restore_newer_group_options(state: dict, newer: dict, where) -> None:
             if found:
                 group[option] = found.pop()
                 saved = state["optim"].get("state", {})
-                stacks = any(isinstance(t, torch.Tensor) and t.ndim > 2 for f in group.get("params", [])
-                             for t in (saved.get(f) or {}).values())
+                saved = saved if isinstance(saved, dict) else {}
+                stacks = any(isinstance(t, torch.Tensor) and t.ndim > 2 for f in fqns
+                             for t in (saved.get(f) if isinstance(saved.get(f), dict) else {}).values())
                 if option == "flatten" and group[option] is False and stacks:
                     warnings.warn(f"flashdist: checkpoint {where} was saved before FlashMuon's flatten option, when "
                                   "a weight of more than 2 dims was orthogonalized as one (shape[0], rest) matrix "
