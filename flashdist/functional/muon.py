@@ -150,7 +150,7 @@ def flash_muon(
     def whole(i: int, update: torch.Tensor) -> torch.Tensor:
         # one matrix, or a stack orthogonalized one by one (whole, or the whole matrices of a rank's shard of it)
         matrices = update.reshape(math.prod(update.shape[:-2]) if stacked[i] else 1, *views[i])
-        if len(matrices) == 1:
+        if matrices.shape[0] == 1:  # (Tensor.__len__ is a Python call)
             return newton_schulz(matrices[0]).reshape(update.shape)
         out = torch.empty(matrices.shape, dtype=torch.bfloat16, device=update.device)
         for k, matrix in enumerate(matrices):

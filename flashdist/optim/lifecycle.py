@@ -218,8 +218,7 @@ class StateLifecycle:
             shape = tuple(D.global_shape(p))
             for key, value in (self.state.get(p) or {}).items():
                 if key in names and isinstance(value, torch.Tensor) and tuple(value.shape) != shape:
-                    index = next(i for i, q in enumerate(group["params"]) if q is p)
-                    raise ValueError(f"flashdist: {param_name(group, index, p)} has state '{key}' of shape "
+                    raise ValueError(f"flashdist: {self._name(group, p)} has state '{key}' of shape "
                                      f"{tuple(value.shape)}, made for another shape (p.data replaced by a tensor of "
                                      "another shape after its first step?): build a new optimizer for it")
 
@@ -268,9 +267,8 @@ class StateLifecycle:
             del state["rho"]
             self._rho_dtypes.pop(p, None)
         if rounded:
-            first = next(i for i, q in enumerate(group["params"]) if q is rounded[0])
             warn_precision(f"flashdist: {len(rounded)} parameter(s) changed dtype after their optimizer state was "
-                           f"made (model.to() after a step?), the first {param_name(group, first, rounded[0])}: "
+                           f"made (model.to() after a step?), the first {self._name(group, rounded[0])}: "
                            "their master weights are the cast values from here on (cast the model before the "
                            "first step to keep them)")
         return changed

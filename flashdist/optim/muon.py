@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 
@@ -104,6 +105,7 @@ class FlashMuon(FlashOptimizer):
     def _reset_caches(self) -> None:
         super()._reset_caches()
         self._owner_position = 0  # the round-robin position of the next sharded matrix's owner
+        self._dims_checked: dict[int, tuple] = {}  # id(group) -> (flatten, its params) when their dims last passed
 
     def moments_of(self, group: dict) -> tuple[str, ...]:
         return self._moments if group["use_muon"] else ("exp_avg", "exp_avg_sq")
@@ -146,8 +148,14 @@ class FlashMuon(FlashOptimizer):
         flatten = group.get("flatten")  # (a group loaded from a state dict saved before the key existed: None)
         if flatten is not None and not isinstance(flatten, bool):
             raise ValueError(f"flashdist: flatten must be None, True or False, got {flatten!r}")
-        # every step (a live group's list may have changed since; one pass over it), before anything changes
-        for i, p in enumerate(group["params"]):
+        # before anything changes, and again whenever the group's list or flatten changed since it last passed
+        # (an identity compare per parameter, as the step plans make, not a Python loop each step)
+        params = group["params"]
+        seen = self._dims_checked.get(id(group))
+        if (seen is not None and seen[0] is flatten and len(seen[1]) == len(params)
+                and all(map(operator.is_, params, seen[1]))):
+            return
+        for i, p in enumerate(params):
             p = p[1] if isinstance(p, tuple) else p  # (named parameters, before add_param_group unpacks them)
             if not isinstance(p, torch.Tensor) or p.ndim == 2:
                 continue
@@ -157,6 +165,8 @@ class FlashMuon(FlashOptimizer):
                                  "builds both groups)")
             if flatten is None:
                 raise ValueError(unchosen_view(param_name(group, i, p)))
+        if any(g is group for g in self.param_groups):  # (a live group; not a dict a load is checking)
+            self._dims_checked[id(group)] = (flatten, list(params))
 
     def _step_bucket(self, group, bucket, grads, step, skipped):
         if not group["use_muon"]:
