@@ -50,3 +50,24 @@ def test_every_specialisation_compiles_for_sm90(tmp_path):
     assert rows["adam-q8-exact-capturable"]["instructions"] < rows["adam-q8-exact"]["instructions"] + 32
     # the exact variant pays for IEEE division and square root; the approximate one must not
     assert rows["adam-q8-approx"]["instructions"] < rows["adam-q8-exact"]["instructions"]
+
+
+@pytest.mark.skipif(TRITON is None, reason="triton is not installed")
+def test_muon_kernels_compile_for_sm90(tmp_path):
+    """FlashMuon's two kernels as the default configuration launches them (the momentum update's prefetch and
+    blocks per program included): they compile, spill nothing, and the momentum update keeps its values out of
+    shared memory (the weight update's one use is the skip count's reduction, once per program)."""
+    tools = Path(TRITON.origin).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tools.exists():
+        pytest.skip(f"this triton build ships no NVIDIA toolchain ({tools} is missing)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "sass.json"
+    done = subprocess.run([sys.executable, str(ROOT / "launch" / "bench" / "kernel_sass.py"), "--muon", "--json",
+                           str(out)], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = {r["name"]: r for r in json.loads(out.read_text())}
+    assert len(rows) == 6
+    for name, r in rows.items():
+        assert r["instructions"] > 0 and r["spills"] == 0, (name, r)
+        if name.startswith("muon-momentum"):
+            assert r["shared"] == 0, (name, r)

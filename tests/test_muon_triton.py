@@ -57,6 +57,24 @@ def test_triton_matches_reference_bitwise(case):
 
 
 @pytest.mark.interpreted
+@pytest.mark.parametrize("case", [("bf16", 24, "q-comp", True), ("fp16", 32, "q-linear", False),
+                                  ("fp32", None, "fp32m", True)], ids=_ids)
+def test_programs_of_several_blocks_match_the_reference(case):
+    """Launch shapes change no bit: blocks of 2 groups, 3 blocks a program (tensors end inside a program's
+    blocks and inside a block), against the reference."""
+    from flashdist.kernels.triton import config
+
+    if not _interpreter.HAS_TRITON:
+        pytest.skip("triton is not installed")
+    launch = config.KernelLaunch(groups=2, blocks=3)
+    with config.using(config.DEFAULT.replace(muon_momentum=launch, muon_apply=launch)):
+        got = _stepped(case, "triton")
+    want = _stepped(case, "reference")
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.dtype == b.dtype and torch.equal(a, b), f"tensor {i} differs from the reference's"
+
+
+@pytest.mark.interpreted
 @pytest.mark.parametrize("lr_dtype", [torch.float64, torch.float32], ids=["fp64-lr", "fp32-lr"])
 def test_learning_rate_in_a_tensor_is_read_by_the_kernel_with_the_host_bits(lr_dtype):
     """A learning rate held in a tensor on the parameters' device (what a capturable step and a CUDA graph read)
@@ -130,4 +148,4 @@ def test_in_interpreter_process():
     if not _interpreter.HAS_TRITON:
         pytest.skip("triton is not installed")
     done = _interpreter.run_interpreted(__file__, "-k", "not test_in_interpreter_process")
-    assert done.returncode == 0 and f"{len(CASES) + 4} passed" in done.stdout, done.stdout[-6000:] + done.stderr[-3000:]
+    assert done.returncode == 0 and f"{len(CASES) + 7} passed" in done.stdout, done.stdout[-6000:] + done.stderr[-3000:]

@@ -402,10 +402,20 @@ def test_clear_plans_and_one_cache_per_config(kernels):
 @pytest.mark.parametrize("field, value", [("table_groups", 48), ("large_groups", 0), ("num_warps", 3),
                                           ("table_blocks", 0), ("large_numel", -1), ("prefetch_ahead", 1.5),
                                           ("plan_cache_size", True), ("max_registers", 0), ("prefetch_level", 3),
-                                          ("exact_max_registers", 1.0), ("approx_max_registers", -8), ("exact", 1)])
+                                          ("exact_max_registers", 1.0), ("approx_max_registers", -8), ("exact", 1),
+                                          ("muon_momentum", (16, 4, 1, True)), ("muon_apply", None)])
 def test_launch_config_refuses_bad_values(field, value):
     with pytest.raises(ValueError, match=rf"LaunchConfig\.{field} must be"):
         DEFAULT.replace(**{field: value})
+
+
+@pytest.mark.parametrize("field, value", [("groups", 24), ("groups", 0), ("warps", 3), ("blocks", 0),
+                                          ("blocks", True), ("prefetch", 1), ("max_registers", 0)])
+def test_kernel_launch_refuses_bad_values(field, value):
+    from flashdist.kernels.triton import KernelLaunch
+
+    with pytest.raises(ValueError, match=rf"KernelLaunch\.{field} must be"):
+        KernelLaunch(**{"groups": 16, field: value})
 
 
 def test_register_caps_by_variant_moments_and_layout():

@@ -35,9 +35,18 @@ from flashdist.kernels.reference import newton_schulz
 from flashdist.optim.muon import NS_COEFFICIENTS
 
 if __package__:  # python -m launch.bench.bench_muon
-    from .bench_step import time_cuda
+    from .bench_step import copy_bandwidth, time_cuda
 else:  # python launch/bench/bench_muon.py: its own folder is on sys.path
-    from bench_step import time_cuda
+    from bench_step import copy_bandwidth, time_cuda
+
+# launch configurations of each elementwise kernel tried by --kernels: (groups, blocks, warps, prefetch)
+KERNEL_SWEEP = {
+    "momentum": [(16, 4, 1, True), (16, 1, 1, False), (16, 2, 1, True), (32, 1, 1, False), (32, 2, 1, True),
+                 (32, 4, 1, True), (16, 4, 2, True), (8, 4, 1, True)],
+    "apply": [(16, 1, 4, False), (32, 1, 4, False), (32, 1, 8, False), (64, 1, 8, False), (16, 2, 4, False),
+              (32, 2, 4, True), (16, 4, 4, True), (64, 1, 4, False)],
+}
+
 
 def muon_shapes():
     h, inter, kv, layers = 2048, 8192, 512, 16
@@ -80,13 +89,76 @@ def newton_schulz_only() -> dict:
     return {"case": "Newton-Schulz only (bf16, 5 steps)", "step_ms": round(time_cuda(all_ns)[0], 3)}
 
 
+def kernel_rows(bw: float, sweep) -> list[dict]:
+    """Phases 1 and 3 alone (``kernels/triton/muon.py``), one launch per matrix over all the matrices, for each
+    launch configuration: ms of a pass (median of 20), launched from Python and replayed from a CUDA graph (no
+    host work: the kernels' own time), and the replay's fraction of the memory floor (bytes moved over the
+    copy bandwidth: phase 1 reads the bf16 gradient, the codes and scales and writes them and U; phase 3 reads
+    O, the bf16 parameter and rho and writes the last two)."""
+    from flashdist.kernels.scalars import MuonScalars
+    from flashdist.kernels.triton import config as launch_config
+    from flashdist.kernels.triton.muon import muon_apply, muon_momentum
+    from flashdist.quant import codes as Q
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shapes = muon_shapes()
+    grads = [(1e-3 * torch.randn(s, device="cuda", generator=gen)).bfloat16() for s in shapes]
+    state = [Q.quantize_exp_avg(1e-3 * torch.randn(s, device="cuda", generator=gen), s[1], True) for s in shapes]
+    params = [(0.02 * torch.randn(s, device="cuda", generator=gen)).bfloat16() for s in shapes]
+    rhos = [torch.zeros(s, device="cuda", dtype=torch.int8) for s in shapes]
+    orthos = [torch.randn(s, device="cuda", generator=gen).bfloat16() for s in shapes]
+    skipped = torch.zeros((), dtype=torch.int32, device="cuda")
+    scalars = MuonScalars.make(lr=1e-6, weight_decay=0.0, momentum=0.95, nesterov=True, lr_ratio=1.0)
+    numel = sum(g.numel() for g in grads)
+    floors = {"momentum": numel * (2 + 2 * (1 + 2 / Q.GROUP) + 2) / bw * 1e3, "apply": numel * (2 + 3 + 3) / bw * 1e3}
+
+    def momentum():
+        for g, (codes, scales) in zip(grads, state):
+            muon_momentum(g, codes, scales, cols=g.shape[1], scalars=scalars, companded=True)
+
+    def apply():
+        for p, r, o in zip(params, rhos, orthos):
+            muon_apply(p, r, o, scalars=scalars, skipped=skipped)
+
+    rows = []
+    for name, fn in (("momentum", momentum), ("apply", apply)):
+        for groups, blocks, warps, prefetch in sweep[name]:
+            launch = launch_config.KernelLaunch(groups=groups, blocks=blocks, warps=warps, prefetch=prefetch)
+            with launch_config.using(launch_config.current().replace(**{f"muon_{name}": launch})):
+                ms = time_cuda(fn)[0]
+                fn()  # (compiled before the capture)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    fn()
+                replay_ms = time_cuda(graph.replay)[0]
+                del graph
+            row = {"kernel": name, "groups": groups, "blocks": blocks, "warps": warps, "prefetch": prefetch,
+                   "ms": round(ms, 3), "replay_ms": round(replay_ms, 3), "of_floor": round(floors[name] / replay_ms, 3)}
+            print(f"{name:8s} groups {groups:3d} blocks {blocks} warps {warps} prefetch {prefetch!s:5}: "
+                  f"{ms:6.3f} ms, replayed {replay_ms:6.3f} ms ({row['of_floor']:.2f} of floor)", flush=True)
+            rows.append(row)
+    print(f"floors: momentum {floors['momentum']:.3f} ms, apply {floors['apply']:.3f} ms ({numel / 1e6:.0f} M values)")
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    ap.add_argument("--kernels", action="store_true",
+                    help="time the two elementwise kernels alone over a sweep of launch configurations instead")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_muon: needs a CUDA device", file=sys.stderr)
         return 2
+    if args.kernels:
+        bw = copy_bandwidth()
+        result = {"benchmark": "bench_muon --kernels", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                  "device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bandwidth": bw,
+                  "triton": getattr(__import__("triton"), "__version__", None), "rows": kernel_rows(bw, KERNEL_SWEEP)}
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+        return 0
     lr, wd = 0.02, 0.1
     rows = [newton_schulz_only()]
     if hasattr(torch.optim, "Muon"):

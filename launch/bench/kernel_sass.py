@@ -2,6 +2,7 @@
 
     python launch/bench/kernel_sass.py                 # a table: instructions and registers per specialisation
     python launch/bench/kernel_sass.py --arch 90 --json out.json
+    python launch/bench/kernel_sass.py --muon          # FlashMuon's two elementwise kernels
 
 Triton compiles for a target given by compute capability, and its wheel ships ptxas and cuobjdump, so the
 table launch of flashdist/kernels/triton/programs.py is compiled here for sm_90 (H100/H200) in every update
@@ -72,6 +73,63 @@ def compile_one(overrides: dict, arch: int = 90, groups: int | None = None, conf
                  "scalars_ptr": "*fp32", **dict.fromkeys(SCALARS, "fp32"), **dict.fromkeys(consts, "constexpr")}
     compiled = triton.compile(ASTSource(programs.table_kernel, signature, constexprs=consts),
                               target=GPUTarget("cuda", arch, 32), options=options)
+    return count(compiled)
+
+
+def muon_specialisations():
+    """(name, kernel, non-constexpr signature, constexprs, KernelLaunch field) of FlashMuon's two kernels
+    (``flashdist/kernels/triton/muon.py``): the momentum update on companded 8-bit codes (also reading the
+    gradient's address from a cell, as a captured step does) and on an fp32 buffer; the weight update of bf16
+    parameters with int8 rho (also with the learning rate read on the device) and of fp32 parameters."""
+    momentum = dict(g_ptr="*i16", m_ptr="*u8", ms_ptr="*i16", u_ptr="*i16", table_ptr="*fp32", numel="i32",
+                    ngroups="i32", cols="i32", gpr="i32", nblocks="i32", buf_coef="fp32", nest_coef="fp32")
+    base = dict(G_KIND=0, QUANTIZED=True, COMPANDED=True, ALIGNED=True, BUF_SMALL=False, NESTEROV=True,
+                NEST_SMALL=False, COMPILED=True, G_CELL=False)
+    yield "muon-momentum-q8", "_momentum_kernel", momentum, base, "muon_momentum"
+    yield "muon-momentum-q8-cell", "_momentum_kernel", dict(momentum, g_ptr="*i64"), dict(base, G_CELL=True), \
+        "muon_momentum"
+    yield "muon-momentum-fp32m", "_momentum_kernel", dict(momentum, m_ptr="*fp32", ms_ptr="*fp32"), \
+        dict(base, QUANTIZED=False), "muon_momentum"
+    apply = dict(p_ptr="*i16", rho_ptr="*i8", o_ptr="*i16", skipped_ptr="*i32", numel="i32", nblocks="i32",
+                 decay="fp32", alpha="fp32", lr_ptr="*fp32", wd_bits="i64", ratio_bits="i64")
+    base = dict(P_KIND=0, RHO_KIND=1, RHO_LOG2=7, COUNT=True, LR_PTR=False, COMPILED=True)
+    yield "muon-apply-bf16-int8", "_apply_kernel", apply, base, "muon_apply"
+    yield "muon-apply-bf16-int8-device-lr", "_apply_kernel", apply, dict(base, LR_PTR=True), "muon_apply"
+    yield "muon-apply-fp32", "_apply_kernel", dict(apply, p_ptr="*fp32", rho_ptr="*fp32"), \
+        dict(base, P_KIND=2, RHO_KIND=0), "muon_apply"
+
+
+def compile_muon(kernel: str, signature: dict, consts: dict, field: str, arch: int = 90, config=None) -> dict:
+    """Compile one of FlashMuon's kernels as ``config``'s ``field`` launches it (default: ``DEFAULT``)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from flashdist.kernels.triton import DEFAULT, muon
+    from flashdist.kernels.triton.prefetch import slots_for
+
+    config = config or DEFAULT
+    launch = getattr(config, field)
+    lines = 3 if field == "muon_apply" else 2  # per-value streams a block's prefetch may ask for
+    consts = dict(consts, GROUPS=launch.groups, BLOCKS=launch.blocks, AHEAD=config.prefetch_ahead,
+                  LEVEL=config.prefetch_level,
+                  PREFETCH=slots_for([launch.groups * 32 * 2 // 128] * lines) if launch.prefetch else 0)
+    options = dict(num_warps=launch.warps, enable_fp_fusion=False)
+    if launch.max_registers is not None:
+        options["maxnreg"] = launch.max_registers
+    fn = getattr(muon, kernel)
+    # the pointers and sizes are 16-divisible, as a launch on the GPU specialises them for Llama's shapes
+    attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k, v in signature.items()
+             if v.startswith("*") or v == "i32"}
+    compiled = triton.compile(ASTSource(fn, {**signature, **dict.fromkeys(consts, "constexpr")}, constexprs=consts,
+                                        attrs=attrs), target=GPUTarget("cuda", arch, 32), options=options)
+    return count(compiled)
+
+
+def count(compiled) -> dict:
+    """Static SASS instructions, shared-memory instructions, registers and stack bytes of a compiled kernel."""
+    import triton
+
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
@@ -92,11 +150,17 @@ def main():
     ap.add_argument("--arch", type=int, default=90, help="compute capability as an integer (90: sm_90)")
     ap.add_argument("--only", nargs="*", help="names of the specialisations to compile (default: all)")
     ap.add_argument("--json", help="write the results to this path")
+    ap.add_argument("--muon", action="store_true", help="FlashMuon's two kernels instead of the fused step")
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         sys.exit("kernel_sass.py compiles the kernel: unset TRITON_INTERPRET")
     rows = []
-    for name, overrides in specialisations():
+    if args.muon:
+        for name, *spec in muon_specialisations():
+            if not args.only or name in args.only:
+                rows.append(dict(name=name, **compile_muon(*spec, arch=args.arch)))
+                print(json.dumps(rows[-1]), flush=True)
+    for name, overrides in specialisations() if not args.muon else ():
         if args.only and name not in args.only:
             continue
         rows.append(dict(name=name, **compile_one(overrides, args.arch)))

@@ -4,7 +4,7 @@ Importing this package imports no triton: ``LaunchConfig``, ``using``, ``clear_p
 are host-side; the kernel is imported with ``flashdist.kernels.triton.fused``.
 """
 
-from .config import DEFAULT, LaunchConfig, current, using
+from .config import DEFAULT, KernelLaunch, LaunchConfig, current, using
 from .plans import cached_plans, clear_plans
 
-__all__ = ["DEFAULT", "LaunchConfig", "cached_plans", "clear_plans", "current", "using"]
+__all__ = ["DEFAULT", "KernelLaunch", "LaunchConfig", "cached_plans", "clear_plans", "current", "using"]

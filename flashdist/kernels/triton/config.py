@@ -31,6 +31,35 @@ def _power_of_two(n) -> bool:
 
 
 @dataclass(frozen=True, kw_only=True)
+class KernelLaunch:
+    """How one of FlashMuon's elementwise kernels is launched (a field of ``LaunchConfig``); checked when made.
+    The prefetch uses ``LaunchConfig.prefetch_ahead`` and ``prefetch_level``."""
+
+    groups: int
+    """Groups of 32 values per block (a power of two)."""
+    blocks: int = 1
+    """Consecutive blocks per program."""
+    warps: int = 4
+    """Warps per program (a power of two)."""
+    prefetch: bool = False
+    """Ask L2 for a program's next block while it computes the current one (compiled kernels only)."""
+    max_registers: int | None = None
+    """Registers per thread (None: the compiler's choice)."""
+
+    def __post_init__(self):
+        for name in ("groups", "warps"):
+            if not _power_of_two(getattr(self, name)):
+                raise ValueError(f"flashdist: KernelLaunch.{name} must be a power of two, got {getattr(self, name)!r}")
+        if not isinstance(self.blocks, int) or isinstance(self.blocks, bool) or self.blocks < 1:
+            raise ValueError(f"flashdist: KernelLaunch.blocks must be a positive int, got {self.blocks!r}")
+        if not isinstance(self.prefetch, bool):
+            raise ValueError(f"flashdist: KernelLaunch.prefetch must be a bool, got {self.prefetch!r}")
+        registers = self.max_registers
+        if registers is not None and (not isinstance(registers, int) or isinstance(registers, bool) or registers < 1):
+            raise ValueError(f"flashdist: KernelLaunch.max_registers must be None or a positive int, got {registers!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class LaunchConfig:
     """Launch configuration of the fused step. Every field is checked when the value is made."""
 
@@ -73,6 +102,10 @@ class LaunchConfig:
     approx_max_registers: int | None = 88
     """The register cap of the approximate variant with 8-bit moments on the default layout when
     ``max_registers`` is None."""
+    muon_momentum: KernelLaunch = KernelLaunch(groups=16, blocks=4, warps=1, prefetch=True)
+    """How FlashMuon's momentum kernel (phase 1, ``kernels/triton/muon.py``) is launched."""
+    muon_apply: KernelLaunch = KernelLaunch(groups=16, blocks=1, warps=4, prefetch=False)
+    """How FlashMuon's weight-update kernel (phase 3) is launched."""
     plan_cache_size: int = 256
     """Launch plans of this configuration kept in the cache: a few per optimizer call site (one per bucket of
     step count and layout), and gradient release steps each batch of FSDP2 groups with a call of its own
@@ -90,6 +123,9 @@ class LaunchConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"flashdist: LaunchConfig.{name} must be None or a positive int, got {value!r}")
+        for name in ("muon_momentum", "muon_apply"):
+            if not isinstance(getattr(self, name), KernelLaunch):
+                raise ValueError(f"flashdist: LaunchConfig.{name} must be a KernelLaunch, got {getattr(self, name)!r}")
         if self.prefetch_level not in (1, 2):
             raise ValueError(f"flashdist: LaunchConfig.prefetch_level must be 1 or 2, got {self.prefetch_level!r}")
         for name in ("exact", "prefetch"):

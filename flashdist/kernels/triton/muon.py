@@ -2,13 +2,18 @@
 (phase 3) of ``reference.muon_momentum_`` and ``reference.muon_apply_``, operation by operation, so that they
 give the reference's bits (under ``TRITON_INTERPRET=1`` on CPU, and on CUDA: every operation is IEEE
 round-to-nearest, the lerps and the step are explicit ``tl.fma`` and nothing else is contracted into one
-(``enable_fp_fusion=False``, as the fused step), the companding division is ``div_normalized`` as there). Phase 2, Newton-Schulz, is torch's matmuls on the whole matrix (``reference.newton_schulz``).
+(``enable_fp_fusion=False``, as the fused step), the companding division is ``div_normalized`` as there).
+Phase 2, Newton-Schulz, is torch's matmuls on the whole matrix (``reference.newton_schulz``).
 
-One launch per tensor and phase (the multi-tensor work tables of ``fused.py`` are not used yet). A captured
-step's momentum launches read each gradient's address from a device cell (``G_CELL``), which ``GraphedStep``
-rewrites before each replay, so that new gradients at new addresses need no new capture. A block is
-``GROUPS`` groups of 32 slots, laid out as in ``step.step_block``: group space with 8-bit momentum, element
-space with fp32 momentum and in phase 3.
+One launch per tensor and phase (Newton-Schulz runs between the two on each matrix, so the launches cannot
+share one table as the fused step's do). A captured step's momentum launches read each gradient's address
+from a device cell (``G_CELL``), which ``GraphedStep`` rewrites before each replay, so that new gradients at
+new addresses need no new capture. A block is ``GROUPS`` groups of 32 slots, laid out as in
+``step.step_block``: group space with 8-bit momentum, element space with fp32 momentum and in phase 3. A
+program walks ``BLOCKS`` consecutive blocks, asking L2 for the next one's bytes while it computes one where
+``PREFETCH`` is set (``prefetch.stream_lines``), and counts its skipped values in one relaxed atomic. How
+each kernel is launched is ``LaunchConfig.muon_momentum`` and ``muon_apply`` (``KernelLaunch``), from sweeps
+on an H200 (``launch/bench/bench_muon.py --kernels``).
 
 Phase 1 reads the gradient and the momentum codes (or the fp32 buffer) and writes the new codes and scales
 and the update ``U`` as bf16 (what Newton-Schulz starts from): 2 + 1.0625 read, 1.0625 + 2 written per value
@@ -26,36 +31,21 @@ from ...quant import codes as Q
 from ..scalars import MuonScalars
 from .bits import (FP32_EXP_MASK, FP32_MAX, GROUP, INV127, LIFT, SCALE_MAX, SIGNED_CODE_MAGIC, TINY, bf16_value,
                    code_bits, div_normalized, f32_to_bf16_bits, gather, group_normalizer)
+from .config import KernelLaunch, current
 from .device_scalars import f64, f64_bits
+from .prefetch import prefetch_block, slots_for, stream_lines
 from .rho_bits import merge_bf16, merge_fp16, new_param
 
 _KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _RHO = {None: (0, 7), torch.int8: (1, 7), torch.int16: (2, 15)}  # rho dtype -> (RHO_KIND, RHO_LOG2)
-GROUPS = 16  # groups of 32 values per block
 
 
 @triton.jit
-def _momentum_kernel(
-    g_ptr, m_ptr, ms_ptr, u_ptr,  # gradient (bf16 as int16 bits, fp16, fp32); codes or fp32 buffer; scales; U
-    table_ptr,  # fp32 codes.EXP_AVG_TABLE (companded codes only)
-    numel, ngroups, cols, gpr,  # elements; groups; row length; groups per row (8-bit momentum)
-    buf_coef, nest_coef,  # lerp coefficients: w (small weight) or w - 1 (MuonScalars)
-    G_KIND: tl.constexpr, QUANTIZED: tl.constexpr, COMPANDED: tl.constexpr, ALIGNED: tl.constexpr,
-    BUF_SMALL: tl.constexpr, NESTEROV: tl.constexpr, NEST_SMALL: tl.constexpr, COMPILED: tl.constexpr,
-    GROUPS: tl.constexpr,
-    G_CELL: tl.constexpr = False,  # g_ptr points at an int64 cell holding the gradient's address
-):
-    buf_c: tl.float32 = buf_coef  # (annotated: the interpreter keeps a host float as it keeps the arguments)
-    nest_c: tl.float32 = nest_coef
-    if G_CELL:  # (a captured step: the address is written before each replay, optim.graph.GraphedStep)
-        g_addr = tl.load(g_ptr).to(tl.int64)
-        if G_KIND == 0:
-            g_ptr = g_addr.to(tl.pointer_type(tl.int16))
-        elif G_KIND == 1:
-            g_ptr = g_addr.to(tl.pointer_type(tl.float16))
-        else:
-            g_ptr = g_addr.to(tl.pointer_type(tl.float32))
-    blk = tl.program_id(0)
+def _momentum_block(g_ptr, m_ptr, ms_ptr, u_ptr, table_ptr, blk, numel, ngroups, cols, gpr, buf_c, nest_c,
+                    G_KIND: tl.constexpr, QUANTIZED: tl.constexpr, COMPANDED: tl.constexpr, ALIGNED: tl.constexpr,
+                    BUF_SMALL: tl.constexpr, NESTEROV: tl.constexpr, NEST_SMALL: tl.constexpr,
+                    COMPILED: tl.constexpr, GROUPS: tl.constexpr):
+    """Phase 1 on block ``blk``: ``GROUPS`` groups of 32 (8-bit momentum) or ``32 * GROUPS`` values."""
     gid = blk * GROUPS + tl.arange(0, GROUPS)
     lane = tl.arange(0, GROUP)
     if QUANTIZED:
@@ -114,22 +104,52 @@ def _momentum_kernel(
         tl.store(m_ptr + offs, buf, mask=mask & (tl.abs(buf) <= FP32_MAX))
 
 
-@triton.jit(do_not_specialize=["wd_bits", "ratio_bits"])
-def _apply_kernel(
-    p_ptr, rho_ptr, o_ptr, skipped_ptr,  # parameter (bf16 as int16 bits, fp16, fp32); rho; O (bf16 bits); count
-    numel, decay, alpha,  # 1 - lr * wd; -adjusted_lr (MuonScalars), unless LR_PTR
-    lr_ptr, wd_bits, ratio_bits,  # LR_PTR: the learning rate in device memory; float64 bits of wd and lr_ratio
-    P_KIND: tl.constexpr, RHO_KIND: tl.constexpr, RHO_LOG2: tl.constexpr, COUNT: tl.constexpr,
-    LR_PTR: tl.constexpr, COMPILED: tl.constexpr, GROUPS: tl.constexpr,
+@triton.jit
+def _momentum_kernel(
+    g_ptr, m_ptr, ms_ptr, u_ptr,  # gradient (bf16 as int16 bits, fp16, fp32); codes or fp32 buffer; scales; U
+    table_ptr,  # fp32 codes.EXP_AVG_TABLE (companded codes only)
+    numel, ngroups, cols, gpr, nblocks,  # elements; groups; row length; groups per row (8-bit momentum); blocks
+    buf_coef, nest_coef,  # lerp coefficients: w (small weight) or w - 1 (MuonScalars)
+    G_KIND: tl.constexpr, QUANTIZED: tl.constexpr, COMPANDED: tl.constexpr, ALIGNED: tl.constexpr,
+    BUF_SMALL: tl.constexpr, NESTEROV: tl.constexpr, NEST_SMALL: tl.constexpr, COMPILED: tl.constexpr,
+    GROUPS: tl.constexpr,
+    BLOCKS: tl.constexpr,  # consecutive blocks per program
+    PREFETCH: tl.constexpr, AHEAD: tl.constexpr, LEVEL: tl.constexpr,  # as programs.step_blocks'
+    G_CELL: tl.constexpr = False,  # g_ptr points at an int64 cell holding the gradient's address
 ):
-    if LR_PTR:  # MuonScalars.make's float64 arithmetic on the learning rate read now, rounded once to fp32
-        lr = tl.load(lr_ptr).to(tl.float64)
-        decay_c = (tl.full([], 1.0, tl.float64) - lr * f64(wd_bits)).to(tl.float32)
-        alpha_c = (-(lr * f64(ratio_bits))).to(tl.float32)
-    else:
-        decay_c: tl.float32 = decay  # (annotated: the interpreter keeps a host float as it keeps the arguments)
-        alpha_c: tl.float32 = alpha
-    blk = tl.program_id(0)
+    buf_c: tl.float32 = buf_coef  # (annotated: the interpreter keeps a host float as it keeps the arguments)
+    nest_c: tl.float32 = nest_coef
+    if G_CELL:  # (a captured step: the address is written before each replay, optim.graph.GraphedStep)
+        g_addr = tl.load(g_ptr).to(tl.int64)
+        if G_KIND == 0:
+            g_ptr = tl.multiple_of(g_addr.to(tl.pointer_type(tl.int16)), 16)
+        elif G_KIND == 1:
+            g_ptr = tl.multiple_of(g_addr.to(tl.pointer_type(tl.float16)), 16)
+        else:
+            g_ptr = tl.multiple_of(g_addr.to(tl.pointer_type(tl.float32)), 16)
+    first = tl.program_id(0) * BLOCKS
+    count = tl.minimum(nblocks - first, BLOCKS)
+    if PREFETCH != 0:  # whole blocks only (programs.step_blocks): the gradient's and the momentum's lines
+        whole = first + tl.minimum(count, numel // (GROUPS * 32) - first)
+        line0, step = stream_lines(g_ptr.to(tl.int64), m_ptr.to(tl.int64), 0, 0, 0,
+                                   GROUPS * 32 * (4 if G_KIND == 2 else 2) // 128,
+                                   GROUPS * 32 * (1 if QUANTIZED else 4) // 128, 0, 0, 0, PREFETCH)
+        for j in tl.static_range(1, AHEAD):
+            if first + j < whole:
+                prefetch_block(line0, step, first + j, LEVEL)
+    for j in range(count):
+        if PREFETCH != 0:
+            if first + j + AHEAD < whole:
+                prefetch_block(line0, step, first + j + AHEAD, LEVEL)
+        _momentum_block(g_ptr, m_ptr, ms_ptr, u_ptr, table_ptr, first + j, numel, ngroups, cols, gpr, buf_c, nest_c,
+                        G_KIND, QUANTIZED, COMPANDED, ALIGNED, BUF_SMALL, NESTEROV, NEST_SMALL, COMPILED, GROUPS)
+
+
+@triton.jit
+def _apply_block(p_ptr, rho_ptr, o_ptr, blk, numel, decay_c, alpha_c, P_KIND: tl.constexpr,
+                 RHO_KIND: tl.constexpr, RHO_LOG2: tl.constexpr, COMPILED: tl.constexpr, GROUPS: tl.constexpr):
+    """Phase 3 on block ``blk`` of ``32 * GROUPS`` values; returns which were left unchanged (update not
+    finite)."""
     offs = (blk * GROUPS + tl.arange(0, GROUPS))[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     mask = offs < numel
     o = bf16_value(tl.load(o_ptr + offs, mask=mask, other=0), COMPILED)
@@ -158,8 +178,46 @@ def _apply_kernel(
         tl.store(rho_ptr + offs, r.to(tl.int8), mask=keep)
     elif RHO_KIND == 2:
         tl.store(rho_ptr + offs, r.to(tl.int16), mask=keep)
-    if COUNT:
-        tl.atomic_add(skipped_ptr, tl.sum(tl.sum(bad.to(tl.int32), axis=1), axis=0))
+    return bad
+
+
+@triton.jit(do_not_specialize=["wd_bits", "ratio_bits"])
+def _apply_kernel(
+    p_ptr, rho_ptr, o_ptr, skipped_ptr,  # parameter (bf16 as int16 bits, fp16, fp32); rho; O (bf16 bits); count
+    numel, nblocks, decay, alpha,  # elements; blocks; 1 - lr * wd; -adjusted_lr (MuonScalars), unless LR_PTR
+    lr_ptr, wd_bits, ratio_bits,  # LR_PTR: the learning rate in device memory; float64 bits of wd and lr_ratio
+    P_KIND: tl.constexpr, RHO_KIND: tl.constexpr, RHO_LOG2: tl.constexpr, COUNT: tl.constexpr,
+    LR_PTR: tl.constexpr, COMPILED: tl.constexpr, GROUPS: tl.constexpr,
+    BLOCKS: tl.constexpr,  # consecutive blocks per program
+    PREFETCH: tl.constexpr, AHEAD: tl.constexpr, LEVEL: tl.constexpr,  # as programs.step_blocks'
+):
+    if LR_PTR:  # MuonScalars.make's float64 arithmetic on the learning rate read now, rounded once to fp32
+        lr = tl.load(lr_ptr).to(tl.float64)
+        decay_c = (tl.full([], 1.0, tl.float64) - lr * f64(wd_bits)).to(tl.float32)
+        alpha_c = (-(lr * f64(ratio_bits))).to(tl.float32)
+    else:
+        decay_c: tl.float32 = decay  # (annotated: the interpreter keeps a host float as it keeps the arguments)
+        alpha_c: tl.float32 = alpha
+    first = tl.program_id(0) * BLOCKS
+    count = tl.minimum(nblocks - first, BLOCKS)
+    if PREFETCH != 0:  # whole blocks only: the update's, the parameter's and rho's lines
+        whole = first + tl.minimum(count, numel // (GROUPS * 32) - first)
+        line0, step = stream_lines(o_ptr.to(tl.int64), p_ptr.to(tl.int64), rho_ptr.to(tl.int64), 0, 0,
+                                   GROUPS * 32 * 2 // 128, GROUPS * 32 * (4 if P_KIND == 2 else 2) // 128,
+                                   GROUPS * 32 * RHO_KIND // 128, 0, 0, PREFETCH)
+        for j in tl.static_range(1, AHEAD):
+            if first + j < whole:
+                prefetch_block(line0, step, first + j, LEVEL)
+    bad = tl.zeros((GROUPS, GROUP), tl.int32)
+    for j in range(count):
+        if PREFETCH != 0:
+            if first + j + AHEAD < whole:
+                prefetch_block(line0, step, first + j + AHEAD, LEVEL)
+        bad += _apply_block(p_ptr, rho_ptr, o_ptr, first + j, numel, decay_c, alpha_c, P_KIND, RHO_KIND, RHO_LOG2,
+                            COMPILED, GROUPS).to(tl.int32)
+    if COUNT:  # one relaxed atomic per program, and none where nothing was skipped
+        n_bad = tl.sum(tl.sum(bad, axis=1), axis=0)
+        tl.atomic_add(skipped_ptr, n_bad, mask=n_bad > 0, sem="relaxed")
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -169,6 +227,20 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 def _compiled(t: torch.Tensor) -> bool:
     return t.device.type == "cuda"
+
+
+def _launch(launch: KernelLaunch, units: int, compiled: bool, lines) -> tuple[tuple[int], int, dict]:
+    """The grid, the block count and the launch options of a kernel launched as ``launch`` over ``units``
+    groups of 32; ``lines``: the 128-byte lines per block of the streams the prefetch may ask for."""
+    config = current()
+    nblocks = triton.cdiv(units, launch.groups)
+    options = dict(GROUPS=launch.groups, BLOCKS=launch.blocks,
+                   PREFETCH=slots_for(lines(launch.groups * Q.GROUP)) if launch.prefetch and compiled else 0,
+                   AHEAD=config.prefetch_ahead, LEVEL=config.prefetch_level, num_warps=launch.warps,
+                   enable_fp_fusion=False)
+    if launch.max_registers is not None:
+        options["maxnreg"] = launch.max_registers
+    return (triton.cdiv(nblocks, launch.blocks),), nblocks, options
 
 
 def muon_momentum(grad: torch.Tensor, momentum_buffer: torch.Tensor, momentum_scales: torch.Tensor | None, *,
@@ -195,15 +267,18 @@ def muon_momentum(grad: torch.Tensor, momentum_buffer: torch.Tensor, momentum_sc
     sc = scalars
     buf_small, nest_small = sc.buffer_weight < 0.5, sc.momentum < 0.5
     codes = momentum_buffer.view(torch.uint8) if quantized and companded else momentum_buffer
-    _momentum_kernel[(triton.cdiv(units, GROUPS),)](
+    aligned = quantized and cols % Q.GROUP == 0
+    width = 4 if grad.dtype == torch.float32 else 2
+    grid, nblocks, options = _launch(current().muon_momentum, units, _compiled(grad), lambda slots: () if quantized and not aligned else
+                                     (slots * width // 128, slots * (1 if quantized else 4) // 128))
+    _momentum_kernel[grid](
         grad_cell if grad_cell is not None else _bits(grad), codes,
         momentum_scales.view(torch.int16) if quantized else momentum_buffer,
-        update.view(torch.int16), Q.exp_avg_table(grad.device), numel, ngroups, cols, gpr,
+        update.view(torch.int16), Q.exp_avg_table(grad.device), numel, ngroups, cols, gpr, nblocks,
         sc.buffer_weight if buf_small else sc.buffer_weight - 1.0, sc.momentum if nest_small else sc.momentum - 1.0,
         G_KIND=_KINDS[grad.dtype], QUANTIZED=quantized, COMPANDED=companded,
-        ALIGNED=quantized and cols % Q.GROUP == 0, BUF_SMALL=buf_small, NESTEROV=sc.nesterov,
-        NEST_SMALL=nest_small, COMPILED=_compiled(grad), GROUPS=GROUPS, G_CELL=grad_cell is not None,
-        enable_fp_fusion=False)
+        ALIGNED=aligned, BUF_SMALL=buf_small, NESTEROV=sc.nesterov, NEST_SMALL=nest_small,
+        COMPILED=_compiled(grad), G_CELL=grad_cell is not None, **options)
     return update
 
 
@@ -220,9 +295,12 @@ def muon_apply(param: torch.Tensor, rho: torch.Tensor | None, ortho: torch.Tenso
     if numel == 0:
         return
     rho_kind, rho_log2 = _RHO[rho.dtype if rho is not None else None]
-    _apply_kernel[(triton.cdiv(triton.cdiv(numel, Q.GROUP), GROUPS),)](
+    width = param.element_size()
+    grid, nblocks, options = _launch(current().muon_apply, triton.cdiv(numel, Q.GROUP), _compiled(param),
+                                     lambda slots: (slots * 2 // 128, slots * width // 128, slots * rho_kind // 128))
+    _apply_kernel[grid](
         _bits(param), rho if rho is not None else param, ortho.contiguous().view(torch.int16),
-        skipped if skipped is not None else param, numel, scalars.decay, scalars.alpha,
+        skipped if skipped is not None else param, numel, nblocks, scalars.decay, scalars.alpha,
         lr if lr is not None else param, f64_bits(weight_decay), f64_bits(lr_ratio),
         P_KIND=_KINDS[param.dtype], RHO_KIND=rho_kind, RHO_LOG2=rho_log2, COUNT=skipped is not None,
-        LR_PTR=lr is not None, COMPILED=_compiled(param), GROUPS=GROUPS, enable_fp_fusion=False)
+        LR_PTR=lr is not None, COMPILED=_compiled(param), **options)
