@@ -66,7 +66,7 @@ def test_muon_kernels_compile_for_sm90(tmp_path):
                            str(out)], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = {r["name"]: r for r in json.loads(out.read_text())}
-    assert len(rows) == 6
+    assert len(rows) == 7
     for name, r in rows.items():
         assert r["instructions"] > 0 and r["spills"] == 0, (name, r)
         if name.startswith("muon-momentum"):

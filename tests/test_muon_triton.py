@@ -1,6 +1,7 @@
 """FlashMuon's Triton kernels (phases 1 and 3: kernels/triton/muon.py) against the eager reference, bit for bit,
 under the interpreter on CPU: every parameter dtype, master-weight width and momentum storage, Nesterov and
-plain momentum, unaligned rows, 3-d weights, a non-finite gradient."""
+plain momentum, unaligned rows, 3-d weights, tall matrices (whose orthogonalized update is a transpose, read
+in tiles), a non-finite gradient."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def _stepped(case, backend: str, lr_of=None) -> list[torch.Tensor]:
     quantize, companded = MOMENTS[moments]
     gen = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(shape, generator=gen).to(DTYPES[dtype]))
-              for shape in ((5, 70), (40, 16), (3, 4, 24))]
+              for shape in ((5, 70), (40, 16), (3, 4, 24), (36, 34))]
     opt = FlashMuon(params, lr=0.02, nesterov=nesterov, momentum=0.3 if not nesterov else 0.95, flatten=False,
                     master_weight_bits=bits, quantize_states=quantize, companded=companded, backend=backend)
     for step in range(3):
@@ -67,7 +68,7 @@ def test_programs_of_several_blocks_match_the_reference(case):
     if not _interpreter.HAS_TRITON:
         pytest.skip("triton is not installed")
     launch = config.KernelLaunch(groups=2, blocks=3)
-    with config.using(config.DEFAULT.replace(muon_momentum=launch, muon_apply=launch)):
+    with config.using(config.DEFAULT.replace(muon_momentum=launch, muon_apply=launch, muon_apply_transposed=launch)):
         got = _stepped(case, "triton")
     want = _stepped(case, "reference")
     for i, (a, b) in enumerate(zip(got, want)):
@@ -118,6 +119,31 @@ def test_strided_gradients_and_learning_rates_of_several_values_are_refused_befo
 
 
 @pytest.mark.interpreted
+def test_weight_update_reads_a_transposed_update_in_place_of_a_copy():
+    """A tall matrix's orthogonalized update is the transpose of a contiguous one (Newton-Schulz works on the
+    wide side): the kernel reads it in tiles, with the bits of the reference (and of the contiguous copy),
+    edges that end inside a tile included; other strides are copied first."""
+    from flashdist.kernels import reference
+    from flashdist.kernels.scalars import MuonScalars
+    from flashdist.kernels.triton.muon import muon_apply
+
+    if not _interpreter.HAS_TRITON:
+        pytest.skip("triton is not installed")
+    gen = torch.Generator().manual_seed(5)
+    scalars = MuonScalars.make(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, lr_ratio=1.3)
+    for rows, cols in ((70, 33), (33, 1), (64, 32)):
+        start = torch.randn(rows, cols, generator=gen)
+        ortho = torch.randn(cols, rows, generator=gen).bfloat16().T  # strides (1, rows)
+        ortho[3 % rows, 0] = float("inf")
+        for strided in (ortho, torch.randn(rows, 2 * cols, generator=gen).bfloat16()[:, ::2]):
+            got, want = [(start.bfloat16(), torch.zeros(rows, cols, dtype=torch.int8)) for _ in range(2)]
+            skipped = [torch.zeros((), dtype=torch.int32) for _ in range(2)]
+            muon_apply(*got, strided, scalars=scalars, skipped=skipped[0])
+            reference.muon_apply_(*want, strided, scalars=scalars, skipped=skipped[1])
+            assert all(torch.equal(a, b) for a, b in zip(got + (skipped[0],), want + (skipped[1],))), (rows, cols)
+
+
+@pytest.mark.interpreted
 def test_momentum_kernel_reads_the_gradient_the_cell_points_at():
     """A captured step's momentum launch reads the gradient's address from a device cell (G_CELL), which
     GraphedStep rewrites before each replay: the bits of the launch given the gradient itself, for each
@@ -148,4 +174,4 @@ def test_in_interpreter_process():
     if not _interpreter.HAS_TRITON:
         pytest.skip("triton is not installed")
     done = _interpreter.run_interpreted(__file__, "-k", "not test_in_interpreter_process")
-    assert done.returncode == 0 and f"{len(CASES) + 7} passed" in done.stdout, done.stdout[-6000:] + done.stderr[-3000:]
+    assert done.returncode == 0 and f"{len(CASES) + 8} passed" in done.stdout, done.stdout[-6000:] + done.stderr[-3000:]

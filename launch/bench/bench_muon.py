@@ -41,10 +41,11 @@ else:  # python launch/bench/bench_muon.py: its own folder is on sys.path
 
 # launch configurations of each elementwise kernel tried by --kernels: (groups, blocks, warps, prefetch)
 KERNEL_SWEEP = {
-    "momentum": [(16, 4, 1, True), (16, 1, 1, False), (16, 2, 1, True), (32, 1, 1, False), (32, 2, 1, True),
-                 (32, 4, 1, True), (16, 4, 2, True), (8, 4, 1, True)],
-    "apply": [(16, 1, 4, False), (32, 1, 4, False), (32, 1, 8, False), (64, 1, 8, False), (16, 2, 4, False),
-              (32, 2, 4, True), (16, 4, 4, True), (64, 1, 4, False)],
+    "momentum": [(16, 4, 1, True), (16, 1, 1, False), (16, 2, 1, True), (32, 1, 1, False), (16, 4, 2, True)],
+    "apply": [(16, 1, 4, False), (32, 1, 8, False), (16, 2, 4, False), (16, 4, 4, True)],
+    # the tall matrices' updates as Newton-Schulz returns them (transposes), read in tiles of groups x 32
+    "apply_transposed": [(16, 1, 4, False), (8, 1, 4, False), (8, 1, 2, False), (16, 1, 8, False), (8, 1, 1, False),
+                         (4, 1, 4, False), (8, 2, 4, False)],
 }
 
 
@@ -94,7 +95,9 @@ def kernel_rows(bw: float, sweep) -> list[dict]:
     launch configuration: ms of a pass (median of 20), launched from Python and replayed from a CUDA graph (no
     host work: the kernels' own time), and the replay's fraction of the memory floor (bytes moved over the
     copy bandwidth: phase 1 reads the bf16 gradient, the codes and scales and writes them and U; phase 3 reads
-    O, the bf16 parameter and rho and writes the last two)."""
+    O, the bf16 parameter and rho and writes the last two). Phase 3 twice: on contiguous updates, and on the
+    updates as Newton-Schulz returns them (the tall matrices' as transposes, ``muon_apply_transposed``'s
+    launch varied)."""
     from flashdist.kernels.scalars import MuonScalars
     from flashdist.kernels.triton import config as launch_config
     from flashdist.kernels.triton.muon import muon_apply, muon_momentum
@@ -107,6 +110,8 @@ def kernel_rows(bw: float, sweep) -> list[dict]:
     params = [(0.02 * torch.randn(s, device="cuda", generator=gen)).bfloat16() for s in shapes]
     rhos = [torch.zeros(s, device="cuda", dtype=torch.int8) for s in shapes]
     orthos = [torch.randn(s, device="cuda", generator=gen).bfloat16() for s in shapes]
+    # as Newton-Schulz returns them: a tall matrix's update is the transpose of a contiguous one
+    ns_orthos = [o if o.shape[0] <= o.shape[1] else o.T.contiguous().T for o in orthos]
     skipped = torch.zeros((), dtype=torch.int32, device="cuda")
     scalars = MuonScalars.make(lr=1e-6, weight_decay=0.0, momentum=0.95, nesterov=True, lr_ratio=1.0)
     numel = sum(g.numel() for g in grads)
@@ -120,8 +125,13 @@ def kernel_rows(bw: float, sweep) -> list[dict]:
         for p, r, o in zip(params, rhos, orthos):
             muon_apply(p, r, o, scalars=scalars, skipped=skipped)
 
+    def apply_transposed():
+        for p, r, o in zip(params, rhos, ns_orthos):
+            muon_apply(p, r, o, scalars=scalars, skipped=skipped)
+
     rows = []
-    for name, fn in (("momentum", momentum), ("apply", apply)):
+    floors["apply_transposed"] = floors["apply"]
+    for name, fn in (("momentum", momentum), ("apply", apply), ("apply_transposed", apply_transposed)):
         for groups, blocks, warps, prefetch in sweep[name]:
             launch = launch_config.KernelLaunch(groups=groups, blocks=blocks, warps=warps, prefetch=prefetch)
             with launch_config.using(launch_config.current().replace(**{f"muon_{name}": launch})):
@@ -134,7 +144,7 @@ def kernel_rows(bw: float, sweep) -> list[dict]:
                 del graph
             row = {"kernel": name, "groups": groups, "blocks": blocks, "warps": warps, "prefetch": prefetch,
                    "ms": round(ms, 3), "replay_ms": round(replay_ms, 3), "of_floor": round(floors[name] / replay_ms, 3)}
-            print(f"{name:8s} groups {groups:3d} blocks {blocks} warps {warps} prefetch {prefetch!s:5}: "
+            print(f"{name:16s} groups {groups:3d} blocks {blocks} warps {warps} prefetch {prefetch!s:5}: "
                   f"{ms:6.3f} ms, replayed {replay_ms:6.3f} ms ({row['of_floor']:.2f} of floor)", flush=True)
             rows.append(row)
     print(f"floors: momentum {floors['momentum']:.3f} ms, apply {floors['apply']:.3f} ms ({numel / 1e6:.0f} M values)")

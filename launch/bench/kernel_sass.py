@@ -80,7 +80,8 @@ def muon_specialisations():
     """(name, kernel, non-constexpr signature, constexprs, KernelLaunch field) of FlashMuon's two kernels
     (``flashdist/kernels/triton/muon.py``): the momentum update on companded 8-bit codes (also reading the
     gradient's address from a cell, as a captured step does) and on an fp32 buffer; the weight update of bf16
-    parameters with int8 rho (also with the learning rate read on the device) and of fp32 parameters."""
+    parameters with int8 rho (also with the learning rate read on the device, and of a tall matrix whose update
+    is a transpose) and of fp32 parameters."""
     momentum = dict(g_ptr="*i16", m_ptr="*u8", ms_ptr="*i16", u_ptr="*i16", table_ptr="*fp32", numel="i32",
                     ngroups="i32", cols="i32", gpr="i32", nblocks="i32", buf_coef="fp32", nest_coef="fp32")
     base = dict(G_KIND=0, QUANTIZED=True, COMPANDED=True, ALIGNED=True, BUF_SMALL=False, NESTEROV=True,
@@ -91,9 +92,12 @@ def muon_specialisations():
     yield "muon-momentum-fp32m", "_momentum_kernel", dict(momentum, m_ptr="*fp32", ms_ptr="*fp32"), \
         dict(base, QUANTIZED=False), "muon_momentum"
     apply = dict(p_ptr="*i16", rho_ptr="*i8", o_ptr="*i16", skipped_ptr="*i32", numel="i32", nblocks="i32",
-                 decay="fp32", alpha="fp32", lr_ptr="*fp32", wd_bits="i64", ratio_bits="i64")
-    base = dict(P_KIND=0, RHO_KIND=1, RHO_LOG2=7, COUNT=True, LR_PTR=False, COMPILED=True)
+                 decay="fp32", alpha="fp32", rows="i32", cols="i32", tiles_per_row="i32", lr_ptr="*fp32",
+                 wd_bits="i64", ratio_bits="i64")
+    base = dict(P_KIND=0, RHO_KIND=1, RHO_LOG2=7, COUNT=True, LR_PTR=False, COMPILED=True, TRANSPOSED=False)
     yield "muon-apply-bf16-int8", "_apply_kernel", apply, base, "muon_apply"
+    yield "muon-apply-bf16-int8-transposed", "_apply_kernel", apply, dict(base, TRANSPOSED=True), \
+        "muon_apply_transposed"
     yield "muon-apply-bf16-int8-device-lr", "_apply_kernel", apply, dict(base, LR_PTR=True), "muon_apply"
     yield "muon-apply-fp32", "_apply_kernel", dict(apply, p_ptr="*fp32", rho_ptr="*fp32"), \
         dict(base, P_KIND=2, RHO_KIND=0), "muon_apply"
@@ -113,7 +117,8 @@ def compile_muon(kernel: str, signature: dict, consts: dict, field: str, arch: i
     lines = 3 if field == "muon_apply" else 2  # per-value streams a block's prefetch may ask for
     consts = dict(consts, GROUPS=launch.groups, BLOCKS=launch.blocks, AHEAD=config.prefetch_ahead,
                   LEVEL=config.prefetch_level,
-                  PREFETCH=slots_for([launch.groups * 32 * 2 // 128] * lines) if launch.prefetch else 0)
+                  PREFETCH=slots_for([launch.groups * 32 * 2 // 128] * lines)
+                  if launch.prefetch and not consts.get("TRANSPOSED") else 0)
     options = dict(num_warps=launch.warps, enable_fp_fusion=False)
     if launch.max_registers is not None:
         options["maxnreg"] = launch.max_registers

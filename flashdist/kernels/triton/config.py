@@ -106,6 +106,9 @@ class LaunchConfig:
     """How FlashMuon's momentum kernel (phase 1, ``kernels/triton/muon.py``) is launched."""
     muon_apply: KernelLaunch = KernelLaunch(groups=16, blocks=1, warps=4, prefetch=False)
     """How FlashMuon's weight-update kernel (phase 3) is launched."""
+    muon_apply_transposed: KernelLaunch = KernelLaunch(groups=16, blocks=1, warps=4)
+    """How the weight-update kernel is launched on a tall matrix, whose orthogonalized update is the transpose
+    of a contiguous one: tiles of ``groups`` rows and 32 columns (no prefetch)."""
     plan_cache_size: int = 256
     """Launch plans of this configuration kept in the cache: a few per optimizer call site (one per bucket of
     step count and layout), and gradient release steps each batch of FSDP2 groups with a call of its own
@@ -123,7 +126,7 @@ class LaunchConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"flashdist: LaunchConfig.{name} must be None or a positive int, got {value!r}")
-        for name in ("muon_momentum", "muon_apply"):
+        for name in ("muon_momentum", "muon_apply", "muon_apply_transposed"):
             if not isinstance(getattr(self, name), KernelLaunch):
                 raise ValueError(f"flashdist: LaunchConfig.{name} must be a KernelLaunch, got {getattr(self, name)!r}")
         if self.prefetch_level not in (1, 2):

@@ -146,13 +146,25 @@ def _momentum_kernel(
 
 
 @triton.jit
-def _apply_block(p_ptr, rho_ptr, o_ptr, blk, numel, decay_c, alpha_c, P_KIND: tl.constexpr,
-                 RHO_KIND: tl.constexpr, RHO_LOG2: tl.constexpr, COMPILED: tl.constexpr, GROUPS: tl.constexpr):
-    """Phase 3 on block ``blk`` of ``32 * GROUPS`` values; returns which were left unchanged (update not
-    finite)."""
-    offs = (blk * GROUPS + tl.arange(0, GROUPS))[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-    mask = offs < numel
-    o = bf16_value(tl.load(o_ptr + offs, mask=mask, other=0), COMPILED)
+def _apply_block(p_ptr, rho_ptr, o_ptr, blk, numel, rows, cols, tiles_per_row, decay_c, alpha_c,
+                 P_KIND: tl.constexpr, RHO_KIND: tl.constexpr, RHO_LOG2: tl.constexpr, TRANSPOSED: tl.constexpr,
+                 COMPILED: tl.constexpr, GROUPS: tl.constexpr):
+    """Phase 3 on block ``blk``: ``32 * GROUPS`` consecutive values, or with ``TRANSPOSED`` the tile of
+    ``GROUPS`` rows and 32 columns of a ``(rows, cols)`` parameter whose ``O`` is the transpose of a
+    contiguous ``(cols, rows)`` matrix (what Newton-Schulz returns for a tall matrix: each load is coalesced,
+    and the compiler moves ``O``'s tile into the parameter's layout). Returns which values were left
+    unchanged (update not finite)."""
+    if TRANSPOSED:
+        tile_row = blk // tiles_per_row
+        r = tile_row * GROUPS + tl.arange(0, GROUPS)
+        c = (blk - tile_row * tiles_per_row) * GROUP + tl.arange(0, GROUP)
+        mask = (r < rows)[:, None] & (c < cols)[None, :]
+        offs = r[:, None] * cols + c[None, :]
+        o = bf16_value(tl.load(o_ptr + (c[None, :] * rows + r[:, None]), mask=mask, other=0), COMPILED)
+    else:
+        offs = (blk * GROUPS + tl.arange(0, GROUPS))[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+        mask = offs < numel
+        o = bf16_value(tl.load(o_ptr + offs, mask=mask, other=0), COMPILED)
     bad = ((o.to(tl.int32, bitcast=True) & FP32_EXP_MASK) == FP32_EXP_MASK) & mask
     o = tl.where(bad, 0.0, o)
     if P_KIND == 0:
@@ -185,9 +197,11 @@ def _apply_block(p_ptr, rho_ptr, o_ptr, blk, numel, decay_c, alpha_c, P_KIND: tl
 def _apply_kernel(
     p_ptr, rho_ptr, o_ptr, skipped_ptr,  # parameter (bf16 as int16 bits, fp16, fp32); rho; O (bf16 bits); count
     numel, nblocks, decay, alpha,  # elements; blocks; 1 - lr * wd; -adjusted_lr (MuonScalars), unless LR_PTR
+    rows, cols, tiles_per_row,  # TRANSPOSED: the parameter's shape, and its tiles of 32 columns per row of tiles
     lr_ptr, wd_bits, ratio_bits,  # LR_PTR: the learning rate in device memory; float64 bits of wd and lr_ratio
     P_KIND: tl.constexpr, RHO_KIND: tl.constexpr, RHO_LOG2: tl.constexpr, COUNT: tl.constexpr,
     LR_PTR: tl.constexpr, COMPILED: tl.constexpr, GROUPS: tl.constexpr,
+    TRANSPOSED: tl.constexpr,  # O is the transpose of a contiguous matrix (_apply_block)
     BLOCKS: tl.constexpr,  # consecutive blocks per program
     PREFETCH: tl.constexpr, AHEAD: tl.constexpr, LEVEL: tl.constexpr,  # as programs.step_blocks'
 ):
@@ -213,8 +227,8 @@ def _apply_kernel(
         if PREFETCH != 0:
             if first + j + AHEAD < whole:
                 prefetch_block(line0, step, first + j + AHEAD, LEVEL)
-        bad += _apply_block(p_ptr, rho_ptr, o_ptr, first + j, numel, decay_c, alpha_c, P_KIND, RHO_KIND, RHO_LOG2,
-                            COMPILED, GROUPS).to(tl.int32)
+        bad += _apply_block(p_ptr, rho_ptr, o_ptr, first + j, numel, rows, cols, tiles_per_row, decay_c, alpha_c,
+                            P_KIND, RHO_KIND, RHO_LOG2, TRANSPOSED, COMPILED, GROUPS).to(tl.int32)
     if COUNT:  # one relaxed atomic per program, and none where nothing was skipped
         n_bad = tl.sum(tl.sum(bad, axis=1), axis=0)
         tl.atomic_add(skipped_ptr, n_bad, mask=n_bad > 0, sem="relaxed")
@@ -229,18 +243,18 @@ def _compiled(t: torch.Tensor) -> bool:
     return t.device.type == "cuda"
 
 
-def _launch(launch: KernelLaunch, units: int, compiled: bool, lines) -> tuple[tuple[int], int, dict]:
-    """The grid, the block count and the launch options of a kernel launched as ``launch`` over ``units``
-    groups of 32; ``lines``: the 128-byte lines per block of the streams the prefetch may ask for."""
+def _launch(launch: KernelLaunch, nblocks: int, compiled: bool, lines) -> tuple[tuple[int], dict]:
+    """The grid and the launch options of a kernel launched as ``launch`` over ``nblocks`` blocks; ``lines``:
+    the 128-byte lines per block of the streams the prefetch may ask for (None: no prefetch)."""
     config = current()
-    nblocks = triton.cdiv(units, launch.groups)
+    prefetch = launch.prefetch and compiled and lines is not None
     options = dict(GROUPS=launch.groups, BLOCKS=launch.blocks,
-                   PREFETCH=slots_for(lines(launch.groups * Q.GROUP)) if launch.prefetch and compiled else 0,
+                   PREFETCH=slots_for(lines(launch.groups * Q.GROUP)) if prefetch else 0,
                    AHEAD=config.prefetch_ahead, LEVEL=config.prefetch_level, num_warps=launch.warps,
                    enable_fp_fusion=False)
     if launch.max_registers is not None:
         options["maxnreg"] = launch.max_registers
-    return (triton.cdiv(nblocks, launch.blocks),), nblocks, options
+    return (triton.cdiv(nblocks, launch.blocks),), options
 
 
 def muon_momentum(grad: torch.Tensor, momentum_buffer: torch.Tensor, momentum_scales: torch.Tensor | None, *,
@@ -269,8 +283,10 @@ def muon_momentum(grad: torch.Tensor, momentum_buffer: torch.Tensor, momentum_sc
     codes = momentum_buffer.view(torch.uint8) if quantized and companded else momentum_buffer
     aligned = quantized and cols % Q.GROUP == 0
     width = 4 if grad.dtype == torch.float32 else 2
-    grid, nblocks, options = _launch(current().muon_momentum, units, _compiled(grad), lambda slots: () if quantized and not aligned else
-                                     (slots * width // 128, slots * (1 if quantized else 4) // 128))
+    launch = current().muon_momentum
+    nblocks = triton.cdiv(units, launch.groups)
+    grid, options = _launch(launch, nblocks, _compiled(grad), None if quantized and not aligned else
+                            lambda slots: (slots * width // 128, slots * (1 if quantized else 4) // 128))
     _momentum_kernel[grid](
         grad_cell if grad_cell is not None else _bits(grad), codes,
         momentum_scales.view(torch.int16) if quantized else momentum_buffer,
@@ -285,7 +301,9 @@ def muon_momentum(grad: torch.Tensor, momentum_buffer: torch.Tensor, momentum_sc
 def muon_apply(param: torch.Tensor, rho: torch.Tensor | None, ortho: torch.Tensor, *, scalars: MuonScalars,
                skipped: torch.Tensor | None, lr: torch.Tensor | None = None, weight_decay: float = 0.0,
                lr_ratio: float = 1.0) -> None:
-    """``reference.muon_apply_`` in one launch, in place; ``ortho`` bf16 of the parameter's shape.
+    """``reference.muon_apply_`` in one launch, in place; ``ortho`` bf16 of the parameter's shape, contiguous
+    or (a 2-D parameter) the transpose of a contiguous matrix, as Newton-Schulz returns a tall one; any other
+    strides are copied first.
 
     ``lr``: a one-element tensor on the parameter's device holding the learning rate, read when the kernel
     runs (a capturable step: nothing on the host changes between steps); the kernel then computes
@@ -296,11 +314,22 @@ def muon_apply(param: torch.Tensor, rho: torch.Tensor | None, ortho: torch.Tenso
         return
     rho_kind, rho_log2 = _RHO[rho.dtype if rho is not None else None]
     width = param.element_size()
-    grid, nblocks, options = _launch(current().muon_apply, triton.cdiv(numel, Q.GROUP), _compiled(param),
-                                     lambda slots: (slots * 2 // 128, slots * width // 128, slots * rho_kind // 128))
+    rows, cols = ortho.shape if ortho.dim() == 2 else (0, 0)
+    # a tall matrix's O is the transpose of Newton-Schulz's contiguous result: read in tiles, not copied first
+    transposed = ortho.dim() == 2 and param.dim() == 2 and rows > 1 and ortho.stride() == (1, rows)
+    if transposed:
+        launch = current().muon_apply_transposed
+        tiles_per_row = triton.cdiv(cols, Q.GROUP)
+        nblocks = triton.cdiv(rows, launch.groups) * tiles_per_row
+        grid, options = _launch(launch, nblocks, _compiled(param), None)
+    else:
+        launch, tiles_per_row, ortho = current().muon_apply, 0, ortho.contiguous()
+        nblocks = triton.cdiv(triton.cdiv(numel, Q.GROUP), launch.groups)
+        grid, options = _launch(launch, nblocks, _compiled(param),
+                                lambda slots: (slots * 2 // 128, slots * width // 128, slots * rho_kind // 128))
     _apply_kernel[grid](
-        _bits(param), rho if rho is not None else param, ortho.contiguous().view(torch.int16),
-        skipped if skipped is not None else param, numel, nblocks, scalars.decay, scalars.alpha,
-        lr if lr is not None else param, f64_bits(weight_decay), f64_bits(lr_ratio),
+        _bits(param), rho if rho is not None else param, ortho.view(torch.int16),
+        skipped if skipped is not None else param, numel, nblocks, scalars.decay, scalars.alpha, rows, cols,
+        tiles_per_row, lr if lr is not None else param, f64_bits(weight_decay), f64_bits(lr_ratio),
         P_KIND=_KINDS[param.dtype], RHO_KIND=rho_kind, RHO_LOG2=rho_log2, COUNT=skipped is not None,
-        LR_PTR=lr is not None, COMPILED=_compiled(param), **options)
+        LR_PTR=lr is not None, COMPILED=_compiled(param), TRANSPOSED=transposed, **options)
