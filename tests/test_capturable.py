@@ -250,6 +250,42 @@ def test_graphed_flash_muon_replays_wherever_its_gradients_are():
 
 
 @gpu
+def test_graphed_flash_muon_steps_eagerly_on_gradients_off_16_byte_boundaries():
+    """The captured momentum kernels load gradients 16 bytes at a time: Muon gradients that are views at an odd
+    offset into one flat buffer (a user's flat gradient buffer, DDP's bucket views) make the call eager, at the
+    capture and at a replay, with the bits of eager steps (such a gradient crashed the replay with a misaligned
+    address, and the CUDA context with it)."""
+    plain, capt = _params("cuda"), _params("cuda")
+    a, b = _muon(plain, capturable=True), _muon(capt, capturable=True)
+    graphed = flashdist.GraphedStep(b)
+
+    def offset_views(grads, offset):  # the gradients laid one after the other in a flat buffer, from `offset`
+        flat = torch.empty(offset + sum(g.numel() for g in grads), dtype=grads[0].dtype, device="cuda")
+        views, at = [], offset
+        for g in grads:
+            views.append(flat[at:at + g.numel()].view(g.shape).copy_(g))
+            at += g.numel()
+        return views
+
+    history = []
+    for k, grads in enumerate(_grads(7, plain, 16), start=1):
+        offset = 1 if k in (2, 5) else 0  # 2: the capture; 5: a replay
+        for p, q, g, v in zip(plain, capt, grads, offset_views(grads, offset)):
+            p.grad, q.grad = g, v
+        a.step()
+        graphed()
+        torch.cuda.synchronize()
+        _same_bits(_snapshot(a, plain), _snapshot(b, capt), f"graphed FlashMuon step {k}, offset {offset}")
+        history.append((graphed.eager_steps, graphed.captures, graphed.replays))
+        if offset:
+            assert "16-byte" in graphed._why, graphed._why
+    # (eager steps, captures, replays) after each call. 1: the warm-up; 2: the capture refused, eager; 3: the
+    # capture tried again at the next call, replayed; 4: a replay; 5: eager; 6-7: replays (after a new capture)
+    assert history[1] == (2, 0, 0) and history[2] == (2, 1, 1) and history[3] == (2, 1, 2), history
+    assert history[4][0] == 3 and history[4][2] == 2 and history[6][2] == 4, history
+
+
+@gpu
 def test_graphed_step_resets_rho_of_weights_written_between_replays():
     """A weight written outside the optimizer (``copy_``, as ``model.load_state_dict`` and SWA's copy-back
     write) between two replays is its own master from then on, as with eager steps: the replay after it

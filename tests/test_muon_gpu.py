@@ -1,6 +1,8 @@
 """FlashMuon on a CUDA device (pytest -m gpu): the compiled Triton kernels of its elementwise phases against the
-eager reference on the same device, bit for bit, and the whole step against torch.optim.Muon on CUDA with fp32
-state (bitwise where torch's CUDA lerp and add(alpha=) are one FMA each, as its CPU kernels are)."""
+eager reference on the same device, bit for bit (rows that end inside a group, and a tall matrix of whole
+groups: the momentum update's prefetch over several blocks a program, the weight update's transposed tiles),
+and the whole step against torch.optim.Muon on CUDA with fp32 state (bitwise where torch's CUDA lerp and
+add(alpha=) are one FMA each, as its CPU kernels are)."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ def _stepped(case, backend: str) -> list[torch.Tensor]:
     quantize, companded = MOMENTS[moments]
     gen = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(shape, generator=gen).to(DTYPES[dtype]).cuda())
-              for shape in ((5, 70), (40, 16), (3, 4, 24), (1024, 1100))]
+              for shape in ((5, 70), (40, 16), (3, 4, 24), (1024, 1100), (1536, 512))]
     opt = FlashMuon(params, lr=0.02, nesterov=nesterov, master_weight_bits=bits, quantize_states=quantize,
                     companded=companded, backend=backend, flatten=False)
     for step in range(3):

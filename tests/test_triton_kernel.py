@@ -409,8 +409,9 @@ def test_launch_config_refuses_bad_values(field, value):
         DEFAULT.replace(**{field: value})
 
 
-@pytest.mark.parametrize("field, value", [("groups", 24), ("groups", 0), ("warps", 3), ("blocks", 0),
-                                          ("blocks", True), ("prefetch", 1), ("max_registers", 0)])
+@pytest.mark.parametrize("field, value", [("groups", 24), ("groups", 0), ("groups", 1 << 16), ("warps", 3),
+                                          ("warps", 64), ("blocks", 0), ("blocks", True), ("blocks", 1 << 31),
+                                          ("prefetch", 1), ("max_registers", 0)])
 def test_kernel_launch_refuses_bad_values(field, value):
     from flashdist.kernels.triton import KernelLaunch
 

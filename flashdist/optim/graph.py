@@ -275,6 +275,9 @@ class GraphedStep:
                 self._why = "a Muon matrix's gradient has another dtype or device, or is not contiguous"
                 return False
             addresses = list(map(_data_ptr, grads))
+            if any(a % 16 for a in addresses):  # (the captured kernels load gradients 16 bytes at a time)
+                self._why = "a Muon matrix's gradient breaks the 16-byte alignment the capture used"
+                return False
             if addresses != written:  # (one small host-to-device copy, ordered before the replay on this stream)
                 cells.copy_(torch.tensor([[a, 0] for a in addresses], dtype=torch.int64))
                 written[:] = addresses
@@ -358,8 +361,8 @@ class GraphedStep:
             try:
                 self._capture()
             except CaptureRefused as e:  # nothing changed: step eagerly, and try again once something has
-                self._drop()
-                self._refused = True
+                self._drop()           # (or at the next call, where this call's gradients were the reason)
+                self._refused = not e.retry
                 self._why = f"the step cannot be captured ({str(e).removeprefix('flashdist: ')})"
         if unchanged and self.graph is not None:
             if self._retarget():

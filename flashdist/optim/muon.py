@@ -9,6 +9,7 @@ import torch
 
 from .. import distributed as D
 from ..distributed.gather import OwnerOrthogonalize
+from ..errors import CaptureRefused
 from ..functional.adam import flash_adam
 from ..functional.muon import flash_muon, unchosen_view
 from .base import FlashOptimizer
@@ -190,7 +191,12 @@ class FlashMuon(FlashOptimizer):
         grad_cells = None
         if self._grad_cells is not None and orthogonalize is None:
             # a GraphedStep capturing: the momentum kernels read each gradient's address from a cell (allocated
-            # in the graph's pool: the capture runs nothing), which GraphedStep writes before each replay
+            # in the graph's pool: the capture runs nothing), which GraphedStep writes before each replay; they
+            # load gradients 16 bytes at a time, so one that starts off that boundary is not captured
+            if any(g.data_ptr() % 16 for g in grads):
+                raise CaptureRefused("flashdist: a Muon matrix's gradient does not start on a 16-byte boundary (a "
+                                     "view at an odd offset into a flat buffer), which the captured kernels load "
+                                     "16 bytes at a time", retry=True)
             grad_cells = torch.empty((len(grads), 2), dtype=torch.int64, device=grads[0].device)
             self._grad_cells.append((list(bucket.sources), grad_cells, [g.dtype for g in grads]))
         flash_muon(bucket.params, grads, bucket.moments[0], bucket.scales[0], bucket.rhos,

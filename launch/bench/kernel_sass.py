@@ -104,31 +104,33 @@ def muon_specialisations():
 
 
 def compile_muon(kernel: str, signature: dict, consts: dict, field: str, arch: int = 90, config=None) -> dict:
-    """Compile one of FlashMuon's kernels as ``config``'s ``field`` launches it (default: ``DEFAULT``)."""
+    """Compile one of FlashMuon's kernels as ``config``'s ``field`` launches it (default: ``DEFAULT``), with
+    the constexprs and options ``muon.launch_options`` gives a launch on the GPU."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from flashdist.kernels.triton import DEFAULT, muon
-    from flashdist.kernels.triton.prefetch import slots_for
+    from flashdist.kernels.triton import DEFAULT, muon, using
 
     config = config or DEFAULT
     launch = getattr(config, field)
-    lines = 3 if field == "muon_apply" else 2  # per-value streams a block's prefetch may ask for
-    consts = dict(consts, GROUPS=launch.groups, BLOCKS=launch.blocks, AHEAD=config.prefetch_ahead,
-                  LEVEL=config.prefetch_level,
-                  PREFETCH=slots_for([launch.groups * 32 * 2 // 128] * lines)
-                  if launch.prefetch and not consts.get("TRANSPOSED") else 0)
-    options = dict(num_warps=launch.warps, enable_fp_fusion=False)
-    if launch.max_registers is not None:
-        options["maxnreg"] = launch.max_registers
+    slots = launch.groups * 32
+    if kernel == "_momentum_kernel":
+        lines = (muon.momentum_lines(slots, 4 if consts["G_KIND"] == 2 else 2, consts["QUANTIZED"])
+                 if consts["ALIGNED"] or not consts["QUANTIZED"] else None)
+    else:
+        lines = None if consts["TRANSPOSED"] else muon.apply_lines(slots, 4 if consts["P_KIND"] == 2 else 2,
+                                                                    consts["RHO_KIND"])
+    with using(config):
+        options = muon.launch_options(launch, lines)
+    consts = dict(consts, **{k: options.pop(k) for k in ("GROUPS", "BLOCKS", "PREFETCH", "AHEAD", "LEVEL")})
     fn = getattr(muon, kernel)
     # the pointers and sizes are 16-divisible, as a launch on the GPU specialises them for Llama's shapes
     attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k, v in signature.items()
              if v.startswith("*") or v == "i32"}
     compiled = triton.compile(ASTSource(fn, {**signature, **dict.fromkeys(consts, "constexpr")}, constexprs=consts,
                                         attrs=attrs), target=GPUTarget("cuda", arch, 32), options=options)
-    return count(compiled)
+    return {"prefetch_slots": consts["PREFETCH"], **count(compiled)}
 
 
 def count(compiled) -> dict:

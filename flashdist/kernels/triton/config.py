@@ -42,16 +42,20 @@ class KernelLaunch:
     warps: int = 4
     """Warps per program (a power of two)."""
     prefetch: bool = False
-    """Ask L2 for a program's next block while it computes the current one (compiled kernels only)."""
+    """Ask the cache for a program's next block while it computes the current one (compiled kernels only, and
+    where ``LaunchConfig.prefetch`` is True)."""
     max_registers: int | None = None
     """Registers per thread (None: the compiler's choice)."""
 
     def __post_init__(self):
-        for name in ("groups", "warps"):
-            if not _power_of_two(getattr(self, name)):
-                raise ValueError(f"flashdist: KernelLaunch.{name} must be a power of two, got {getattr(self, name)!r}")
-        if not isinstance(self.blocks, int) or isinstance(self.blocks, bool) or self.blocks < 1:
-            raise ValueError(f"flashdist: KernelLaunch.blocks must be a positive int, got {self.blocks!r}")
+        # limits: a block of at most 2^20 values (Triton's largest), a program of at most 1,024 threads, and
+        # block counts that stay int32 in the kernel
+        for name, most in (("groups", 1 << 15), ("warps", 32)):
+            value = getattr(self, name)
+            if not _power_of_two(value) or value > most:
+                raise ValueError(f"flashdist: KernelLaunch.{name} must be a power of two up to {most}, got {value!r}")
+        if not isinstance(self.blocks, int) or isinstance(self.blocks, bool) or not 1 <= self.blocks <= 1 << 20:
+            raise ValueError(f"flashdist: KernelLaunch.blocks must be an int from 1 to {1 << 20}, got {self.blocks!r}")
         if not isinstance(self.prefetch, bool):
             raise ValueError(f"flashdist: KernelLaunch.prefetch must be a bool, got {self.prefetch!r}")
         registers = self.max_registers
@@ -86,7 +90,8 @@ class LaunchConfig:
     """Warps per program (a power of two). One warp: no barrier couples warps (the scale stores and the skip
     count convert layouts through shared memory, which with several warps means block-wide barriers)."""
     prefetch: bool = True
-    """Ask the cache for a program's next block while it computes the current one (compiled kernels only)."""
+    """Ask the cache for a program's next block while it computes the current one (compiled kernels only);
+    False turns it off in FlashMuon's kernels too."""
     prefetch_ahead: int = 1
     """Blocks ahead of the current one that the prefetch asks for."""
     prefetch_level: int = 2

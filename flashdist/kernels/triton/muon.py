@@ -243,18 +243,30 @@ def _compiled(t: torch.Tensor) -> bool:
     return t.device.type == "cuda"
 
 
-def _launch(launch: KernelLaunch, nblocks: int, compiled: bool, lines) -> tuple[tuple[int], dict]:
-    """The grid and the launch options of a kernel launched as ``launch`` over ``nblocks`` blocks; ``lines``:
-    the 128-byte lines per block of the streams the prefetch may ask for (None: no prefetch)."""
+def momentum_lines(slots: int, grad_bytes: int, quantized: bool) -> tuple[int, int]:
+    """128-byte lines per block of ``slots`` values of the momentum update's streams the prefetch asks for:
+    the gradient's and the codes' (or the fp32 buffer's)."""
+    return slots * grad_bytes // 128, slots * (1 if quantized else 4) // 128
+
+
+def apply_lines(slots: int, param_bytes: int, rho_bytes: int) -> tuple[int, int, int]:
+    """The same for the weight update: the update's (bf16), the parameter's and rho's."""
+    return slots * 2 // 128, slots * param_bytes // 128, slots * rho_bytes // 128
+
+
+def launch_options(launch: KernelLaunch, lines: tuple[int, ...] | None, compiled: bool = True) -> dict:
+    """The constexprs and compiler options of a kernel launched as ``launch``; ``lines``: what
+    ``momentum_lines`` or ``apply_lines`` give for a block (None: no prefetch). The prefetch runs where both
+    ``launch.prefetch`` and ``LaunchConfig.prefetch`` ask for it, in compiled kernels."""
     config = current()
-    prefetch = launch.prefetch and compiled and lines is not None
-    options = dict(GROUPS=launch.groups, BLOCKS=launch.blocks,
-                   PREFETCH=slots_for(lines(launch.groups * Q.GROUP)) if prefetch else 0,
-                   AHEAD=config.prefetch_ahead, LEVEL=config.prefetch_level, num_warps=launch.warps,
-                   enable_fp_fusion=False)
+    prefetch = launch.prefetch and config.prefetch and compiled and lines is not None
+    options = dict(GROUPS=launch.groups, BLOCKS=launch.blocks, PREFETCH=slots_for(lines) if prefetch else 0,
+                   # (without the prefetch these two are read by nothing: fixed, so they compile nothing new)
+                   AHEAD=config.prefetch_ahead if prefetch else 1, LEVEL=config.prefetch_level if prefetch else 2,
+                   num_warps=launch.warps, enable_fp_fusion=False)
     if launch.max_registers is not None:
         options["maxnreg"] = launch.max_registers
-    return (triton.cdiv(nblocks, launch.blocks),), options
+    return options
 
 
 def muon_momentum(grad: torch.Tensor, momentum_buffer: torch.Tensor, momentum_scales: torch.Tensor | None, *,
@@ -282,11 +294,11 @@ def muon_momentum(grad: torch.Tensor, momentum_buffer: torch.Tensor, momentum_sc
     buf_small, nest_small = sc.buffer_weight < 0.5, sc.momentum < 0.5
     codes = momentum_buffer.view(torch.uint8) if quantized and companded else momentum_buffer
     aligned = quantized and cols % Q.GROUP == 0
-    width = 4 if grad.dtype == torch.float32 else 2
     launch = current().muon_momentum
     nblocks = triton.cdiv(units, launch.groups)
-    grid, options = _launch(launch, nblocks, _compiled(grad), None if quantized and not aligned else
-                            lambda slots: (slots * width // 128, slots * (1 if quantized else 4) // 128))
+    grid = (triton.cdiv(nblocks, launch.blocks),)
+    options = launch_options(launch, None if quantized and not aligned else
+                             momentum_lines(launch.groups * Q.GROUP, grad.element_size(), quantized), _compiled(grad))
     _momentum_kernel[grid](
         grad_cell if grad_cell is not None else _bits(grad), codes,
         momentum_scales.view(torch.int16) if quantized else momentum_buffer,
@@ -313,7 +325,6 @@ def muon_apply(param: torch.Tensor, rho: torch.Tensor | None, ortho: torch.Tenso
     if numel == 0:
         return
     rho_kind, rho_log2 = _RHO[rho.dtype if rho is not None else None]
-    width = param.element_size()
     rows, cols = ortho.shape if ortho.dim() == 2 else (0, 0)
     # a tall matrix's O is the transpose of Newton-Schulz's contiguous result: read in tiles, not copied first
     transposed = ortho.dim() == 2 and param.dim() == 2 and rows > 1 and ortho.stride() == (1, rows)
@@ -321,13 +332,13 @@ def muon_apply(param: torch.Tensor, rho: torch.Tensor | None, ortho: torch.Tenso
         launch = current().muon_apply_transposed
         tiles_per_row = triton.cdiv(cols, Q.GROUP)
         nblocks = triton.cdiv(rows, launch.groups) * tiles_per_row
-        grid, options = _launch(launch, nblocks, _compiled(param), None)
+        options = launch_options(launch, None, _compiled(param))
     else:
         launch, tiles_per_row, ortho = current().muon_apply, 0, ortho.contiguous()
         nblocks = triton.cdiv(triton.cdiv(numel, Q.GROUP), launch.groups)
-        grid, options = _launch(launch, nblocks, _compiled(param),
-                                lambda slots: (slots * 2 // 128, slots * width // 128, slots * rho_kind // 128))
-    _apply_kernel[grid](
+        options = launch_options(launch, apply_lines(launch.groups * Q.GROUP, param.element_size(), rho_kind),
+                                 _compiled(param))
+    _apply_kernel[(triton.cdiv(nblocks, launch.blocks),)](
         _bits(param), rho if rho is not None else param, ortho.view(torch.int16),
         skipped if skipped is not None else param, numel, nblocks, scalars.decay, scalars.alpha, rows, cols,
         tiles_per_row, lr if lr is not None else param, f64_bits(weight_decay), f64_bits(lr_ratio),
