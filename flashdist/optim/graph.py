@@ -275,10 +275,10 @@ class GraphedStep:
                 self._why = "a Muon matrix's gradient has another dtype or device, or is not contiguous"
                 return False
             addresses = list(map(_data_ptr, grads))
-            if any(a % 16 for a in addresses):  # (the captured kernels load gradients 16 bytes at a time)
-                self._why = "a Muon matrix's gradient breaks the 16-byte alignment the capture used"
-                return False
             if addresses != written:  # (one small host-to-device copy, ordered before the replay on this stream)
+                if any(a % 16 for a in addresses):  # (the captured kernels load gradients 16 bytes at a time)
+                    self._why = "a Muon matrix's gradient breaks the 16-byte alignment the capture used"
+                    return False
                 cells.copy_(torch.tensor([[a, 0] for a in addresses], dtype=torch.int64))
                 written[:] = addresses
         for plan, params, (info, fitted) in zip(self._unique_plans, self._plan_params, self._info):

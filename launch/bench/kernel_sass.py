@@ -116,11 +116,9 @@ def compile_muon(kernel: str, signature: dict, consts: dict, field: str, arch: i
     launch = getattr(config, field)
     slots = launch.groups * 32
     if kernel == "_momentum_kernel":
-        lines = (muon.momentum_lines(slots, 4 if consts["G_KIND"] == 2 else 2, consts["QUANTIZED"])
-                 if consts["ALIGNED"] or not consts["QUANTIZED"] else None)
+        lines = muon.momentum_lines(slots, 4 if consts["G_KIND"] == 2 else 2, consts["QUANTIZED"], consts["ALIGNED"])
     else:
-        lines = None if consts["TRANSPOSED"] else muon.apply_lines(slots, 4 if consts["P_KIND"] == 2 else 2,
-                                                                    consts["RHO_KIND"])
+        lines = muon.apply_lines(slots, 4 if consts["P_KIND"] == 2 else 2, consts["RHO_KIND"], consts["TRANSPOSED"])
     with using(config):
         options = muon.launch_options(launch, lines)
     consts = dict(consts, **{k: options.pop(k) for k in ("GROUPS", "BLOCKS", "PREFETCH", "AHEAD", "LEVEL")})

@@ -243,14 +243,20 @@ def _compiled(t: torch.Tensor) -> bool:
     return t.device.type == "cuda"
 
 
-def momentum_lines(slots: int, grad_bytes: int, quantized: bool) -> tuple[int, int]:
+def momentum_lines(slots: int, grad_bytes: int, quantized: bool, aligned: bool) -> tuple[int, int] | None:
     """128-byte lines per block of ``slots`` values of the momentum update's streams the prefetch asks for:
-    the gradient's and the codes' (or the fp32 buffer's)."""
+    the gradient's and the codes' (or the fp32 buffer's); None (no prefetch) where 8-bit rows end inside a
+    group, which makes blocks ragged."""
+    if quantized and not aligned:
+        return None
     return slots * grad_bytes // 128, slots * (1 if quantized else 4) // 128
 
 
-def apply_lines(slots: int, param_bytes: int, rho_bytes: int) -> tuple[int, int, int]:
-    """The same for the weight update: the update's (bf16), the parameter's and rho's."""
+def apply_lines(slots: int, param_bytes: int, rho_bytes: int, transposed: bool) -> tuple[int, int, int] | None:
+    """The same for the weight update: the update's (bf16), the parameter's and rho's; None for the tiles of
+    a transposed update, which are not consecutive bytes."""
+    if transposed:
+        return None
     return slots * 2 // 128, slots * param_bytes // 128, slots * rho_bytes // 128
 
 
@@ -297,8 +303,8 @@ def muon_momentum(grad: torch.Tensor, momentum_buffer: torch.Tensor, momentum_sc
     launch = current().muon_momentum
     nblocks = triton.cdiv(units, launch.groups)
     grid = (triton.cdiv(nblocks, launch.blocks),)
-    options = launch_options(launch, None if quantized and not aligned else
-                             momentum_lines(launch.groups * Q.GROUP, grad.element_size(), quantized), _compiled(grad))
+    options = launch_options(launch, momentum_lines(launch.groups * Q.GROUP, grad.element_size(), quantized, aligned),
+                             _compiled(grad))
     _momentum_kernel[grid](
         grad_cell if grad_cell is not None else _bits(grad), codes,
         momentum_scales.view(torch.int16) if quantized else momentum_buffer,
@@ -332,12 +338,11 @@ def muon_apply(param: torch.Tensor, rho: torch.Tensor | None, ortho: torch.Tenso
         launch = current().muon_apply_transposed
         tiles_per_row = triton.cdiv(cols, Q.GROUP)
         nblocks = triton.cdiv(rows, launch.groups) * tiles_per_row
-        options = launch_options(launch, None, _compiled(param))
     else:
         launch, tiles_per_row, ortho = current().muon_apply, 0, ortho.contiguous()
         nblocks = triton.cdiv(triton.cdiv(numel, Q.GROUP), launch.groups)
-        options = launch_options(launch, apply_lines(launch.groups * Q.GROUP, param.element_size(), rho_kind),
-                                 _compiled(param))
+    options = launch_options(launch, apply_lines(launch.groups * Q.GROUP, param.element_size(), rho_kind, transposed),
+                             _compiled(param))
     _apply_kernel[(triton.cdiv(nblocks, launch.blocks),)](
         _bits(param), rho if rho is not None else param, ortho.view(torch.int16),
         skipped if skipped is not None else param, numel, nblocks, scalars.decay, scalars.alpha, rows, cols,
