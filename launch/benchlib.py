@@ -157,3 +157,6 @@ class MuonWithAdamW(torch.optim.Optimizer):
     def load_state_dict(self, state_dict):
         self.muon.load_state_dict(state_dict["muon"])
         self.adamw.load_state_dict(state_dict["adamw"])
+        # torch's load_state_dict makes new group dicts: ours must be them, or a scheduler (and Accelerate, which
+        # loads the state back when it wraps the optimizer) would set a learning rate nothing reads
+        self.param_groups = self.muon.param_groups + self.adamw.param_groups

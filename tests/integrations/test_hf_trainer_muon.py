@@ -41,3 +41,39 @@ def test_trainer_trains_with_flash_muon(tmp_path):
     w = "model.layers.0.mlp.up_proj.weight"
     assert state[w]["rho"].dtype == torch.int8 and state[w]["momentum_buffer_codes"].dtype == torch.int8
     assert "exp_avg_codes" in state["model.embed_tokens.weight"]
+
+
+def _losses_against_torch_muon(tmp_path, device: str, optim_args: str, dtype: torch.dtype) -> tuple[list, list]:
+    """The Trainer's losses with optim="flash_muon" (a model in ``dtype``) and with torch.optim.Muon on the
+    matrices + torch.optim.AdamW on the rest (an fp32 model, launch/benchlib.py's MuonWithAdamW), both with
+    FlashMuon's defaults (momentum 0.95, Nesterov, weight decay 0.1, AdamW betas (0.9, 0.95)), 12 steps."""
+    from flashdist import muon_param_groups
+    from launch.benchlib import MuonWithAdamW
+
+    over = dict(max_steps=12, save_strategy="no", use_cpu=device == "cpu", learning_rate=5e-3)
+    flash = transformers.Trainer(model=tiny_llama(dtype).to(device), train_dataset=_data(),
+                                 args=_args(tmp_path / "flash", optim="flash_muon", optim_args=optim_args, **over))
+    flash.train()
+    model = tiny_llama(torch.float32).to(device)
+    muon, adamw = muon_param_groups(model)
+    ref = MuonWithAdamW([p for _, p in muon["params"]], [{"params": [p for _, p in adamw["params"]],
+                                                           "weight_decay": 0.1}], lr=5e-3, weight_decay=0.1)
+    torch_run = transformers.Trainer(model=model, train_dataset=_data(), optimizers=(ref, None),
+                                     args=_args(tmp_path / "torch", **over))
+    torch_run.train()
+    return [[log["loss"] for log in t.state.log_history if "loss" in log] for t in (flash, torch_run)]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_trainer_with_flash_muon_follows_torch_muon(tmp_path, device):
+    """A real client against torch.optim.Muon: with fp32 state and 32-bit masters on an fp32 model the losses
+    are torch's within 5e-4 (Newton-Schulz runs as torch's; the AdamW groups' fused update rounds apart from
+    torch's foreach AdamW by an ulp, which the bf16 Newton-Schulz of the next steps can widen: 7e-5 on CPU);
+    the defaults on a bf16 model (24-bit masters, 8-bit momentum) within 1% at every step (3e-4 on CPU)."""
+    exact, ref = _losses_against_torch_muon(tmp_path / "fp32", device, "quantize_states=False,master_weight_bits=32",
+                                            torch.float32)
+    assert len(ref) == 12 and ref[-1] < ref[0] - 0.5, ref
+    assert exact == pytest.approx(ref, rel=5e-4), (exact, ref)
+    default, _ = _losses_against_torch_muon(tmp_path / "bf16", device, "", torch.bfloat16)
+    assert default == pytest.approx(ref, rel=1e-2), (default, ref)
