@@ -270,7 +270,10 @@ def test_graphed_flash_muon_steps_eagerly_on_gradients_off_16_byte_boundaries():
     history = []
     for k, grads in enumerate(_grads(7, plain, 16), start=1):
         offset = 1 if k in (2, 5) else 0  # 2: the capture; 5: a replay
-        for p, q, g, v in zip(plain, capt, grads, offset_views(grads, offset)):
+        # (offset 0: the gradients as they come, each its own allocation; laid end to end, a tensor whose size is
+        # not a multiple of 8 values would put the next one off the boundary too)
+        given = offset_views(grads, offset) if offset else [g.clone() for g in grads]
+        for p, q, g, v in zip(plain, capt, grads, given):
             p.grad, q.grad = g, v
         a.step()
         graphed()
