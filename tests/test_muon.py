@@ -360,6 +360,41 @@ def test_state_dicts_move_to_and_from_torch_muon():
         assert torch.equal(flash.state[p]["momentum_buffer"], again.state[q]["momentum_buffer"])
 
 
+@pytest.mark.parametrize("dtype, bits", [(torch.bfloat16, 24), (torch.float16, 24), (torch.bfloat16, 32)],
+                         ids=["bf16-24", "fp16-24", "bf16-32"])
+def test_a_state_dict_that_went_through_torch_muon_loads_back_with_its_rho(dtype, bits):
+    """torch.optim.Muon's load_state_dict casts every state tensor but ``step`` to the parameter's dtype, rho
+    included: where that cast holds every rho value (int8 in bf16 or fp16), FlashMuon takes rho back as it
+    was, and continues with the bits of the optimizer it came from; an int16 rho (32-bit masters of a bf16
+    parameter) is refused in one line naming it, changing nothing."""
+    params = [torch.nn.Parameter(w) for w in _weights(dtype)]
+    flash = FlashMuon(params, lr=0.02, master_weight_bits=bits)
+    grads = _grads(3)
+    for p, g in zip(params, grads[0]):
+        p.grad = g.to(dtype)
+    flash.step()
+    torch_muon = torch.optim.Muon([torch.nn.Parameter(p.detach().clone()) for p in params], lr=0.02)
+    torch_muon.load_state_dict(copy.deepcopy(flash.state_dict()))
+    through_torch = torch_muon.state_dict()
+    copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    again = FlashMuon(copies, lr=0.02, master_weight_bits=bits)
+    if bits == 32:
+        assert next(iter(flash.state.values()))["rho"].dtype == torch.int16
+        with pytest.raises(ValueError, match=r"state 'rho' of .* is torch.bfloat16, which does not hold every "
+                                             r"torch.int16 value"):
+            again.load_state_dict(through_torch)
+        assert len(again.state) == 0
+        return
+    again.load_state_dict(through_torch)
+    for p, q, g in zip(params, copies, grads[1]):
+        assert torch.equal(flash.master_weight(p), again.master_weight(q))
+        p.grad, q.grad = g.to(dtype), g.to(dtype)
+    flash.step()
+    again.step()
+    assert all(torch.equal(p, q) and torch.equal(flash.master_weight(p), again.master_weight(q))
+               for p, q in zip(params, copies))
+
+
 @pytest.mark.parametrize("fmt", ["portable", "compressed"])
 def test_state_dict_round_trip_mid_run(fmt):
     """Saved after 2 steps and loaded into a fresh optimizer, the third step is the same bits."""

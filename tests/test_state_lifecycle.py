@@ -595,3 +595,41 @@ def test_storage_of_another_shape_swapped_in_after_a_step_is_refused_before_any_
     with pytest.raises(ValueError, match=r"shape \(16, 32\).*has state '.*' of shape \(64, 32\), made for another"):
         opt.step()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), others))
+
+
+_TWO_GROUPS = {"adamw": lambda model, lr: FlashAdamW([{"params": model[0].parameters()},
+                                                      {"params": model[2].parameters()}], lr=lr),
+               "sgd": lambda model, lr: FlashSGD([{"params": model[0].parameters()},
+                                                  {"params": model[2].parameters()}], lr=lr, momentum=0.9),
+               "muon": lambda model, lr: flashdist.FlashMuon([{"params": [model[0].weight]},
+                                                              {"params": [model[2].weight]},
+                                                              {"params": [model[0].bias, model[2].bias],
+                                                               "use_muon": False}], lr=lr)}
+
+
+@pytest.mark.parametrize("change", ["put-into-list", "p.data-of-another-shape"])
+@pytest.mark.parametrize("kind", _TWO_GROUPS)
+def test_a_change_refused_in_a_later_group_steps_no_earlier_group(kind, change):
+    """The step makes every group's plan, with the checks a parameter changed in place meets, before any group
+    steps: a parameter of another dtype put into a later group's list (the same list, the same length), or its
+    storage swapped for one of another shape, is refused with the earlier groups' weights and state as they
+    were (they stepped, and a retry after the fix stepped them twice)."""
+    model = _model()
+    opt = _TWO_GROUPS[kind](model, 1e-2)
+    _train(model, opt, 1)
+    last = opt.param_groups[-2 if kind == "muon" else -1]
+    _backward(model, 1)
+    if change == "put-into-list":
+        bad = last["params"][0] = torch.nn.Parameter(torch.zeros(8, 64, dtype=torch.float64))
+        match = "float64"
+    else:
+        bad = last["params"][0]
+        bad.data = torch.zeros(16, 64, dtype=bad.dtype)
+        match = r"shape \(16, 64\).*made for another"
+    bad.grad = torch.ones_like(bad)
+    earlier = [p for group in opt.param_groups if group is not last for p in group["params"]]
+    weights, state = [p.detach().clone() for p in earlier], _state_bits(opt, earlier)
+    with pytest.raises((TypeError, ValueError), match=match):
+        opt.step()
+    assert all(torch.equal(p, w) for p, w in zip(earlier, weights))
+    assert all(torch.equal(s[k], v) for p, s in zip(earlier, state) for k, v in opt.state[p].items())

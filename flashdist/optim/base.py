@@ -329,19 +329,18 @@ class FlashOptimizer(StateLifecycle, OutsideWrites, StateIO, torch.optim.Optimiz
         if self._groups_changed(thorough=False):
             self.sync_state()
         active = self._check_grads()
-        for group, (params, grads) in zip(self.param_groups, active):
-            self._step_params(group, params, grads)
+        # every group's plan before any group steps: a plan made anew checks what changed in place (a parameter
+        # put into a group's list, p.data of another shape), so a refusal in a later group steps no earlier one
+        ready = [self._plan(group, params) if params else None
+                 for group, (params, _) in zip(self.param_groups, active)]
+        for group, (params, grads), plan in zip(self.param_groups, active, ready):
+            self._step_params(group, params, grads, plan)
         return loss
 
-    def _step_params(self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor] | None = None) -> None:
-        """Step these parameters of ``group`` (all have a gradient; ``grads``: their ``.grad``, when the caller
-        has the list already): one functional call per bucket of one layout and one step count.
-
-        The per-parameter bookkeeping (state lookups, local views, buckets) lives in a cached plan, so that a
-        step over thousands of tensors costs a few list operations in Python: the plan is reused while the
-        same parameters have gradients and their state is unchanged, and rebuilt otherwise."""
-        if not params:
-            return
+    def _plan(self, group: dict, params: list[torch.Tensor]) -> tuple[tuple, StepPlan]:
+        """``(key, plan)``: the cached step plan of these parameters of ``group`` (all with a gradient), made
+        anew where none matches them, after the checks a change meets (new parameters, shapes, casts) and with
+        their state made; nothing is stepped."""
         self._check_layout_unchanged(group)  # (step() checked already; gradient release steps through here)
         key = (id(group), len(params), id(params[0]))
         plan = self._plans.get(key)
@@ -371,6 +370,22 @@ class FlashOptimizer(StateLifecycle, OutsideWrites, StateIO, torch.optim.Optimiz
                 if old is not None and old != key:
                     self._plans.pop(old, None)
                 self._plan_keys[id(p)] = key
+        return key, plan
+
+    def _step_params(self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor] | None = None,
+                     ready: tuple | None = None) -> None:
+        """Step these parameters of ``group`` (all have a gradient; ``grads``: their ``.grad``, when the caller
+        has the list already): one functional call per bucket of one layout and one step count. ``ready``:
+        ``_plan(group, params)``, when the caller made it (used while it is still the cached one).
+
+        The per-parameter bookkeeping (state lookups, local views, buckets) lives in a cached plan, so that a
+        step over thousands of tensors costs a few list operations in Python: the plan is reused while the
+        same parameters have gradients and their state is unchanged, and rebuilt otherwise."""
+        if not params:
+            return
+        if ready is None or self._plans.get(ready[0]) is not ready[1]:
+            ready = self._plan(group, params)
+        key, plan = ready
         if not plan.capturable:  # its step counts live on the host: a graph would replay the first one's
             refuse_while_capturing(D.local(params[0]).device, "the optimizer is not capturable (build it with "
                                    "capturable=True)")

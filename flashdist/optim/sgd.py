@@ -82,12 +82,12 @@ class FlashSGD(FlashOptimizer):
                                  "would not start as torch.optim.SGD's (the gradient): build the optimizer with "
                                  "the momentum on, or use dampening=0")
 
-    def _step_params(self, group, params, grads=None):
+    def _plan(self, group, params):
         # momentum turned on since the plan was made (a momentum schedule): the plan has no buffers to step
-        if params and group["momentum"] != 0 and params[0] in self.state \
+        if group["momentum"] != 0 and params[0] in self.state \
                 and not any(key.startswith("momentum_buffer") for key in self.state[params[0]]):
             self._invalidate_plans()
-        super()._step_params(group, params, grads)
+        return super()._plan(group, params)
 
     def _step_bucket(self, group, bucket, grads, step, skipped):
         momentum = bool(bucket.moments)

@@ -107,6 +107,27 @@ def _check_values(name: str, key: str, value: torch.Tensor, *, non_negative: boo
                          f"(e.g. {first!r}); the checkpoint is damaged: load an earlier one")
 
 
+def _rho_from_torch(value, rho_dtype: torch.dtype, name: str):
+    """rho as flashdist keeps it, from a state dict that went through a torch optimizer's ``load_state_dict``
+    (FlashMuon's into torch.optim.Muon and back, FlashAdamW's into torch.optim.AdamW): torch casts every state
+    tensor but ``step`` to the parameter's dtype, which holds every int8 value exactly (bf16, fp16) but not
+    every int16 one. Taken back where the cast was exact; anything else is returned as it came."""
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+        return value
+    exact = {torch.int8: (torch.bfloat16, torch.float16, torch.float32, torch.float64),
+             torch.int16: (torch.float32, torch.float64)}.get(rho_dtype, ())
+    _check(value.dtype in exact, f"state 'rho' of {name} is {value.dtype}, which does not hold every {rho_dtype} "
+                                 "value (a torch optimizer's load_state_dict casts rho to the parameter's dtype): "
+                                 "load the state dict flashdist saved, or start from its fp32 masters (flashdist "
+                                 "export, then flashdist.load_fp32_state_dict)")
+    info = torch.iinfo(rho_dtype)
+    local = D.local(value)
+    _check(bool(torch.all((local == local.round()) & (local >= info.min) & (local <= info.max))),
+           f"state 'rho' of {name} is {value.dtype} with values that are not whole numbers in [{info.min}, "
+           f"{info.max}]: the file is damaged or was edited")
+    return value.to(rho_dtype)
+
+
 def _plan_param(opt, group, p, name, saved: dict, saved_dtype: torch.dtype | None = None) -> list:
     """Validate one parameter's saved state; return a list of (destination local tensor, source) copies.
     ``saved_dtype``: the dtype of the parameter the state was saved for (None: not recorded)."""
@@ -184,6 +205,7 @@ def _plan_param(opt, group, p, name, saved: dict, saved_dtype: torch.dtype | Non
         value = saved["rho"]
         _check("rho" in mine, f"state of {name} has 'rho' but this optimizer keeps no rho for it "
                               f"(master_weight_bits={group['master_weight_bits']}, {p.dtype})")
+        value = _rho_from_torch(value, mine["rho"].dtype, name)
         _check(isinstance(value, torch.Tensor) and value.dtype == mine["rho"].dtype and tuple(value.shape) == shape,
                f"state 'rho' of {name} is {getattr(value, 'dtype', type(value))} "
                f"{tuple(getattr(value, 'shape', ()))}, expected {mine['rho'].dtype} {shape}")
