@@ -309,7 +309,17 @@ def test_refusals(monkeypatch):
         FlashMuon([matrix], backend="fused")
     with pytest.raises(ValueError, match="adjust_lr_fn"):
         FlashMuon([matrix], adjust_lr_fn="sqrt")
+    # torch.optim.AdamW's names in a group: kept and never read (the AdamW groups read adamw_betas, adamw_eps)
+    for group, match in (({"params": [vector], "use_muon": False, "betas": (0.5, 0.9)}, "with use_muon=False sets "
+                          "'betas'.*read 'adamw_betas'"),
+                         ({"params": [vector], "use_muon": False, "eps": 1e-3}, "sets 'eps'.*read 'adamw_eps'"),
+                         ({"params": [matrix], "betas": (0.5, 0.9)}, "of Muon matrices sets 'betas'")):
+        with pytest.raises(ValueError, match=match):
+            FlashMuon([group])
     opt = FlashMuon([matrix])
+    with pytest.raises(ValueError, match="sets 'eps'"):
+        opt.add_param_group({"params": [vector], "use_muon": False, "eps": 1e-3})
+    assert len(opt.param_groups) == 1
     matrix.grad = torch.ones_like(matrix)
     opt.step()  # (state is made at the first step; use_muon is fixed from then on)
     opt.param_groups[0]["use_muon"] = False

@@ -103,6 +103,20 @@ class FlashMuon(FlashOptimizer):
         super().__init__(params, defaults, backend=backend, state_dict_format=state_dict_format,
                          capturable=capturable, graphed=graphed)
 
+    def add_param_group(self, param_group: dict) -> None:
+        """As the family's; a group also may not name AdamW's options as torch.optim.AdamW does: ``betas``
+        (in any group) and, in a ``use_muon=False`` group, ``eps`` (a Muon group's ``eps`` is Newton-Schulz's)
+        would be kept and never read, as the AdamW groups read ``adamw_betas`` and ``adamw_eps``."""
+        if isinstance(param_group, dict):
+            adamw = param_group.get("use_muon", self.defaults["use_muon"]) is False
+            for key in ("betas", "eps") if adamw else ("betas",):
+                if key in param_group:
+                    where = "with use_muon=False" if adamw else "of Muon matrices"
+                    raise ValueError(f"flashdist: a FlashMuon param group {where} sets {key!r}, which no FlashMuon "
+                                     f"update reads: the AdamW groups (use_muon=False) read 'adamw_{key}' (in the "
+                                     f"group, or FlashMuon(..., adamw_{key}=...) for every AdamW group)")
+        super().add_param_group(param_group)
+
     def _reset_caches(self) -> None:
         super()._reset_caches()
         self._owner_position = 0  # the round-robin position of the next sharded matrix's owner
