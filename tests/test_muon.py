@@ -269,6 +269,14 @@ def test_muon_param_groups_leave_heads_tables_and_vectors_to_adamw():
         muon_param_groups(model, exclude=("feature.weight",))
     with pytest.raises(ValueError, match=r"pass \['proj.weight'\]"):
         muon_param_groups(model, exclude="proj.weight")
+    # the same model inside wrappers (torch.compile's _orig_mod, a LightningModule's self.model, DDP's module):
+    # its children are still the model's own, so the classifier's Linear stays with AdamW
+    wrapped = torch.nn.Module()
+    wrapped.module = torch.nn.Module()
+    wrapped.module.model = model
+    for outer, prefix in ((torch.compile(model), "_orig_mod."), (wrapped, "module.model.")):
+        assert [n for g in muon_param_groups(outer) if g["use_muon"] for n, _ in g["params"]] == [
+            prefix + name for name in muon]
 
 
 def test_muon_param_groups_choose_the_view_of_conv_and_stacked_weights():

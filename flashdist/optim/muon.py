@@ -232,7 +232,9 @@ def muon_param_groups(model: torch.nn.Module, *, exclude=(), adamw_lr: float | N
     ``nn.EmbeddingBag`` modules, the parameters of output layers (a module whose own name is one of
     ``HEAD_NAMES``: ``lm_head``, ``output``, ``head``, ``classifier``, ``score``; a child of the model with
     everything inside it, as torchvision's ``classifier`` Sequential, a deeper one with its own parameters
-    only, as BERT's ``layer.N.output`` holding a ``dense`` Linear), parameters tied to either (the same tensor),
+    only, as BERT's ``layer.N.output`` holding a ``dense`` Linear; the model is the one inside its wrappers,
+    modules with one child and no parameters of their own: ``torch.compile``'s ``_orig_mod``, DDP's
+    ``module``, a LightningModule holding its network), parameters tied to either (the same tensor),
     parameters with fewer than two dims larger than 1 (vectors in another shape, e.g. a ``(1, 1, d)`` class
     token) or with leading dims of 1 only (a ``(1, n, d)`` position table: one matrix, no stack), and
     ``exclude`` (full names, a tied parameter's other names included; a name that matches no parameter is
@@ -244,12 +246,21 @@ def muon_param_groups(model: torch.nn.Module, *, exclude=(), adamw_lr: float | N
     orthogonalized on its own). Edit the returned dicts for anything else: ``use_muon`` and ``flatten`` are
     group keys."""
     leave, conv = set(), set()
+    # the model inside its wrappers (torch.compile's _orig_mod, DDP's module, a LightningModule's model: a module
+    # with one child and no parameters of its own), whose children are the model's own
+    chain, module = [""], model
+    while len(children := list(module.named_children())) == 1 and next(module.parameters(False), None) is None:
+        name, module = children[0]
+        chain.append(f"{chain[-1]}.{name}" if chain[-1] else name)
+    root = chain[-1]
     for module_name, module in model.named_modules():
         if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
             leave.update(id(p) for p in module.parameters(recurse=False))
-        if module_name.rsplit(".", 1)[-1] in HEAD_NAMES:  # a model's own head with all inside it (torchvision's
-            # classifier Sequential); deeper, only its own parameters (BERT's layer.N.output holds a dense Linear)
-            leave.update(id(p) for p in module.parameters(recurse="." not in module_name))
+        if module_name.rsplit(".", 1)[-1] in HEAD_NAMES and module_name not in chain:
+            # the model's own head with all inside it (torchvision's classifier Sequential); deeper, only its own
+            # parameters (BERT's layer.N.output holds a dense Linear)
+            own = module_name.removeprefix(root + ".") if root else module_name
+            leave.update(id(p) for p in module.parameters(recurse="." not in own))
         if isinstance(module, torch.nn.modules.conv._ConvNd):
             conv.update(id(p) for p in module.parameters(recurse=False))
     if isinstance(exclude, str):
