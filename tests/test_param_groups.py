@@ -190,3 +190,31 @@ def test_hyperparameters_whose_scalars_overflow_fp32_are_refused(cls, kwargs, ma
         cls(_model().parameters(), **kwargs)
     torch.optim.AdamW(_model().parameters(), lr=1e37)  # the largest accepted are accepted by both
     FlashAdamW(_model().parameters(), lr=3e37)
+
+
+_NUMPY_OPTIONS = {"adamw": (FlashAdamW, {"lr": 1e-2, "weight_decay": 0.1, "eps": 1e-8}),
+                  "sgd": (FlashSGD, {"lr": 1e-2, "momentum": 0.9, "weight_decay": 0.01}),
+                  "lion": (FlashLion, {"lr": 1e-3, "weight_decay": 0.1}),
+                  "muon": (None, {"lr": 2e-2, "momentum": 0.95, "weight_decay": 0.1, "ns_steps": 5})}
+
+
+@pytest.mark.parametrize("kind", _NUMPY_OPTIONS)
+def test_numpy_scalars_are_taken_as_the_numbers_they_hold(kind):
+    """Hyper-parameters given as NumPy scalars (np.float32, np.int64: torch.optim takes them, and configs
+    read with NumPy hand them over), at construction or set by a schedule: the bits of the same Python numbers."""
+    np = pytest.importorskip("numpy")
+    from flashdist import FlashMuon, muon_param_groups
+
+    cls, options = _NUMPY_OPTIONS[kind]
+    as_numpy = {k: np.int64(v) if isinstance(v, int) else np.float32(v) for k, v in options.items()}
+    as_python = {k: v.item() for k, v in as_numpy.items()}
+    runs = []
+    for values in (as_python, as_numpy):
+        model = _model()
+        opt = (FlashMuon(muon_param_groups(model), **values) if cls is None else cls(model.parameters(), **values))
+        _step(model, opt, seed=1)
+        for group in opt.param_groups:
+            group["lr"] = values["lr"] * (np.float32(0.5) if values is as_numpy else 0.5)
+        _step(model, opt, seed=2)
+        runs.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 
 import torch
@@ -153,10 +154,10 @@ class FlashMuon(FlashOptimizer):
             raise ValueError(f"flashdist: nesterov must be True or False, got {group['nesterov']!r}")
         coefficients = group["ns_coefficients"]
         if (not isinstance(coefficients, (tuple, list)) or len(coefficients) != 3
-                or not all(isinstance(c, (int, float)) and math.isfinite(c) for c in coefficients)):
+                or not all(isinstance(c, numbers.Real) and math.isfinite(c) for c in coefficients)):
             raise ValueError(f"flashdist: ns_coefficients must be three finite numbers (a, b, c), got {coefficients!r}")
         steps = group["ns_steps"]
-        if not isinstance(steps, int) or isinstance(steps, bool) or not 0 <= steps < 100:
+        if not isinstance(steps, numbers.Integral) or isinstance(steps, bool) or not 0 <= steps < 100:
             raise ValueError(f"flashdist: ns_steps must be an int in [0, 100) (as torch.optim.Muon), got {steps!r}")
         if group["adjust_lr_fn"] not in ADJUST_LR_FNS:
             raise ValueError(f"flashdist: adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {group['adjust_lr_fn']!r}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 import torch
@@ -83,7 +84,7 @@ def check_number(name: str, value: Any, *, low: float, high: float | None = None
         if value.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return  # a step being captured cannot read it (it was checked at the warm-up step)
         value = value.item()
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
         raise ValueError(f"flashdist: {name} must be a finite real number, got {value!r}")
     if value < low or (high is not None and (value >= high if high_open else value > high)):
         bound = f"[{low}, {high})" if high_open else (f"[{low}, {high}]" if high is not None else f">= {low}")
@@ -97,7 +98,7 @@ def check_fp32_product(name: str, value: float, why: str) -> None:
     """Refuse a hyper-parameter whose derived per-step scalar ``value`` (e.g. the first Adam step's
     ``lr / (1 - beta1)``) overflows fp32, as torch.optim refuses it ("cannot be converted to type float
     without overflow"), naming ``name`` and the scalar ``why``."""
-    if isinstance(value, (int, float)) and abs(value) > FP32_MAX:
+    if isinstance(value, numbers.Real) and abs(value) > FP32_MAX:
         raise ValueError(f"flashdist: {name} is too large: {why} = {value:.4g} overflows fp32 (largest "
                          f"{FP32_MAX:.4g}): lower it")
 
