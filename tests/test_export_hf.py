@@ -44,6 +44,8 @@ def _reference(config, model, opt):
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
 def test_from_pretrained_gives_the_master_weights_model(tmp_path, tie):
     config, model, opt = _trained(tmp_path, tie)
+    saved = tmp_path / "cfg" / "config.json"  # as a model loaded with dtype=torch.bfloat16 saves its config
+    saved.write_text(json.dumps({**json.loads(saved.read_text()), "dtype": "bfloat16"}))
     out = tmp_path / "hf"
     rc, _, err = _cli("export", tmp_path / "ck", out, "--hf", "--config", tmp_path / "cfg" / "config.json",
                       "--max-shard-size", "40KB")
@@ -53,7 +55,11 @@ def test_from_pretrained_gives_the_master_weights_model(tmp_path, tie):
     assert len(shards) > 1 and sorted(set(index["weight_map"].values())) == shards
     assert set(index["weight_map"]) == set(model.state_dict())
     assert all(p.stat().st_size <= 40_000 or len(_names(p)) == 1 for p in out.glob("model-*.safetensors"))
-    loaded = transformers.LlamaForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    # the config written says the weights' dtype: from_pretrained's default reads it (a copied "bfloat16" loaded
+    # the fp32 masters rounded to bf16)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
+    loaded = transformers.LlamaForCausalLM.from_pretrained(out).eval()
+    assert loaded.dtype == torch.float32
     ref = _reference(config, model, opt)
     for name, value in ref.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], value), name
@@ -74,9 +80,12 @@ def _names(path) -> list[str]:
 def test_bf16_single_file_and_bad_input(tmp_path):
     config, model, opt = _trained(tmp_path, False)
     out = tmp_path / "hf16"
-    rc, _, err = _cli("export", tmp_path / "ck", out, "--hf", "--dtype", "bf16")
+    saved = tmp_path / "cfg" / "config.json"
+    saved.write_text(json.dumps({**json.loads(saved.read_text()), "dtype": "float32"}))
+    rc, _, err = _cli("export", tmp_path / "ck", out, "--hf", "--dtype", "bf16", "--config", saved)
     assert rc == 0, err
-    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]  # one shard: no index
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]  # one shard: no index
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     from safetensors.torch import load_file
 
     weights = load_file(out / "model.safetensors")
