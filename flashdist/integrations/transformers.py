@@ -8,7 +8,8 @@
 Names: ``flash_adamw``, ``flash_adam``, ``flash_sgd``, ``flash_sgdw``, ``flash_lion``, ``flash_muon`` (see
 :data:`OPTIMIZERS`). ``flash_muon`` builds its param groups from the model (``flashdist.muon_param_groups``:
 matrices take Muon, embeddings, the output head, norms and biases AdamW with ``adam_beta1/2`` and
-``adam_epsilon``), in place of the Trainer's decay / no-decay groups.
+``adam_epsilon``), in place of the Trainer's decay / no-decay groups, with ``weight_decay`` split as those
+are (none for biases and norm weights).
 The Trainer's arguments map as for its own optimizers: ``learning_rate`` -> ``lr``, ``adam_beta1/2`` ->
 ``betas`` (Adam and Lion), ``adam_epsilon`` -> ``eps`` (Adam), ``weight_decay`` per param group (the Trainer's
 decay / no-decay groups). ``optim_args`` is the Trainer's ``"key=value,key=value"`` string; each key is a keyword
@@ -172,7 +173,20 @@ def optimizer_cls_and_kwargs(name: str, args=None, optim_args: str | dict | None
                              "optimizer_cls_and_kwargs (the Trainer's handler does, after register())")
         from ..optim.muon import muon_param_groups
 
-        kwargs["params"] = muon_param_groups(model)  # the Trainer takes kwargs["params"] as the groups
+        groups = muon_param_groups(model)
+        decay = kwargs.get("weight_decay", getattr(args, "weight_decay", None))  # (optim_args win)
+        if decay is not None:  # the Trainer's decay / no-decay split: none for biases and norm weights (1-d)
+            split = []
+            for group in groups:
+                if group["use_muon"]:
+                    split.append({**group, "weight_decay": decay})
+                    continue
+                matrices = [(n, p) for n, p in group["params"] if p.ndim > 1]  # embeddings, the head
+                vectors = [(n, p) for n, p in group["params"] if p.ndim <= 1]
+                split += [{**group, "params": matrices, "weight_decay": decay}] if matrices else []
+                split += [{**group, "params": vectors, "weight_decay": 0.0}] if vectors else []
+            groups = split
+        kwargs["params"] = groups  # the Trainer takes kwargs["params"] as the groups
     return cls, kwargs
 
 

@@ -22,10 +22,19 @@ def test_flash_muon_groups_come_from_the_model(tmp_path):
     model = tiny_llama()
     cls, kwargs = fd_hf.optimizer_cls_and_kwargs("flash_muon", args, model=model)
     assert cls is FlashMuon and kwargs["adamw_betas"] == (0.9, 0.95) and "adamw_eps" in kwargs
-    muon, adamw = kwargs["params"]
-    assert muon["use_muon"] and not adamw["use_muon"]
+    muon, adamw, no_decay = kwargs["params"]
+    assert muon["use_muon"] and not adamw["use_muon"] and not no_decay["use_muon"]
     names = {n for n, _ in adamw["params"]}
     assert "model.embed_tokens.weight" in names and all(p.ndim == 2 for _, p in muon["params"])
+    # TrainingArguments.weight_decay, as the Trainer's decay / no-decay groups take it: none for norm weights
+    assert muon["weight_decay"] == adamw["weight_decay"] == args.weight_decay and no_decay["weight_decay"] == 0
+    assert {n for n, _ in no_decay["params"]} == {n for n, p in model.named_parameters() if p.ndim == 1}
+    for decay in (0.0, 0.03):
+        groups = fd_hf.optimizer_cls_and_kwargs("flash_muon", _args(tmp_path, optim="flash_muon",
+                                                                    weight_decay=decay), model=model)[1]["params"]
+        assert [g["weight_decay"] for g in groups] == [decay, decay, 0.0]
+    groups = fd_hf.optimizer_cls_and_kwargs("flash_muon", args, "weight_decay=0.2", model=model)[1]["params"]
+    assert [g["weight_decay"] for g in groups] == [0.2, 0.2, 0.0]  # optim_args win
     with pytest.raises(ValueError, match="pass model="):
         fd_hf.optimizer_cls_and_kwargs("flash_muon", args)
 
@@ -46,7 +55,8 @@ def test_trainer_trains_with_flash_muon(tmp_path):
 def _losses_against_torch_muon(tmp_path, device: str, optim_args: str, dtype: torch.dtype) -> tuple[list, list]:
     """The Trainer's losses with optim="flash_muon" (a model in ``dtype``) and with torch.optim.Muon on the
     matrices + torch.optim.AdamW on the rest (an fp32 model, launch/benchlib.py's MuonWithAdamW), both with
-    FlashMuon's defaults (momentum 0.95, Nesterov, weight decay 0.1, AdamW betas (0.9, 0.95)), 12 steps."""
+    FlashMuon's defaults (momentum 0.95, Nesterov, AdamW betas (0.9, 0.95)) and the Trainer's weight decay (0.1,
+    none for norm weights), 12 steps."""
     from flashdist import muon_param_groups
     from launch.benchlib import MuonWithAdamW
 
@@ -56,8 +66,10 @@ def _losses_against_torch_muon(tmp_path, device: str, optim_args: str, dtype: to
     flash.train()
     model = tiny_llama(torch.float32).to(device)
     muon, adamw = muon_param_groups(model)
-    ref = MuonWithAdamW([p for _, p in muon["params"]], [{"params": [p for _, p in adamw["params"]],
-                                                           "weight_decay": 0.1}], lr=5e-3, weight_decay=0.1)
+    rest = [p for _, p in adamw["params"]]  # the Trainer's decay / no-decay split: none for norm weights
+    rest = [{"params": [p for p in rest if p.ndim > 1], "weight_decay": 0.1},
+            {"params": [p for p in rest if p.ndim <= 1], "weight_decay": 0.0}]
+    ref = MuonWithAdamW([p for _, p in muon["params"]], rest, lr=5e-3, weight_decay=0.1)
     torch_run = transformers.Trainer(model=model, train_dataset=_data(), optimizers=(ref, None),
                                      args=_args(tmp_path / "torch", **over))
     torch_run.train()
