@@ -588,3 +588,21 @@ def test_file_system_without_locks_warns_and_still_saves(tmp_path, monkeypatch):
         checkpoint.save(tmp_path / "ck", model, opt, extra={"n": 1})
     assert checkpoint.load(tmp_path / "ck", model, opt)["n"] == 1
     _only_checkpoint_left(tmp_path)
+
+
+@pytest.mark.parametrize("biases", [False, True], ids=["matrices-only", "with-adamw-groups"])
+def test_a_checkpoint_of_another_optimizer_is_refused_naming_both(tmp_path, biases):
+    """A FlashAdamW checkpoint loaded into a FlashMuon: refused, naming what each side holds by its optimizer
+    (FlashMuon was named as FlashSGD, or as "another optimizer")."""
+    def net():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(16, 32, bias=biases), torch.nn.Linear(32, 8, bias=biases)).bfloat16()
+
+    model = net()
+    opt = FlashAdamW(model.parameters(), lr=1e-3)
+    _train(model, opt, 1)
+    checkpoint.save(tmp_path / "ck", model, opt)
+    other = net()
+    want = "FlashMuon" if biases else "FlashSGD/FlashSGDW with momentum, or FlashMuon on matrices only"
+    with pytest.raises(checkpoint.CheckpointError, match=rf"\(FlashAdamW/FlashAdam\), this optimizer's .*\({want}\)"):
+        checkpoint.load(tmp_path / "ck", other, flashdist.FlashMuon(flashdist.muon_param_groups(other), lr=0.02))

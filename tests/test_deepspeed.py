@@ -224,6 +224,11 @@ def test_flashdist_optimizer_instance_is_refused():
     config = {k: v for k, v in _config().items() if k != "optimizer"}
     with pytest.raises(ValueError, match="flat_layout=True"):
         fds.initialize(model=model, optimizer=FlashAdamW(model.parameters()), config=config)
+    from flashdist import FlashMuon  # refused for what it is, not with advice that does not fit it
+
+    for optimizer in (FlashMuon([model.weight]), FlashMuon):
+        with pytest.raises(ValueError, match="FlashMuon was passed to DeepSpeed, which cannot run it.*FSDP2"):
+            fds.initialize(model=model, model_parameters=model.parameters(), optimizer=optimizer, config=config)
 
 
 # ----- ZeRO on gloo ranks --------------------------------------------------------------------------------

@@ -321,7 +321,9 @@ def _saved_format(metadata) -> str | None:
 
 
 _OPTIMIZERS_BY_MOMENTS = {("exp_avg", "exp_avg_sq"): "FlashAdamW/FlashAdam", ("exp_avg",): "FlashLion",
-                          ("momentum_buffer",): "FlashSGD/FlashSGDW with momentum", (): "FlashSGD without momentum"}
+                          ("momentum_buffer",): "FlashSGD/FlashSGDW with momentum, or FlashMuon on matrices only",
+                          ("exp_avg", "exp_avg_sq", "momentum_buffer"): "FlashMuon",
+                          (): "FlashSGD without momentum"}
 
 
 def _optimizer_hint(have, want) -> str:

@@ -404,6 +404,12 @@ def _is_flash(optimizer) -> bool:
 def _check_optimizer_argument(optimizer) -> None:
     """A flashdist optimizer built on the model parameters has row-layout state for tensors that ZeRO replaces
     by its flat partitions right after (their moments would stay fp32): refuse it, saying what works."""
+    from ..optim import FlashMuon
+
+    if isinstance(optimizer, FlashMuon) or optimizer is FlashMuon:  # (its class as the callable)
+        raise ValueError("flashdist: FlashMuon was passed to DeepSpeed, which cannot run it: ZeRO hands the optimizer "
+                         "flat partitions of many parameters, not the whole matrices Newton-Schulz needs; train "
+                         "FlashMuon under FSDP2 (fully_shard), or use DeepSpeed's own Muon")
     if _is_flash(optimizer) and not all(g.get("flat_layout") for g in optimizer.param_groups):
         raise ValueError(f"flashdist: a {type(optimizer).__name__} built on the model was passed to DeepSpeed; ZeRO "
                          "swaps its parameters for flat partitions. Name it in the config's optimizer section, or "
