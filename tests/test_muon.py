@@ -413,6 +413,23 @@ def test_a_state_dict_that_went_through_torch_muon_loads_back_with_its_rho(dtype
                for p, q in zip(params, copies))
 
 
+def test_an_sgd_state_dict_is_refused():
+    """torch.optim.SGD's and FlashSGD's state (momentum_buffer, FlashMuon's name) and groups (no Newton-Schulz
+    options) are refused in one line, changing nothing (they loaded, and SGD's lr, momentum and nesterov replaced
+    FlashMuon's)."""
+    for sgd in (torch.optim.SGD, flashdist.FlashSGD):
+        params = [torch.nn.Parameter(w) for w in _weights(torch.float32)]
+        other = sgd(params, lr=1e-3, momentum=0.9, **({} if sgd is torch.optim.SGD else {"master_weight_bits": None}))
+        for p, g in zip(params, _grads(1)[0]):
+            p.grad = g
+        other.step()
+        muon = FlashMuon([torch.nn.Parameter(p.detach().clone()) for p in params], lr=0.02, master_weight_bits=None)
+        before = {k: v for k, v in muon.param_groups[0].items() if k != "params"}
+        with pytest.raises(ValueError, match=r"param group 0 of the state dict has no Newton-Schulz options"):
+            muon.load_state_dict(copy.deepcopy(other.state_dict()))
+        assert len(muon.state) == 0 and {k: v for k, v in muon.param_groups[0].items() if k != "params"} == before
+
+
 @pytest.mark.parametrize("fmt", ["portable", "compressed"])
 def test_state_dict_round_trip_mid_run(fmt):
     """Saved after 2 steps and loaded into a fresh optimizer, the third step is the same bits."""

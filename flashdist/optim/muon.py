@@ -118,6 +118,13 @@ class FlashMuon(FlashOptimizer):
                                      f"group, or FlashMuon(..., adamw_{key}=...) for every AdamW group)")
         super().add_param_group(param_group)
 
+    def _check_saved_group(self, index: int, saved: dict) -> None:
+        # an SGD state dict holds a momentum_buffer too: its groups have no Newton-Schulz options
+        if saved.get("use_muon", True) and not {"ns_coefficients", "ns_steps"} <= saved.keys():
+            raise ValueError(f"flashdist: param group {index} of the state dict has no Newton-Schulz options "
+                             "(ns_coefficients, ns_steps): FlashMuon and torch.optim.Muon save them, so another "
+                             "optimizer saved it (SGD's momentum_buffer has Muon's name); load it into that one")
+
     def _reset_caches(self) -> None:
         super()._reset_caches()
         self._owner_position = 0  # the round-robin position of the next sharded matrix's owner

@@ -235,6 +235,7 @@ def load_state_dict(opt, sd: dict) -> None:
     plan = []
     index = 0
     for gi, (group, sgroup) in enumerate(zip(opt.param_groups, groups)):
+        opt._check_saved_group(gi, sgroup)
         version = sgroup.get("flashdist_version", FORMAT_VERSION)
         _check(isinstance(version, int) and version <= FORMAT_VERSION,
                f"param group {gi} was saved in state-dict format version {version!r}; this flashdist reads "

@@ -83,6 +83,10 @@ class StateIO:
             _FORMAT_OVERRIDES.reset(token)
 
     @torch._disable_dynamo
+    def _check_saved_group(self, index: int, saved: dict) -> None:
+        """Refuse a param group of a state dict that another kind of optimizer saved, where the state keys
+        alone would not tell (a class whose state is named as another's); nothing by default."""
+
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a portable, compressed or torch.optim.AdamW state dict, keeping int8/uint8/bf16 state in its
         dtype (torch's Optimizer would cast it to the parameter dtype). Shapes, dtypes, format version and
