@@ -65,9 +65,13 @@ def _optimizer_class(name: str) -> type:
     return getattr(optim, OPTIMIZERS[key])
 
 
+# optim_args a class takes for the param groups the handler builds, not as constructor arguments
+_GROUP_ARGS = {"FlashMuon": ("adamw_lr",)}  # the AdamW groups' learning rate (muon_param_groups' adamw_lr)
+
+
 def _accepted(cls: type) -> list[str]:
     """Keyword arguments of ``cls``, following ``**kwargs`` up the class hierarchy (FlashAdam -> FlashAdamW)."""
-    names: list[str] = []
+    names: list[str] = list(_GROUP_ARGS.get(cls.__name__, ()))
     for klass in cls.__mro__:
         if "__init__" not in vars(klass):
             continue
@@ -154,6 +158,7 @@ def optimizer_cls_and_kwargs(name: str, args=None, optim_args: str | dict | None
         if optim_args is None:
             optim_args = args.optim_args
     kwargs.update(parse_optim_args(optim_args, cls))
+    group_args = {k: kwargs.pop(k) for k in _GROUP_ARGS.get(cls.__name__, ()) if k in kwargs}
     deepspeed = args is not None and uses_deepspeed(args)
     if "flat_layout" in kwargs and bool(kwargs["flat_layout"]) != deepspeed:
         raise ValueError(f"flashdist: optim_args sets flat_layout={kwargs['flat_layout']!r}; it follows the launcher "
@@ -163,8 +168,11 @@ def optimizer_cls_and_kwargs(name: str, args=None, optim_args: str | dict | None
                          "whole matrices for Newton-Schulz); train it with FSDP2 or in one process")
     if deepspeed:
         kwargs["flat_layout"] = True  # ZeRO's flat partitions keep 8-bit moments only in the flat layout
+    probe = [torch.zeros(1, 1, dtype=torch.bfloat16, requires_grad=True)]
+    if "adamw_lr" in group_args:  # (checked as the AdamW group's lr it becomes)
+        probe = [{"params": probe, "use_muon": False, "lr": group_args["adamw_lr"]}]
     try:  # every check the class makes, now rather than at the Trainer's first step
-        cls([torch.zeros(1, 1, dtype=torch.bfloat16, requires_grad=True)], **kwargs)
+        cls(probe, **kwargs)
     except (TypeError, ValueError) as e:
         raise ValueError(f"flashdist: {cls.__name__} from optim={name!r}, optim_args={optim_args!r}: {e}") from e
     if cls.__name__ == "FlashMuon":
@@ -173,7 +181,7 @@ def optimizer_cls_and_kwargs(name: str, args=None, optim_args: str | dict | None
                              "optimizer_cls_and_kwargs (the Trainer's handler does, after register())")
         from ..optim.muon import muon_param_groups
 
-        groups = muon_param_groups(model)
+        groups = muon_param_groups(model, adamw_lr=group_args.get("adamw_lr"))
         decay = kwargs.get("weight_decay", getattr(args, "weight_decay", None))  # (optim_args win)
         if decay is not None:  # the Trainer's decay / no-decay split: none for biases and norm weights (1-d)
             split = []

@@ -35,6 +35,14 @@ def test_flash_muon_groups_come_from_the_model(tmp_path):
         assert [g["weight_decay"] for g in groups] == [decay, decay, 0.0]
     groups = fd_hf.optimizer_cls_and_kwargs("flash_muon", args, "weight_decay=0.2", model=model)[1]["params"]
     assert [g["weight_decay"] for g in groups] == [0.2, 0.2, 0.0]  # optim_args win
+    # the AdamW groups' own learning rate (muon_param_groups' adamw_lr), checked as the lr it becomes
+    cls, kwargs = fd_hf.optimizer_cls_and_kwargs("flash_muon", args, "adamw_lr=3e-4", model=model)
+    assert [g.get("lr") for g in kwargs["params"]] == [None, 3e-4, 3e-4] and kwargs["lr"] == args.learning_rate
+    assert "adamw_lr" not in kwargs
+    with pytest.raises(ValueError, match=r"optim_args='adamw_lr=-1'.*lr must be"):
+        fd_hf.optimizer_cls_and_kwargs("flash_muon", args, "adamw_lr=-1", model=model)
+    with pytest.raises(ValueError, match=r"\['adamw_lr'\], which FlashAdamW does not take"):
+        fd_hf.optimizer_cls_and_kwargs("flash_adamw", _args(tmp_path, optim="flash_adamw"), "adamw_lr=3e-4")
     with pytest.raises(ValueError, match="pass model="):
         fd_hf.optimizer_cls_and_kwargs("flash_muon", args)
 
