@@ -79,8 +79,8 @@ def test_checkpoint_of_another_optimizer_is_refused_with_the_reason(tmp_path):
     _train(model, opt, 0, STEPS)
     checkpoint.save(tmp_path / "sgd", model, opt)
     for cls, kwargs, saying in [
-        (FlashLion, {}, r"holds \['momentum_buffer'\] \(FlashSGD/FlashSGDW with momentum\), this optimizer's "
-                        r"\['exp_avg'\] \(FlashLion\)"),
+        (FlashLion, {}, r"holds \['momentum_buffer'\] \(FlashSGD/FlashSGDW with momentum, or FlashMuon on "
+                        r"matrices only\), this optimizer's \['exp_avg'\] \(FlashLion\)"),
         (FlashAdamW, {}, r"this optimizer's \['exp_avg', 'exp_avg_sq'\]"),
         (FlashSGD, {}, r"this optimizer's none \(FlashSGD without momentum\)"),
     ]:
