@@ -4,7 +4,8 @@ The folder holds the weights under the model's own names (the FQNs ``flashdist.c
 for a transformers model are its state-dict keys) as safetensors: one ``model.safetensors``, or shards of at
 most ``max_shard_size`` named and indexed as transformers names them (``model-00001-of-00003.safetensors``,
 ``model.safetensors.index.json``), the split made by ``huggingface_hub.split_torch_state_dict_into_shards``;
-plus ``config.json`` when a config is given (its dtype set to the weights'). Tensors are written one at a time (peak memory: the largest).
+plus ``config.json`` when a config is given (its dtype set to the weights'). Tensors are written one at a time
+(peak memory: the largest).
 """
 
 from __future__ import annotations
