@@ -92,3 +92,16 @@ def test_compiled_model_inductor_matches_eager():
         moved = (q.float() - initial[name].float()).abs().mean()
         assert diff.max() <= 2 * LR * STEPS, f"{name}: max difference {diff.max():.3g}"
         assert diff.mean() <= 0.05 * moved, f"{name}: mean difference {diff.mean():.3g}, moved {moved:.3g}"
+
+
+def test_state_dict_and_load_state_dict_are_not_traced():
+    """torch.compile of a function that saves or loads the optimizer's state runs them as they are (disabled
+    for dynamo: their checks and the Python-side caches are not traceable), with no graph and no break."""
+    param = torch.nn.Parameter(torch.randn(8, 8, dtype=torch.bfloat16))
+    param.grad = torch.randn_like(param)
+    opt = FlashAdamW([param])
+    opt.step()
+    saved = opt.state_dict()
+    for fn in (lambda: opt.state_dict(), lambda: opt.load_state_dict(saved)):
+        explained = torch._dynamo.explain(fn)()
+        assert explained.graph_count == 0 and explained.graph_break_count <= 0, explained

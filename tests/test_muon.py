@@ -277,6 +277,13 @@ def test_muon_param_groups_leave_heads_tables_and_vectors_to_adamw():
     for outer, prefix in ((torch.compile(model), "_orig_mod."), (wrapped, "module.model.")):
         assert [n for g in muon_param_groups(outer) if g["use_muon"] for n, _ in g["params"]] == [
             prefix + name for name in muon]
+    # not a wrapper: a model that is only its head (a probe), a container of one layer (a one-layer encoder)
+    probe = torch.nn.Module()
+    probe.classifier = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    encoder = torch.nn.Module()
+    encoder.layer = torch.nn.ModuleList([model.layer])
+    for other, want in ((probe, []), (encoder, ["layer.0.output.dense.weight"])):
+        assert [n for g in muon_param_groups(other) if g["use_muon"] for n, _ in g["params"]] == want
 
 
 def test_muon_param_groups_choose_the_view_of_conv_and_stacked_weights():
@@ -328,6 +335,11 @@ def test_refusals(monkeypatch):
     with pytest.raises(ValueError, match="sets 'eps'"):
         opt.add_param_group({"params": [vector], "use_muon": False, "eps": 1e-3})
     assert len(opt.param_groups) == 1
+    # a FlashMuon group copied back (its eps is Newton-Schulz's default, beside adamw_eps) is not the user's eps
+    copied = FlashMuon([{"params": [matrix]}, {"params": [vector], "use_muon": False}])
+    more = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
+    copied.add_param_group({**copied.param_groups[-1], "params": [more]})
+    FlashMuon([{**g, "params": list(g["params"])} for g in copied.param_groups])
     matrix.grad = torch.ones_like(matrix)
     opt.step()  # (state is made at the first step; use_muon is fixed from then on)
     opt.param_groups[0]["use_muon"] = False
@@ -428,6 +440,16 @@ def test_an_sgd_state_dict_is_refused():
         with pytest.raises(ValueError, match=r"param group 0 of the state dict has no Newton-Schulz options"):
             muon.load_state_dict(copy.deepcopy(other.state_dict()))
         assert len(muon.state) == 0 and {k: v for k, v in muon.param_groups[0].items() if k != "params"} == before
+    # a group saved without use_muon (torch.optim.Muon's and AdamW's, merged) is read as the live group is
+    weights = [torch.nn.Parameter(torch.randn(4, 8)), torch.nn.Parameter(torch.randn(8))]
+    flash = FlashMuon([{"params": weights[:1]}, {"params": weights[1:], "use_muon": False}], master_weight_bits=None)
+    for p in weights:
+        p.grad = torch.ones_like(p)
+    flash.step()
+    saved = flash.state_dict()
+    saved["param_groups"] = [{k: v for k, v in g.items() if k != "use_muon"} for g in saved["param_groups"]]
+    saved["param_groups"][1] = {k: v for k, v in saved["param_groups"][1].items() if not k.startswith("ns_")}
+    flash.load_state_dict(saved)
 
 
 @pytest.mark.parametrize("fmt", ["portable", "compressed"])

@@ -3,7 +3,9 @@ at construction (or, for layout options changed on a live group, at the next ste
 
 from __future__ import annotations
 
+import io
 import math
+from fractions import Fraction
 
 import pytest
 import torch
@@ -216,5 +218,19 @@ def test_numpy_scalars_are_taken_as_the_numbers_they_hold(kind):
         for group in opt.param_groups:
             group["lr"] = values["lr"] * (np.float32(0.5) if values is as_numpy else 0.5)
         _step(model, opt, seed=2)
+        runs.append([p.detach().clone() for p in model.parameters()])
+        buffer = io.BytesIO()  # saved as the Python numbers: torch.load's weights_only=True refuses NumPy objects
+        torch.save(opt.state_dict(), buffer)
+        buffer.seek(0)
+        assert torch.load(buffer, weights_only=True)["param_groups"][0]["lr"] == values["lr"] * 0.5
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_any_real_number_is_taken_as_its_float():
+    """A Fraction (numbers.Real, no .item()) as the learning rate: the bits of its float."""
+    runs = []
+    for lr in (Fraction(1, 64), 1 / 64):
+        model = _model()
+        _step(model, FlashSGD(model.parameters(), lr=lr, momentum=0.9), seed=1)
         runs.append([p.detach().clone() for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*runs))

@@ -55,4 +55,6 @@ def on_device(value, device: torch.device) -> bool:
 def host_number(value) -> float:
     """A step count or learning rate on the host as a Python number (a tensor is read: one synchronisation
     where it is on a GPU; a NumPy scalar, which torch.optim takes too, converted)."""
-    return value if isinstance(value, (int, float)) else value.item()
+    if isinstance(value, (int, float)):
+        return value
+    return value.item() if isinstance(value, torch.Tensor) or hasattr(value, "item") else float(value)

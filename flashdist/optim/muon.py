@@ -110,7 +110,8 @@ class FlashMuon(FlashOptimizer):
         would be kept and never read, as the AdamW groups read ``adamw_betas`` and ``adamw_eps``."""
         if isinstance(param_group, dict):
             adamw = param_group.get("use_muon", self.defaults["use_muon"]) is False
-            for key in ("betas", "eps") if adamw else ("betas",):
+            # (a FlashMuon group copied back holds adamw_eps, and eps as Newton-Schulz's default: not the user's)
+            for key in ("betas", "eps") if adamw and "adamw_eps" not in param_group else ("betas",):
                 if key in param_group:
                     where = "with use_muon=False" if adamw else "of Muon matrices"
                     raise ValueError(f"flashdist: a FlashMuon param group {where} sets {key!r}, which no FlashMuon "
@@ -120,7 +121,8 @@ class FlashMuon(FlashOptimizer):
 
     def _check_saved_group(self, index: int, saved: dict) -> None:
         # an SGD state dict holds a momentum_buffer too: its groups have no Newton-Schulz options
-        if saved.get("use_muon", True) and not {"ns_coefficients", "ns_steps"} <= saved.keys():
+        live = self.param_groups[index]["use_muon"] if index < len(self.param_groups) else True
+        if saved.get("use_muon", live) and not {"ns_coefficients", "ns_steps"} <= saved.keys():
             raise ValueError(f"flashdist: param group {index} of the state dict has no Newton-Schulz options "
                              "(ns_coefficients, ns_steps): FlashMuon and torch.optim.Muon save them, so another "
                              "optimizer saved it (SGD's momentum_buffer has Muon's name); load it into that one")
@@ -258,7 +260,10 @@ def muon_param_groups(model: torch.nn.Module, *, exclude=(), adamw_lr: float | N
     # with one child and no parameters of its own), whose children are the model's own
     chain, module = [""], model
     while len(children := list(module.named_children())) == 1 and next(module.parameters(False), None) is None:
-        name, module = children[0]
+        name, child = children[0]
+        if name in HEAD_NAMES or isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)):
+            break  # (a model that is only its head; a container of one layer, as a one-layer encoder's)
+        module = child
         chain.append(f"{chain[-1]}.{name}" if chain[-1] else name)
     root = chain[-1]
     for module_name, module in model.named_modules():

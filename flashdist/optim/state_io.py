@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import numbers
 from typing import Any
 
 import torch
@@ -22,6 +23,16 @@ def _check_format(value: Any, name: str) -> None:
     """One of the state-dict formats, or a ValueError naming ``name``."""
     if value not in FORMATS:
         raise ValueError(f"flashdist: {name} must be one of {FORMATS}, got {value!r}")
+
+
+def _plain(value):
+    """A NumPy scalar as the Python number it holds (it has ``item``), a tuple or list of them likewise; any
+    other value as it is."""
+    if isinstance(value, (tuple, list)):
+        return type(value)(map(_plain, value))
+    if isinstance(value, numbers.Number) and not isinstance(value, (int, float, complex)) and hasattr(value, "item"):
+        return value.item()
+    return value
 
 
 class StateIO:
@@ -60,7 +71,9 @@ class StateIO:
         groups = []
         start = 0
         for group in self.param_groups:
-            packed = {k: v for k, v in group.items() if k != "params"}
+            # (a NumPy scalar a group was given, or a schedule set, as the Python number: torch.load's
+            # weights_only=True, DCP's loader included, refuses NumPy objects)
+            packed = {k: _plain(v) for k, v in group.items() if k != "params"}
             index.update({id(p): i for i, p in enumerate(group["params"], start) if id(p) not in index})
             packed["params"] = [index[id(p)] for p in group["params"]]
             start += len(packed["params"])
@@ -82,11 +95,11 @@ class StateIO:
         finally:
             _FORMAT_OVERRIDES.reset(token)
 
-    @torch._disable_dynamo
     def _check_saved_group(self, index: int, saved: dict) -> None:
         """Refuse a param group of a state dict that another kind of optimizer saved, where the state keys
         alone would not tell (a class whose state is named as another's); nothing by default."""
 
+    @torch._disable_dynamo
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a portable, compressed or torch.optim.AdamW state dict, keeping int8/uint8/bf16 state in its
         dtype (torch's Optimizer would cast it to the parameter dtype). Shapes, dtypes, format version and
