@@ -57,4 +57,4 @@ def host_number(value) -> float:
     where it is on a GPU; a NumPy scalar, which torch.optim takes too, converted)."""
     if isinstance(value, (int, float)):
         return value
-    return value.item() if isinstance(value, torch.Tensor) or hasattr(value, "item") else float(value)
+    return value.item() if hasattr(value, "item") else float(value)  # (a tensor, a NumPy scalar; a Fraction)

@@ -121,8 +121,7 @@ class FlashMuon(FlashOptimizer):
 
     def _check_saved_group(self, index: int, saved: dict) -> None:
         # an SGD state dict holds a momentum_buffer too: its groups have no Newton-Schulz options
-        live = self.param_groups[index]["use_muon"] if index < len(self.param_groups) else True
-        if saved.get("use_muon", live) and not {"ns_coefficients", "ns_steps"} <= saved.keys():
+        if saved.get("use_muon", self.param_groups[index]["use_muon"]) and not {"ns_coefficients", "ns_steps"} <= saved.keys():
             raise ValueError(f"flashdist: param group {index} of the state dict has no Newton-Schulz options "
                              "(ns_coefficients, ns_steps): FlashMuon and torch.optim.Muon save them, so another "
                              "optimizer saved it (SGD's momentum_buffer has Muon's name); load it into that one")
