@@ -119,40 +119,45 @@ def test_strided_gradients_and_learning_rates_of_several_values_are_refused_befo
 
 
 @pytest.mark.interpreted
-def test_weight_update_reads_a_transposed_update_in_place_of_a_copy(monkeypatch):
+@pytest.mark.parametrize("tile", [(16, 32), (2, 8), (4, 128)], ids=["16x32", "8x8", "1x128"])
+def test_weight_update_reads_a_transposed_update_in_place_of_a_copy(monkeypatch, tile):
     """A tall matrix's orthogonalized update is the transpose of a contiguous one (Newton-Schulz works on the
     wide side): the kernel reads it in tiles (the launch says TRANSPOSED), with the bits of the reference,
-    edges that end inside a tile included; other strides are copied first and launched as contiguous."""
+    edges that end inside a tile included, at every tile shape the launch can ask for (rows x columns: the
+    default 16 x 32, square, one row); other strides are copied first and launched as contiguous."""
     from flashdist.kernels import reference
     from flashdist.kernels.scalars import MuonScalars
-    from flashdist.kernels.triton import muon
+    from flashdist.kernels.triton import config, muon
 
     if not _interpreter.HAS_TRITON:
         pytest.skip("triton is not installed")
     launched, kernel = [], muon._apply_kernel
 
-    class Spy:  # records each launch's TRANSPOSED, then launches
+    class Spy:  # records each launch's TRANSPOSED and tile, then launches
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                launched.append(kwargs["TRANSPOSED"])
+                launched.append((kwargs["TRANSPOSED"], kwargs["TILE_COLS"]))
                 return kernel[grid](*args, **kwargs)
             return launch
 
     monkeypatch.setattr(muon, "_apply_kernel", Spy())
+    groups, tile_cols = tile
+    launch = config.KernelLaunch(groups=groups, tile_cols=tile_cols)
     gen = torch.Generator().manual_seed(5)
     scalars = MuonScalars.make(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, lr_ratio=1.3)
-    for rows, cols in ((70, 33), (33, 1), (64, 32)):
-        start = torch.randn(rows, cols, generator=gen)
-        ortho = torch.randn(cols, rows, generator=gen).bfloat16().T  # strides (1, rows)
-        ortho[3 % rows, 0] = float("inf")
-        sliced = torch.randn(rows, 2 * cols, generator=gen).bfloat16()[:, ::2]
-        for strided in (ortho, sliced):
-            got, want = [(start.bfloat16(), torch.zeros(rows, cols, dtype=torch.int8)) for _ in range(2)]
-            skipped = [torch.zeros((), dtype=torch.int32) for _ in range(2)]
-            muon.muon_apply(*got, strided, scalars=scalars, skipped=skipped[0])
-            reference.muon_apply_(*want, strided, scalars=scalars, skipped=skipped[1])
-            assert all(torch.equal(a, b) for a, b in zip(got + (skipped[0],), want + (skipped[1],))), (rows, cols)
-    assert launched == [True, False] * 3, launched
+    with config.using(config.DEFAULT.replace(muon_apply_transposed=launch)):
+        for rows, cols in ((70, 33), (33, 1), (64, 32)):
+            start = torch.randn(rows, cols, generator=gen)
+            ortho = torch.randn(cols, rows, generator=gen).bfloat16().T  # strides (1, rows)
+            ortho[3 % rows, 0] = float("inf")
+            sliced = torch.randn(rows, 2 * cols, generator=gen).bfloat16()[:, ::2]
+            for strided in (ortho, sliced):
+                got, want = [(start.bfloat16(), torch.zeros(rows, cols, dtype=torch.int8)) for _ in range(2)]
+                skipped = [torch.zeros((), dtype=torch.int32) for _ in range(2)]
+                muon.muon_apply(*got, strided, scalars=scalars, skipped=skipped[0])
+                reference.muon_apply_(*want, strided, scalars=scalars, skipped=skipped[1])
+                assert all(torch.equal(a, b) for a, b in zip(got + (skipped[0],), want + (skipped[1],))), (rows, cols)
+    assert launched == [(True, tile_cols), (False, 32)] * 3, launched
 
 
 @pytest.mark.interpreted

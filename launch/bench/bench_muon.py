@@ -39,13 +39,15 @@ if __package__:  # python -m launch.bench.bench_muon
 else:  # python launch/bench/bench_muon.py: its own folder is on sys.path
     from bench_step import copy_bandwidth, time_cuda
 
-# launch configurations of each elementwise kernel tried by --kernels: (groups, blocks, warps, prefetch)
+# launch configurations of each elementwise kernel tried by --kernels: (groups, blocks, warps, prefetch), and for
+# the transposed updates the tile's columns (KernelLaunch.tile_cols; its rows are groups * 32 // tile_cols)
 KERNEL_SWEEP = {
     "momentum": [(16, 4, 1, True), (16, 1, 1, False), (16, 2, 1, True), (32, 1, 1, False), (16, 4, 2, True)],
     "apply": [(16, 1, 4, False), (32, 1, 8, False), (16, 2, 4, False), (16, 4, 4, True)],
-    # the tall matrices' updates as Newton-Schulz returns them (transposes), read in tiles of groups x 32
-    "apply_transposed": [(16, 1, 4, False), (8, 1, 4, False), (8, 1, 2, False), (16, 1, 8, False), (8, 1, 1, False),
-                         (4, 1, 4, False), (8, 2, 4, False)],
+    # the tall matrices' updates as Newton-Schulz returns them (transposes), read in tiles
+    "apply_transposed": [(16, 1, 4, False, 32), (8, 1, 4, False, 32), (32, 1, 4, False, 32), (64, 1, 4, False, 64),
+                         (128, 1, 4, False, 64), (128, 1, 8, False, 64), (64, 1, 4, False, 128),
+                         (128, 1, 8, False, 128), (256, 1, 8, False, 128)],
 }
 
 
@@ -132,8 +134,10 @@ def kernel_rows(bw: float, sweep) -> list[dict]:
     rows = []
     floors["apply_transposed"] = floors["apply"]
     for name, fn in (("momentum", momentum), ("apply", apply), ("apply_transposed", apply_transposed)):
-        for groups, blocks, warps, prefetch in sweep[name]:
-            launch = launch_config.KernelLaunch(groups=groups, blocks=blocks, warps=warps, prefetch=prefetch)
+        for groups, blocks, warps, prefetch, *tile in sweep[name]:
+            tile_cols = tile[0] if tile else 32
+            launch = launch_config.KernelLaunch(groups=groups, blocks=blocks, warps=warps, prefetch=prefetch,
+                                                tile_cols=tile_cols)
             with launch_config.using(launch_config.current().replace(**{f"muon_{name}": launch})):
                 ms = time_cuda(fn)[0]
                 fn()  # (compiled before the capture)
@@ -143,8 +147,10 @@ def kernel_rows(bw: float, sweep) -> list[dict]:
                 replay_ms = time_cuda(graph.replay)[0]
                 del graph
             row = {"kernel": name, "groups": groups, "blocks": blocks, "warps": warps, "prefetch": prefetch,
-                   "ms": round(ms, 3), "replay_ms": round(replay_ms, 3), "of_floor": round(floors[name] / replay_ms, 3)}
-            print(f"{name:16s} groups {groups:3d} blocks {blocks} warps {warps} prefetch {prefetch!s:5}: "
+                   "tile_cols": tile_cols if name == "apply_transposed" else None, "ms": round(ms, 3),
+                   "replay_ms": round(replay_ms, 3), "of_floor": round(floors[name] / replay_ms, 3)}
+            tile = f" tile {groups * 32 // tile_cols}x{tile_cols}" if name == "apply_transposed" else ""
+            print(f"{name:16s} groups {groups:3d} blocks {blocks} warps {warps} prefetch {prefetch!s:5}{tile}: "
                   f"{ms:6.3f} ms, replayed {replay_ms:6.3f} ms ({row['of_floor']:.2f} of floor)", flush=True)
             rows.append(row)
     print(f"floors: momentum {floors['momentum']:.3f} ms, apply {floors['apply']:.3f} ms ({numel / 1e6:.0f} M values)")

@@ -94,7 +94,8 @@ def muon_specialisations():
     apply = dict(p_ptr="*i16", rho_ptr="*i8", o_ptr="*i16", skipped_ptr="*i32", numel="i32", nblocks="i32",
                  decay="fp32", alpha="fp32", rows="i32", cols="i32", tiles_per_row="i32", lr_ptr="*fp32",
                  wd_bits="i64", ratio_bits="i64")
-    base = dict(P_KIND=0, RHO_KIND=1, RHO_LOG2=7, COUNT=True, LR_PTR=False, COMPILED=True, TRANSPOSED=False)
+    base = dict(P_KIND=0, RHO_KIND=1, RHO_LOG2=7, COUNT=True, LR_PTR=False, COMPILED=True, TRANSPOSED=False,
+                TILE_COLS=32)  # (a transposed launch's own: compile_muon)
     yield "muon-apply-bf16-int8", "_apply_kernel", apply, base, "muon_apply"
     yield "muon-apply-bf16-int8-transposed", "_apply_kernel", apply, dict(base, TRANSPOSED=True), \
         "muon_apply_transposed"
@@ -122,6 +123,8 @@ def compile_muon(kernel: str, signature: dict, consts: dict, field: str, arch: i
     with using(config):
         options = muon.launch_options(launch, lines)
     consts = dict(consts, **{k: options.pop(k) for k in ("GROUPS", "BLOCKS", "PREFETCH", "AHEAD", "LEVEL")})
+    if consts.get("TRANSPOSED"):
+        consts["TILE_COLS"] = launch.tile_cols
     fn = getattr(muon, kernel)
     # the pointers and sizes are 16-divisible, as a launch on the GPU specialises them for Llama's shapes
     attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k, v in signature.items()

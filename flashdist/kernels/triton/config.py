@@ -46,12 +46,16 @@ class KernelLaunch:
     where ``LaunchConfig.prefetch`` is True)."""
     max_registers: int | None = None
     """Registers per thread (None: the compiler's choice)."""
+    tile_cols: int = 32
+    """``muon_apply_transposed`` only: a block is a tile of ``groups * 32 // tile_cols`` rows and ``tile_cols``
+    columns of the parameter (a power of two up to ``groups * 32``): the parameter's and rho's values are
+    consecutive along a tile's rows, the update's along its columns."""
 
     def __post_init__(self):
         # limits: a block of at most 2^20 values (Triton's largest), a program of at most 1,024 threads, and
         # block counts that stay int32 in the kernel
-        for name, most in (("groups", 1 << 15), ("warps", 32)):
-            value = getattr(self, name)
+        for name, most in (("groups", 1 << 15), ("warps", 32), ("tile_cols", None)):
+            value, most = getattr(self, name), most or self.groups * 32
             if not _power_of_two(value) or value > most:
                 raise ValueError(f"flashdist: KernelLaunch.{name} must be a power of two up to {most}, got {value!r}")
         if not isinstance(self.blocks, int) or isinstance(self.blocks, bool) or not 1 <= self.blocks <= 1 << 20:

@@ -148,16 +148,16 @@ def _momentum_kernel(
 @triton.jit
 def _apply_block(p_ptr, rho_ptr, o_ptr, blk, numel, rows, cols, tiles_per_row, decay_c, alpha_c,
                  P_KIND: tl.constexpr, RHO_KIND: tl.constexpr, RHO_LOG2: tl.constexpr, TRANSPOSED: tl.constexpr,
-                 COMPILED: tl.constexpr, GROUPS: tl.constexpr):
+                 COMPILED: tl.constexpr, GROUPS: tl.constexpr, TILE_COLS: tl.constexpr):
     """Phase 3 on block ``blk``: ``32 * GROUPS`` consecutive values, or with ``TRANSPOSED`` the tile of
-    ``GROUPS`` rows and 32 columns of a ``(rows, cols)`` parameter whose ``O`` is the transpose of a
-    contiguous ``(cols, rows)`` matrix (what Newton-Schulz returns for a tall matrix: each load is coalesced,
-    and the compiler moves ``O``'s tile into the parameter's layout). Returns which values were left
-    unchanged (update not finite)."""
+    ``32 * GROUPS // TILE_COLS`` rows and ``TILE_COLS`` columns of a ``(rows, cols)`` parameter whose ``O`` is
+    the transpose of a contiguous ``(cols, rows)`` matrix (what Newton-Schulz returns for a tall matrix: each
+    load is coalesced, and the compiler moves ``O``'s tile into the parameter's layout). Returns which values
+    were left unchanged (update not finite), in a tile of that shape."""
     if TRANSPOSED:
         tile_row = blk // tiles_per_row
-        r = tile_row * GROUPS + tl.arange(0, GROUPS)
-        c = (blk - tile_row * tiles_per_row) * GROUP + tl.arange(0, GROUP)
+        r = tile_row * (GROUPS * GROUP // TILE_COLS) + tl.arange(0, GROUPS * GROUP // TILE_COLS)
+        c = (blk - tile_row * tiles_per_row) * TILE_COLS + tl.arange(0, TILE_COLS)
         mask = (r < rows)[:, None] & (c < cols)[None, :]
         offs = r[:, None] * cols + c[None, :]
         o = bf16_value(tl.load(o_ptr + (c[None, :] * rows + r[:, None]), mask=mask, other=0), COMPILED)
@@ -201,7 +201,7 @@ def _apply_kernel(
     lr_ptr, wd_bits, ratio_bits,  # LR_PTR: the learning rate in device memory; float64 bits of wd and lr_ratio
     P_KIND: tl.constexpr, RHO_KIND: tl.constexpr, RHO_LOG2: tl.constexpr, COUNT: tl.constexpr,
     LR_PTR: tl.constexpr, COMPILED: tl.constexpr, GROUPS: tl.constexpr,
-    TRANSPOSED: tl.constexpr,  # O is the transpose of a contiguous matrix (_apply_block)
+    TRANSPOSED: tl.constexpr, TILE_COLS: tl.constexpr,  # O is the transpose of a contiguous matrix (_apply_block)
     BLOCKS: tl.constexpr,  # consecutive blocks per program
     PREFETCH: tl.constexpr, AHEAD: tl.constexpr, LEVEL: tl.constexpr,  # as programs.step_blocks'
 ):
@@ -222,13 +222,13 @@ def _apply_kernel(
         for j in tl.static_range(1, AHEAD):
             if first + j < whole:
                 prefetch_block(line0, step, first + j, LEVEL)
-    bad = tl.zeros((GROUPS, GROUP), tl.int32)
+    bad = tl.zeros((GROUPS * GROUP // TILE_COLS, TILE_COLS), tl.int32)
     for j in range(count):
         if PREFETCH != 0:
             if first + j + AHEAD < whole:
                 prefetch_block(line0, step, first + j + AHEAD, LEVEL)
         bad += _apply_block(p_ptr, rho_ptr, o_ptr, first + j, numel, rows, cols, tiles_per_row, decay_c, alpha_c,
-                            P_KIND, RHO_KIND, RHO_LOG2, TRANSPOSED, COMPILED, GROUPS).to(tl.int32)
+                            P_KIND, RHO_KIND, RHO_LOG2, TRANSPOSED, COMPILED, GROUPS, TILE_COLS).to(tl.int32)
     if COUNT:  # one relaxed atomic per program, and none where nothing was skipped
         n_bad = tl.sum(tl.sum(bad, axis=1), axis=0)
         tl.atomic_add(skipped_ptr, n_bad, mask=n_bad > 0, sem="relaxed")
@@ -336,10 +336,11 @@ def muon_apply(param: torch.Tensor, rho: torch.Tensor | None, ortho: torch.Tenso
     transposed = ortho.dim() == 2 and param.dim() == 2 and rows > 1 and ortho.stride() == (1, rows)
     if transposed:
         launch = current().muon_apply_transposed
-        tiles_per_row = triton.cdiv(cols, Q.GROUP)
-        nblocks = triton.cdiv(rows, launch.groups) * tiles_per_row
+        tile_cols = launch.tile_cols
+        tiles_per_row = triton.cdiv(cols, tile_cols)
+        nblocks = triton.cdiv(rows, launch.groups * Q.GROUP // tile_cols) * tiles_per_row
     else:
-        launch, tiles_per_row, ortho = current().muon_apply, 0, ortho.contiguous()
+        launch, tiles_per_row, ortho, tile_cols = current().muon_apply, 0, ortho.contiguous(), Q.GROUP
         nblocks = triton.cdiv(triton.cdiv(numel, Q.GROUP), launch.groups)
     options = launch_options(launch, apply_lines(launch.groups * Q.GROUP, param.element_size(), rho_kind, transposed),
                              _compiled(param))
@@ -348,4 +349,5 @@ def muon_apply(param: torch.Tensor, rho: torch.Tensor | None, ortho: torch.Tenso
         skipped if skipped is not None else param, numel, nblocks, scalars.decay, scalars.alpha, rows, cols,
         tiles_per_row, lr if lr is not None else param, f64_bits(weight_decay), f64_bits(lr_ratio),
         P_KIND=_KINDS[param.dtype], RHO_KIND=rho_kind, RHO_LOG2=rho_log2, COUNT=skipped is not None,
-        LR_PTR=lr is not None, COMPILED=_compiled(param), TRANSPOSED=transposed, **options)
+        LR_PTR=lr is not None, COMPILED=_compiled(param), TRANSPOSED=transposed,
+        TILE_COLS=tile_cols, **options)
