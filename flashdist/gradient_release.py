@@ -29,7 +29,9 @@ fused launch plan, cached for that fixed list of parameters), after which their 
   reduce-scatter (and, for HSDP, the all-reduce) of their FSDP parameter group wrote the gradient shards,
   all of one group in one go. A group is complete in the hook of its last parameter; complete groups are
   stepped together as soon as their gradient shards add up to ``bucket_mb`` MiB (default 64; 0 steps each
-  group as soon as it is complete). Each call costs host time on the thread that runs the backward pass,
+  group as soon as it is complete), a shard counted as its parameter's bytes over the ranks that split it,
+  so that every rank steps the same groups together even where shards are uneven (FlashMuon's step
+  exchanges updates between the ranks, and they must take part in the same order). Each call costs host time on the thread that runs the backward pass,
   which FSDP2 often keeps busy issuing kernels: fewer, larger calls leave the GPU waiting less, for at most
   ``bucket_mb`` of gradient shards held a little longer. On CUDA the step is queued on a side stream of
   flashdist's (one per device) that waits for
@@ -307,7 +309,9 @@ class GradientRelease:
         batch.params.setdefault(self._group_index[pid], []).append(p)
         batch.count += 1
         local = D.local(grad)
-        batch.nbytes += local.numel() * local.element_size()
+        # (the average shard's bytes: ranks with uneven shards reach bucket_mb at the same group, so that a
+        # step that exchanges data between the ranks, FlashMuon's, runs at the same point on every rank)
+        batch.nbytes += D.share_bytes(grad)
         if local.is_cuda:
             stream = torch.cuda.current_stream(local.device)
             if stream not in batch.streams:

@@ -10,6 +10,8 @@ then sees each rank's local tensor as a shorter row (flashdist.quant.moment.Mome
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 try:  # torch >= 2.5 exposes DTensor publicly
@@ -29,6 +31,16 @@ def local(t: torch.Tensor | None) -> torch.Tensor | None:
     if t is not None and is_dtensor(t):
         return t._local_tensor  # to_local() without autograd bookkeeping on the hot path
     return t
+
+
+def share_bytes(t: torch.Tensor) -> int:
+    """Bytes of ``t`` each rank holds on average: a DTensor's global bytes over the ranks that split it (a
+    number every rank computes alike, where uneven shards give each rank its own), a plain tensor's own."""
+    nbytes = t.numel() * t.element_size()  # (a DTensor's numel is its global one)
+    if is_dtensor(t):
+        mesh_shape = t.device_mesh.shape
+        nbytes //= math.prod(mesh_shape[dim] for dim, placement in enumerate(t.placements) if placement.is_shard())
+    return nbytes
 
 
 def global_shape(t: torch.Tensor) -> torch.Size:

@@ -8,7 +8,9 @@ parameter's mesh sends its local part of the update to the matrix's owner (``tor
 the owner assembles the whole matrix at the global indices each rank holds (the inverse of
 ``placements.local_part``), runs the computation, and sends every rank its part of the result
 (``torch.distributed.scatter``). The owners go round-robin over the mesh's ranks by the matrix's position
-in the list, the same on every rank, so the matmul work divides over the ranks. The owner computes on the
+in the list, the same on every rank, so the matmul work divides over the ranks. The collectives run over
+one process group over the mesh (a 1-D mesh's, or the world's for a mesh over every rank), or, for a mesh of
+several dims over some of the ranks (a pipeline stage's slice), in hops along the mesh dims (``_Route``). The owner computes on the
 exact whole matrix of a one-process run with the same (deterministic) function, so every rank ends with
 the one-process bits, at any world size and on any mesh.
 
@@ -64,29 +66,55 @@ def _parts(shape: tuple, mesh_shape: tuple, placements: tuple, coordinates: tupl
     return tuple(out)
 
 
-_GROUPS: dict[int, tuple] = {}  # id(mesh) -> (mesh, group, coordinates): _mesh_group's answers
+_ROUTES: dict[int, tuple] = {}  # id(mesh) -> (mesh, route): _route's answers
 
 
-def _mesh_group(mesh):
-    """A process group over every rank of ``mesh``, and the mesh coordinate of each of its group ranks."""
-    known = _GROUPS.get(id(mesh))
-    if known is not None and known[0] is mesh:
-        return known[1], known[2]
+class _Route:
+    """How a matrix sharded on ``mesh`` reaches its owner. ``coordinates``: the mesh coordinate of each part,
+    in the order the owner assembles them. Through one process group over every rank of the mesh (a 1-D
+    mesh, or a mesh over the whole world: ``group``, with ``coordinates`` in its group ranks' order), or,
+    where no such group exists (a mesh of several dims over some of the ranks, as a pipeline stage's), in
+    hops along the mesh dims, each through that dim's own group (``hops``: per dim, its group and each
+    coordinate's group rank along it; ``coordinates`` in row-major order)."""
+
+    def __init__(self, mesh, group, coordinates: tuple, hops: list | None = None):
+        self.shape = tuple(mesh.shape)
+        self.group = group
+        self.coordinates = coordinates
+        self.hops = hops
+        self.mine = tuple(mesh.get_coordinate()) if hops is not None else None
+
+
+def _one_group(mesh):
+    """A process group over every rank of ``mesh`` that exists on every rank of it, or None."""
     if mesh.ndim == 1:
-        group = mesh.get_group(0)
-    elif mesh.size() == dist.get_world_size():
-        group = dist.group.WORLD
-    else:
-        raise ValueError(f"flashdist: orthogonalizing a matrix sharded on the {mesh.ndim}-D mesh {mesh}, which "
-                         f"covers {mesh.size()} of {dist.get_world_size()} ranks, is not supported: use a mesh "
-                         "over every rank (or a 1-D mesh)")
+        return mesh.get_group(0)
+    if mesh.size() == dist.get_world_size():
+        return dist.group.WORLD
+    return None
+
+
+def _route(mesh) -> _Route:
+    known = _ROUTES.get(id(mesh))
+    if known is not None and known[0] is mesh:
+        return known[1]
     ranks = mesh.mesh
-    coordinates = {}
-    for coordinate in itertools.product(*(range(n) for n in ranks.shape)):
-        coordinates[dist.get_group_rank(group, int(ranks[coordinate]))] = coordinate
-    ordered = tuple(coordinates[r] for r in range(len(coordinates)))
-    _GROUPS[id(mesh)] = (mesh, group, ordered)
-    return group, ordered
+    group = _one_group(mesh)
+    if group is not None:
+        coordinates = {}
+        for coordinate in itertools.product(*(range(n) for n in ranks.shape)):
+            coordinates[dist.get_group_rank(group, int(ranks[coordinate]))] = coordinate
+        route = _Route(mesh, group, tuple(coordinates[r] for r in range(len(coordinates))))
+    else:
+        mine = mesh.get_coordinate()
+        hops = []
+        for d in range(mesh.ndim):
+            line = ranks[tuple(slice(None) if k == d else c for k, c in enumerate(mine))]
+            dim_group = mesh.get_group(d)
+            hops.append((dim_group, [dist.get_group_rank(dim_group, int(r)) for r in line]))
+        route = _Route(mesh, None, tuple(itertools.product(*(range(n) for n in ranks.shape))), hops)
+    _ROUTES[id(mesh)] = (mesh, route)
+    return route
 
 
 class OwnerOrthogonalize:
@@ -147,14 +175,18 @@ class _Exchange:
     def __init__(self, p: torch.Tensor, update: torch.Tensor, position: int):
         self.shape = tuple(p.shape)
         self.update = update
-        self.group, coordinates = _mesh_group(p.device_mesh)
-        self.size = len(coordinates)
+        self.route = route = _route(p.device_mesh)
+        self.size = len(route.coordinates)
         self.owner = position % self.size
-        self.me = dist.get_rank(self.group)
-        self.parts_at = _parts(self.shape, tuple(p.device_mesh.shape), tuple(p.placements), coordinates)
+        self.parts_at = _parts(self.shape, route.shape, tuple(p.placements), route.coordinates)
         largest = max(math.prod(shape) for _, shape in self.parts_at)
         self.pad = largest + largest % 2
-        self.gloo = dist.get_backend(self.group) == "gloo"
+        if route.hops is None:
+            self.me = dist.get_rank(route.group)
+            self.gloo = dist.get_backend(route.group) == "gloo"
+        else:
+            self.me = route.coordinates.index(route.mine)
+            self.gloo = dist.get_backend(route.hops[0][0]) == "gloo"
         self.received = None
         self.parts = None
         self.result_dtype = update.dtype
@@ -167,15 +199,44 @@ class _Exchange:
         TRAFFIC["sent"] += sent * wire_bytes
         TRAFFIC["received"] += received * wire_bytes
 
+    def _hops(self, reverse: bool):
+        """The hops this rank takes part in, in order (gather: the last dim first; scatter: the reverse): a
+        hop along dim ``d`` joins the ranks that share the owner's coordinates in the dims after ``d`` (they
+        hold, or will hold, the parts of all those dims' coordinates). Yields (group, each coordinate's group
+        rank along d, the owner's coordinate along d, this rank's, parts a member holds after the hop)."""
+        route, owner = self.route, self.route.coordinates[self.owner]
+        dims = range(len(route.shape) - 1, -1, -1) if reverse else range(len(route.shape))
+        for d in dims:
+            if route.mine[d + 1:] != owner[d + 1:]:
+                continue
+            if route.shape[d] > 1:
+                group, ranks_of = route.hops[d]
+                yield group, ranks_of, owner[d], route.mine[d], math.prod(route.shape[d + 1:])
+
     def gather(self) -> None:
         u = self.update
         sent = torch.zeros(self.pad, dtype=u.dtype, device=u.device)
         sent[: u.numel()] = u.reshape(-1)
         owner = self.me == self.owner
+        if self.route.hops is not None:
+            self._gather_in_hops(sent)
+            return
         self.received = [torch.empty_like(sent) for _ in range(self.size)] if owner else None
-        dist.gather(self._wire(sent), [self._wire(r) for r in self.received] if owner else None, group=self.group,
-                    group_dst=self.owner)
+        dist.gather(self._wire(sent), [self._wire(r) for r in self.received] if owner else None,
+                    group=self.route.group, group_dst=self.owner)
         self._count(0 if owner else 1, self.size - 1 if owner else 0)
+
+    def _gather_in_hops(self, bundle: torch.Tensor) -> None:
+        for group, ranks_of, dst, mine, held in self._hops(reverse=True):
+            if mine != dst:  # send what this rank holds, and take no further part
+                dist.gather(self._wire(bundle), None, group=group, group_dst=ranks_of[dst])
+                self._count(held, 0)
+                return
+            received = [torch.empty_like(bundle) for _ in ranks_of]
+            dist.gather(self._wire(bundle), [self._wire(r) for r in received], group=group, group_dst=ranks_of[dst])
+            self._count(0, held * (len(ranks_of) - 1))
+            bundle = torch.cat([received[r] for r in ranks_of])  # by coordinate along the dim
+        self.received = list(bundle.split(self.pad))  # the owner's: every part, in row-major order
 
     def compute(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         if self.me != self.owner:
@@ -197,12 +258,29 @@ class _Exchange:
     def scatter(self) -> torch.Tensor:
         u = self.update
         owner = self.me == self.owner
-        back = torch.empty(self.pad, dtype=self.result_dtype, device=u.device)
-        dist.scatter(self._wire(back), [self._wire(p) for p in self.parts] if owner else None, group=self.group,
-                     group_src=self.owner)
-        self._count(self.size - 1 if owner else 0, 0 if owner else 1)
+        if self.route.hops is not None:
+            bundle = self._scatter_in_hops(torch.cat(self.parts) if owner else None)
+        else:
+            bundle = torch.empty(self.pad, dtype=self.result_dtype, device=u.device)
+            dist.scatter(self._wire(bundle), [self._wire(p) for p in self.parts] if owner else None,
+                         group=self.route.group, group_src=self.owner)
+            self._count(self.size - 1 if owner else 0, 0 if owner else 1)
         self.parts = None
-        return back[: u.numel()].view(u.shape)
+        return bundle[: u.numel()].view(u.shape)
+
+    def _scatter_in_hops(self, bundle: torch.Tensor | None) -> torch.Tensor:
+        for group, ranks_of, src, mine, held in self._hops(reverse=False):
+            back = torch.empty(held * self.pad, dtype=self.result_dtype, device=self.update.device)
+            pieces = None
+            if mine == src:  # by group rank: the piece of each coordinate along the dim
+                by_coordinate = bundle.split(held * self.pad)
+                pieces = [None] * len(ranks_of)
+                for c, r in enumerate(ranks_of):
+                    pieces[r] = self._wire(by_coordinate[c])
+            dist.scatter(self._wire(back), pieces, group=group, group_src=ranks_of[src])
+            self._count(held * (len(ranks_of) - 1) if mine == src else 0, 0 if mine == src else held)
+            bundle = back
+        return bundle
 
 
 TRAFFIC = {"sent": 0, "received": 0}

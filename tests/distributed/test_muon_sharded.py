@@ -1,6 +1,6 @@
 """FlashMuon's sharding promise: each matrix is orthogonalized whole on one owner rank, so a step under FSDP2
-(1, 2, 3 ranks, uneven and empty shards), HSDP on a (2, 2) mesh and FSDP2 x tensor parallelism on (2, 2) and
-(1, 4) meshes is bit-identical to one process: parameters, master weights, rho, momentum codes and scales, and the AdamW groups' state. A DCP
+(1, 2, 3 ranks, uneven and empty shards), HSDP on a (2, 2) mesh, HSDP on pipeline stages' slices of a mesh,
+and FSDP2 x tensor parallelism on (2, 2) and (1, 4) meshes is bit-identical to one process: parameters, master weights, rho, momentum codes and scales, and the AdamW groups' state. A DCP
 checkpoint saved on 2 ranks resumes on 3 (and the other way) in both state-dict formats, bit for bit."""
 
 from __future__ import annotations
@@ -205,18 +205,68 @@ def _hsdp_run(rank, world_size):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    model = shard_tiny_lm(make_tiny_lm(), mesh)
-    optimizer = make_optimizer(model)
-    train(model, optimizer, STEPS)
-    skipped = optimizer.skipped.clone()
-    dist.all_reduce(skipped, group=mesh.get_group("shard"))  # (the replicas count the same values)
-    return snapshot(model, optimizer), int(skipped)  # (each rank's view: its replica's shards)
+    results = []
+    for relay in (False, True):
+        with _relayed(relay):
+            model = shard_tiny_lm(make_tiny_lm(), mesh)
+            optimizer = make_optimizer(model)
+            train(model, optimizer, STEPS)
+        skipped = optimizer.skipped.clone()
+        dist.all_reduce(skipped, group=mesh.get_group("shard"))  # (the replicas count the same values)
+        results.append((snapshot(model, optimizer), int(skipped)))  # (each rank's view: its replica's shards)
+    return results
 
 
 def test_hsdp_2x2_step_is_bit_identical():
-    """(Replicate, Shard(0)): every rank of both replicas ends with the one-process bits."""
-    for rank, result in enumerate(run_ranks(_hsdp_run, 4, timeout=180)):
-        _check({"step": result}, f"HSDP 2x2, rank {rank}")
+    """(Replicate, Shard(0)): every rank of both replicas ends with the one-process bits, through the group
+    over the whole mesh and through the hops along each mesh dim that a mesh over some of the ranks takes."""
+    for rank, results in enumerate(run_ranks(_hsdp_run, 4, timeout=180)):
+        for result, route in zip(results, ("one group", "hops along the dims")):
+            _check({"step": result}, f"HSDP 2x2 ({route}), rank {rank}")
+
+
+class _relayed:
+    """Within it, a matrix on a mesh of several dims reaches its owner in hops along the dims (what a mesh
+    over some of the ranks, a pipeline stage's, takes), where one group over the mesh would otherwise serve."""
+
+    def __init__(self, on: bool):
+        self.on = on
+
+    def __enter__(self):
+        from flashdist.distributed import gather
+
+        self.saved = gather._one_group
+        if self.on:
+            gather._one_group = lambda mesh: mesh.get_group(0) if mesh.ndim == 1 else None
+        gather._ROUTES.clear()
+
+    def __exit__(self, *exc):
+        from flashdist.distributed import gather
+
+        gather._one_group = self.saved
+        gather._ROUTES.clear()
+
+
+def _stage_run(rank, world_size):
+    """Pipeline-style: each stage of 2 ranks runs HSDP on its own (replicate 1, shard 2) slice of a
+    (pp 2, replicate 1, shard 2) mesh, which no group over the world serves."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "replicate", "shard"))
+    model = shard_tiny_lm(make_tiny_lm(), mesh["replicate", "shard"])
+    optimizer = make_optimizer(model)
+    train(model, optimizer, STEPS)
+    skipped = optimizer.skipped.clone()
+    dist.all_reduce(skipped, group=mesh.get_group("shard"))  # (the stage's ranks count their own shards)
+    return snapshot(model, optimizer), int(skipped)
+
+
+def test_pipeline_stage_meshes_step_is_bit_identical():
+    """A 2-D mesh over some of the ranks (a pipeline stage's HSDP) steps with the one-process bits on every
+    rank of every stage (it was refused at the first step, after earlier matrices had stepped)."""
+    for rank, result in enumerate(run_ranks(_stage_run, 4, timeout=180)):
+        _check({"step": result}, f"pipeline stage {rank // 2}, rank {rank}")
 
 
 # ----- gradient release -------------------------------------------------------------------------------------
@@ -224,26 +274,46 @@ def test_hsdp_2x2_step_is_bit_identical():
 
 def _release_run(rank, world_size):
     """Release steps each FSDP2 group's matrices inside backward, as soon as their gradients are reduced: each
-    rank makes the same step_parameters calls in the same order, so the owners' exchanges line up."""
+    rank makes the same step_parameters calls in the same order, so the owners' exchanges line up. With uneven
+    shards too: a bucket of 100 bytes over three (3, 16) fp32 matrices (2 rows on rank 0, 1 on rank 1) is
+    full after the first group on rank 0 and after the second on rank 1 if each counts its own bytes, and
+    then the ranks' exchanges and FSDP2's reduce-scatters interleave differently (a hang)."""
     from sharding_cases import lm_batch, lm_loss
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
 
     from flashdist import enable_gradient_release
 
     mesh = init_device_mesh("cpu", (world_size,))
-    model, ref = shard_tiny_lm(make_tiny_lm(), mesh), shard_tiny_lm(make_tiny_lm(), mesh)
-    optimizer, ref_optimizer = make_optimizer(model), make_optimizer(ref)
-    handle = enable_gradient_release(model, optimizer, bucket_mb=0)
-    for step in range(STEPS):
-        tokens = lm_batch(step * world_size + rank, 4)
-        for m, opt in ((model, optimizer), (ref, ref_optimizer)):
-            lm_loss(m, tokens).backward()
-            opt.step()
-            opt.zero_grad()
-        assert all(p.grad is None for p in model.parameters())
-    handle.remove()
-    got, want = snapshot(model, optimizer), snapshot(ref, ref_optimizer)
-    assert_bitwise_equal(got, want, f"FlashMuon with gradient release on {world_size} ranks")
+
+    def uneven():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*(torch.nn.Linear(16, 3, bias=False) for _ in range(3)))
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+
+    def uneven_loss(model, step):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step * world_size + rank))
+        return sum(torch.tanh(layer(x)).pow(2).sum() for layer in model)
+
+    cases = [(lambda: shard_tiny_lm(make_tiny_lm(), mesh), make_optimizer, 0,
+              lambda m, step: lm_loss(m, lm_batch(step * world_size + rank, 4))),
+             (uneven, lambda m: FlashMuon(m.parameters(), lr=0.02, backend="reference"), 100 / 2**20, uneven_loss)]
+    for build, optimizer_of, bucket_mb, loss in cases:
+        model, ref = build(), build()
+        optimizer, ref_optimizer = optimizer_of(model), optimizer_of(ref)
+        handle = enable_gradient_release(model, optimizer, bucket_mb=bucket_mb)
+        for step in range(STEPS):
+            for m, opt in ((model, optimizer), (ref, ref_optimizer)):
+                loss(m, step).backward()
+                opt.step()
+                opt.zero_grad()
+            assert all(p.grad is None for p in model.parameters())
+        handle.remove()
+        got, want = snapshot(model, optimizer), snapshot(ref, ref_optimizer)
+        assert_bitwise_equal(got, want, f"FlashMuon with gradient release ({bucket_mb * 2**20:.0f} B) on "
+                                        f"{world_size} ranks")
 
 
 def test_fsdp2_gradient_release_matches_the_ordinary_step():
