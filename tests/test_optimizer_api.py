@@ -149,7 +149,7 @@ def test_check_group_names_the_bad_hyperparameter_or_changed_layout_and_changes_
     opt = FlashAdamW(model.parameters(), lr=1e-2)
     group = opt.param_groups[0]
     opt.check_group(group)
-    with pytest.raises(ValueError, match=r"^flashdist: eps must be in"):
+    with pytest.raises(ValueError, match=r"^flashdist: eps must be >= 0.0, got -1.0$"):
         opt.check_group({**group, "eps": -1.0})
     with pytest.raises(ValueError, match=r"^flashdist: lr must be a finite"):
         opt.check_group({**group, "lr": float("nan")})

@@ -252,8 +252,13 @@ class FlashOptimizer(StateLifecycle, OutsideWrites, StateIO, torch.optim.Optimiz
         Cheap by design (it runs every step): torch itself refuses a gradient of another shape, so only the
         layout (sparse) and, for DTensor parameters, the gradient's placements are checked."""
         active = []
-        for group in self.param_groups:
-            self.check_group(group)
+        for index, group in enumerate(self.param_groups):
+            try:
+                self.check_group(group)
+            except ValueError as error:
+                if len(self.param_groups) == 1 or not str(error).startswith("flashdist: "):
+                    raise
+                raise ValueError(f"flashdist: param_groups[{index}]: {str(error)[len('flashdist: '):]}") from None
             params = group["params"]
             grads = list(map(_GRAD, params))
             if all(map(operator.is_not, grads, itertools.repeat(None))):

@@ -87,8 +87,8 @@ def check_number(name: str, value: Any, *, low: float, high: float | None = None
     if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
         raise ValueError(f"flashdist: {name} must be a finite real number, got {value!r}")
     if value < low or (high is not None and (value >= high if high_open else value > high)):
-        bound = f"[{low}, {high})" if high_open else (f"[{low}, {high}]" if high is not None else f">= {low}")
-        raise ValueError(f"flashdist: {name} must be in {bound}, got {value!r}")
+        bound = f"in [{low}, {high})" if high_open else (f"in [{low}, {high}]" if high is not None else f">= {low}")
+        raise ValueError(f"flashdist: {name} must be {bound}, got {value!r}")
     if abs(value) > FP32_MAX:
         raise ValueError(f"flashdist: {name}={value!r} overflows fp32 (largest {FP32_MAX:.4g}), the precision the "
                          "step computes in")
