@@ -92,6 +92,9 @@ def _load(path: Path):
     return value
 
 
+_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")  # transformers configs' names for it
+
+
 def _json(path: Path):
     return read_json(path)  # an index of a model's shards, trainer_state.json: within the metadata budget
 
@@ -172,7 +175,7 @@ class TrainerSource:
         rest = {"model": {},
                 "optim": {"state": state, "param_groups": optim.get("param_groups", [])},
                 "extra": {"step": self._global_step()}}
-        self.model_order, self.order_unknown = self._model_order()
+        self.model_order, self.order_unknown = self._model_order(sum(r[0] == "model" for r in specs))
         if self.model_order is not None:  # the weights in the model's order, which a convert output then keeps
             first = [("model", n) for n in self.model_order if ("model", n) in specs]
             placed = set(first)
@@ -188,16 +191,28 @@ class TrainerSource:
         except (CheckpointError, ValueError, KeyError, TypeError):
             return None
 
-    def _model_order(self) -> tuple[list[str] | None, str | None]:
-        """The parameter names of the model ``config.json`` describes, built on the meta device (no weights)."""
+    def _model_order(self, weights: int) -> tuple[list[str] | None, str | None]:
+        """The parameter names of the model ``config.json`` describes, built on the meta device (no weights).
+        The file is read as the checkpoint's other metadata is (inside the folder, within the metadata
+        budget); a config of more layers than the checkpoint has ``weights`` describes another model, and
+        is not built (building costs time and memory in its layers)."""
         if not (self.folder / "config.json").is_file():
             return None, f"{self.folder} has no config.json to build the model's parameter order from"
         try:
             import transformers
         except ImportError:
             return None, "transformers is not installed (it gives the model's parameter order)"
+        values = _json(inside(self.folder, "config.json"))
+        if not isinstance(values, dict) or not isinstance(values.get("model_type"), str):
+            return None, "config.json names no model_type"
+        for config in (values, values.get("text_config")):
+            layers = [config.get(k) for k in _LAYER_KEYS] if isinstance(config, dict) else []
+            if any(isinstance(n, int) and n > weights for n in layers):
+                return None, f"config.json describes {max(n for n in layers if isinstance(n, int)):,} layers, " \
+                             f"more than the checkpoint's {weights:,} weights: not this checkpoint's model"
         try:
-            config = transformers.AutoConfig.from_pretrained(str(self.folder))
+            config = transformers.AutoConfig.for_model(values["model_type"],
+                                                       **{k: v for k, v in values.items() if k != "model_type"})
             arch = (getattr(config, "architectures", None) or [None])[0]
             cls = getattr(transformers, arch, None) if isinstance(arch, str) else None
             if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):

@@ -153,10 +153,10 @@ def test_names_with_control_characters_are_printed_escaped(victims, tmp_path):
     assert "\\x1b" in str(error), repr(error)
 
 
-@pytest.mark.parametrize("linked", ["model.safetensors", "optimizer.bin"])
+@pytest.mark.parametrize("linked", ["model.safetensors", "optimizer.bin", "config.json"])
 def test_trainer_and_accelerate_folder_files_linked_from_elsewhere_are_refused(tmp_path, linked):
-    """A Trainer / Accelerate folder's weight or optimizer file that is a link out of the folder: refused in one
-    line by inspect and export, naming the link."""
+    """A Trainer / Accelerate folder's weight, optimizer or model config file that is a link out of the folder:
+    refused in one line by inspect and export, naming the link."""
     from safetensors.torch import save_file
 
     outside = tmp_path / "elsewhere"
@@ -165,7 +165,8 @@ def test_trainer_and_accelerate_folder_files_linked_from_elsewhere_are_refused(t
     folder.mkdir()
     save_file({"w": torch.zeros(2, dtype=torch.bfloat16)}, str(outside / "model.safetensors"))
     torch.save({"state": {}, "param_groups": [{"params": [], "param_names": []}]}, outside / "optimizer.bin")
-    for name in ("model.safetensors", "optimizer.bin"):
+    (outside / "config.json").write_text('{"model_type": "gpt2"}')
+    for name in ("model.safetensors", "optimizer.bin", "config.json"):
         if name == linked:
             os.symlink(outside / name, folder / name)
         else:
