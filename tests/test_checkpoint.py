@@ -300,6 +300,44 @@ def test_compressed_checkpoint_into_fp32_moments_is_refused_with_the_reason(tmp_
     _equal(before, _snapshot(model2, opt2))
 
 
+@pytest.mark.parametrize("how", ["32-bit masters", "crafted codes"])
+def test_optimizer_state_of_another_dtype_is_refused_not_cast(tmp_path, how):
+    """DCP reads into the live tensors, casting what it reads: an int16 rho (a 32-bit-master checkpoint, or one
+    crafted) or int32 codes would wrap into the int8 the optimizer keeps (300 -> 44) without a word. Refused
+    in one line naming the entries, the model and optimizer unchanged; the same file loads into the optimizer
+    it was saved from."""
+    from tests._cli import run_cli
+
+    model = _model()
+    opt = FlashAdamW(model.parameters(), lr=1e-2, state_dict_format="compressed",
+                     master_weight_bits=32 if how == "32-bit masters" else 24)
+    _train(model, opt, 2)
+    checkpoint.save(tmp_path / "ck", model, opt)
+    path = tmp_path / "ck"
+    if how == "crafted codes":
+        assert run_cli("convert", path, tmp_path / "ck.pt", "--to", "torch")[0] == 0
+        state = torch.load(tmp_path / "ck.pt", weights_only=True)
+        entry = state["optim"]["state"]["0.weight"]
+        entry["exp_avg_codes"] = torch.full(entry["exp_avg_codes"].shape, 1000, dtype=torch.int32)
+        torch.save(state, tmp_path / "bad.pt")
+        path = tmp_path / "bad"
+        assert run_cli("convert", tmp_path / "bad.pt", path, "--to", "dcp")[0] == 0
+    model2 = _model(seed=5)
+    opt2 = FlashAdamW(model2.parameters(), lr=1e-2)
+    _train(model2, opt2, 1)
+    before = _snapshot(model2, opt2)
+    with pytest.raises(checkpoint.CheckpointError, match="of another dtype") as refused:
+        checkpoint.load(path, model2, opt2)
+    entry = "rho (int16 vs int8)" if how == "32-bit masters" else "exp_avg_codes (int32 vs int8)"
+    assert "\n" not in str(refused.value) and f"optim.state.0.weight.{entry}" in str(refused.value)
+    _equal(before, _snapshot(model2, opt2))
+    if how == "32-bit masters":
+        model3 = _model(seed=5)
+        opt3 = FlashAdamW(model3.parameters(), lr=1e-2, master_weight_bits=32)
+        checkpoint.load(path, model3, opt3)
+        _equal(_snapshot(model, opt), _snapshot(model3, opt3))
+
+
 # ----- saves that never lose, mix or half-write what was saved --------------------------------------------
 
 

@@ -181,6 +181,22 @@ def _flat_shapes(state: dict) -> dict[str, tuple]:
     return {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in flat.items()}
 
 
+def _other_state_dtypes(state: dict, metadata) -> list[str]:
+    """The optimizer state entries (not the step counts) whose saved dtype is not the live tensor's, as
+    ``key (saved vs live)``."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict  # noqa: PLC0415
+
+    flat, _ = flatten_state_dict({"optim": state["optim"]})
+    out = []
+    for key, live in flat.items():
+        saved = metadata.state_dict_metadata.get(key)
+        dtype = getattr(getattr(saved, "properties", None), "dtype", None)
+        if (key.startswith("optim.state.") and not key.endswith(".step") and isinstance(live, torch.Tensor)
+                and dtype is not None and dtype != live.dtype):
+            out.append(f"{key} ({str(dtype).removeprefix('torch.')} vs {str(live.dtype).removeprefix('torch.')})")
+    return sorted(out)
+
+
 def _clone(state):
     if isinstance(state, torch.Tensor):
         return state.detach().clone()
@@ -227,6 +243,14 @@ def _load(path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
     unexpected = sorted(k for k in have if k not in want)
     wrong = sorted(k for k, shape in want.items() if k in have and shape is not None and have[k] is not None
                    and tuple(have[k]) != shape)
+    # DCP reads into the live tensors, casting what it reads: a flashdist optimizer's state of another dtype
+    # (an int16 rho or int32 codes, from a damaged or crafted file) would wrap without a word
+    cast = _other_state_dtypes(state, metadata) if isinstance(optimizer, FlashOptimizer) else []
+    if cast:
+        raise CheckpointError(f"flashdist: checkpoint {where} holds optimizer state of another dtype than this "
+                              f"optimizer keeps: {', '.join(cast[:8])}{' ...' if len(cast) > 8 else ''}: build "
+                              "the optimizer with the settings it was saved with (master_weight_bits, the "
+                              "parameters' dtype); where they are the same, the checkpoint is damaged or crafted")
     if missing or unexpected or wrong:
         details = []
         if missing:
