@@ -90,6 +90,32 @@ def test_torch_save_of_the_state_dicts_exports_the_masters(tmp_path, dtype, name
     assert "24-bit" in inspect(tmp_path / "ck.pt")["masters"]
 
 
+@pytest.mark.parametrize("cast", ["bf16", "fp32", "fp32-unrecorded", "int32"])
+def test_rho_cast_by_a_torch_optimizer_exports_the_masters_or_is_refused(tmp_path, cast):
+    """A state dict that went through a torch optimizer's load_state_dict (which casts rho to the parameter's
+    dtype; FlashAdamW -> torch.optim.AdamW -> torch.save) exports the masters its rho holds, read back as
+    whole numbers (an fp32 cast by its group's master_weight_bits), as load_state_dict takes it back; inspect
+    says so. An fp32 rho whose group records no master_weight_bits, and an int32 rho, are refused in one line
+    (export had failed on any of them with a bare dtype name)."""
+    model = _model(torch.bfloat16)
+    opt = _train(model, model.parameters())
+    sd = opt.state_dict()
+    for entry in sd["state"].values():
+        if "rho" in entry:
+            entry["rho"] = entry["rho"].to({"bf16": torch.bfloat16, "int32": torch.int32}.get(cast, torch.float32))
+    if cast == "fp32-unrecorded":
+        del sd["param_groups"][0]["master_weight_bits"]
+    torch.save({"model": model.state_dict(), "optim": sd}, tmp_path / "ck.pt")
+    if cast in ("bf16", "fp32"):
+        assert_masters_equal(opt, model, _export(tmp_path / "ck.pt", tmp_path))
+        held = {"bf16": "bfloat16", "fp32": "float32"}[cast]
+        assert f"24-bit) for 8 of 8 weights; state named by model order; rho held as {held}" in \
+            inspect(tmp_path / "ck.pt")["masters"]
+    else:
+        _refused(tmp_path / "ck.pt", tmp_path, "records no master_weight_bits" if cast == "fp32-unrecorded"
+                 else "is int32: not a dtype flashdist writes rho in")
+
+
 def test_dcp_checkpoint_exports_the_masters(tmp_path):
     model = _model(torch.bfloat16, tie=True)
     opt = _train(model, model.parameters())

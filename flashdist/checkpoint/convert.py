@@ -327,9 +327,11 @@ def _masters_line(rest, specs, order, unknown, n_weights: int) -> str:
         return f"not attachable, export refuses: {str(e).removeprefix('flashdist: ')}"
     if not found.rho:
         return f"the saved weights (no rho in the optimizer state; {found.how})"
-    bits = sorted({{torch.int8: 24, torch.int16: 32}.get(specs[r][1], 0) for r in found.rho.values()})
+    bits = sorted({{torch.int8: 24, torch.int16: 32}[dtype] for dtype in found.rho_dtype.values()})
+    cast = sorted({str(specs[r][1]).removeprefix("torch.") for r in found.rho.values()} - {"int8", "int16"})
     return (f"param + rho ({'/'.join(map(str, bits))}-bit) for {len(found.rho)} of {n_weights} weights; "
-            f"state named by {found.how}")
+            f"state named by {found.how}" + (f"; rho held as {'/'.join(cast)} (a torch optimizer's cast), read "
+                                             "back as whole numbers" if cast else ""))
 
 
 # ----- convert / export -------------------------------------------------------------------------------------
@@ -407,10 +409,23 @@ def _master_plan(source: Source, dtype: torch.dtype = torch.float32) -> tuple[di
         owner = alias.get(name, name)
         value = get(model[owner])
         if owner in rho:  # owners() attached it to a bf16/fp16 weight of the same shape
-            return _merge(value, get(rho[owner]), dtype)
+            return _merge(value, _rho(get(rho[owner]), found.rho_dtype[owner], owner), dtype)
         return value.to(dtype) if value.is_floating_point() else value
 
     return specs, fetch
+
+
+def _rho(value: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
+    """A saved rho as ``dtype`` (``Owners.rho_dtype``): itself, or taken back from a torch optimizer's floating
+    cast, where every value is a whole number in range."""
+    if value.dtype == dtype:
+        return value
+    back = R.from_float(value, dtype)
+    if back is None:
+        raise CheckpointError(f"flashdist: rho of {name!r} is {str(value.dtype).removeprefix('torch.')} with values "
+                              f"that no {str(dtype).removeprefix('torch.')} rho has (whole numbers in "
+                              f"[{torch.iinfo(dtype).min}, {torch.iinfo(dtype).max}]); the file is damaged or edited")
+    return back
 
 
 def _merge(value: torch.Tensor, rho: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

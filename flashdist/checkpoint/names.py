@@ -20,7 +20,7 @@ its state keys (an export without it would write the 16-bit weights as the maste
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -50,6 +50,9 @@ class Owners:
     rho: dict[str, tuple]
     optim_names: dict[Any, str]
     how: str
+    rho_dtype: dict[str, torch.dtype] = field(default_factory=dict)
+    """FQN -> the dtype its rho is read as (int8: 24-bit masters, int16: 32-bit), where the file holds a
+    torch optimizer's floating cast of it (its load_state_dict casts rho to the parameter's dtype)."""
 
 
 def optim_key(rest) -> str | None:
@@ -100,7 +103,8 @@ def owners(rest, specs: dict[tuple, Spec], model_order: list[str] | None = None,
     if len(set(used)) != len(used):
         twice = sorted({n for n in used if used.count(n) > 1})
         raise CheckpointError(f"flashdist: model weights {twice[:4]} are named for two optimizer parameters")
-    rho, unused = {}, []
+    bits = {k: g.get("master_weight_bits") for g in groups for k in g.get("params", [])}
+    rho, rho_dtype, unused = {}, {}, []
     for key, fields in state_keys.items():
         if "rho" not in fields:
             continue
@@ -108,13 +112,30 @@ def owners(rest, specs: dict[tuple, Spec], model_order: list[str] | None = None,
         if (name is None or name not in model or specs[model[name]][1] not in SIXTEEN_BIT
                 or tuple(specs[fields["rho"]][0]) != tuple(specs[model[name]][0])):
             unused.append(key)
-        else:
-            rho[name] = fields["rho"]
+            continue
+        rho[name] = fields["rho"]
+        rho_dtype[name] = _rho_read_as(specs[fields["rho"]][1], bits.get(key), key)
     if unused:
         raise CheckpointError(f"flashdist: rho of optimizer state {sorted(map(str, unused))[:6]}"
                               f"{' ...' if len(unused) > 6 else ''} belongs to no bf16/fp16 model weight: the "
                               f"masters cannot be attached ({how}); {_FIX}")
-    return Owners(model, rho, names, how)
+    return Owners(model, rho, names, how, rho_dtype)
+
+
+def _rho_read_as(dtype: torch.dtype, bits, key) -> torch.dtype:
+    """The rho dtype a saved rho of ``dtype`` holds: its own (int8, int16), or for a torch optimizer's floating
+    cast of it the one its group's ``master_weight_bits`` names (a 16-bit cast holds only int8's values)."""
+    if dtype in (torch.int8, torch.int16):
+        return dtype
+    if dtype in SIXTEEN_BIT:
+        return torch.int8
+    if dtype in (torch.float32, torch.float64) and bits in (24, 32):
+        return torch.int8 if bits == 24 else torch.int16
+    why = ("its param group records no master_weight_bits (24 or 32) to read it by" if dtype.is_floating_point
+           else "not a dtype flashdist writes rho in (int8, int16) nor a torch optimizer's cast of one; the file is "
+                "damaged or crafted")
+    raise CheckpointError(f"flashdist: rho of optimizer state {str(key)[:80]!r} is {str(dtype).removeprefix('torch.')}: "
+                          f"{why}")
 
 
 def _hint(fields: dict[str, tuple], specs: dict[tuple, Spec], flat: bool) -> tuple[tuple | None, bool]:

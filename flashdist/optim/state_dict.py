@@ -114,17 +114,14 @@ def _rho_from_torch(value, rho_dtype: torch.dtype, name: str):
     every int16 one. Taken back where the cast was exact; anything else is returned as it came."""
     if not isinstance(value, torch.Tensor) or not value.is_floating_point():
         return value
-    exact = {torch.int8: (torch.bfloat16, torch.float16, torch.float32, torch.float64),
-             torch.int16: (torch.float32, torch.float64)}.get(rho_dtype, ())
-    _check(value.dtype in exact, f"state 'rho' of {name} is {value.dtype}, which does not hold every {rho_dtype} "
-                                 "value (a torch optimizer's load_state_dict casts rho to the parameter's dtype): "
-                                 "load the state dict flashdist saved, or start from its fp32 masters (flashdist "
-                                 "export, then flashdist.load_fp32_state_dict)")
-    info = torch.iinfo(rho_dtype)
-    local = D.local(value)
-    _check(bool(torch.all((local == local.round()) & (local >= info.min) & (local <= info.max))),
-           f"state 'rho' of {name} is {value.dtype} with values that are not whole numbers in [{info.min}, "
-           f"{info.max}]: the file is damaged or was edited")
+    _check(value.dtype in R.EXACT_CASTS.get(rho_dtype, ()),
+           f"state 'rho' of {name} is {value.dtype}, which does not hold every {rho_dtype} value (a torch "
+           "optimizer's load_state_dict casts rho to the parameter's dtype): load the state dict flashdist saved, "
+           "or start from its fp32 masters (flashdist export, then flashdist.load_fp32_state_dict)")
+    local = R.from_float(D.local(value), rho_dtype)
+    _check(local is not None, f"state 'rho' of {name} is {value.dtype} with values that are not whole numbers in "
+                              f"[{torch.iinfo(rho_dtype).min}, {torch.iinfo(rho_dtype).max}]: the file is damaged "
+                              "or was edited")
     return value.to(rho_dtype)
 
 

@@ -50,6 +50,24 @@ def rho_dtype(master_weight_bits: int) -> torch.dtype:
     return RHO_DTYPES[master_weight_bits]
 
 
+# floating dtypes that hold every value of each rho dtype exactly (what a torch optimizer's load_state_dict
+# casts rho to: the parameter's dtype)
+EXACT_CASTS = {torch.int8: (torch.bfloat16, torch.float16, torch.float32, torch.float64),
+               torch.int16: (torch.float32, torch.float64)}
+
+
+def from_float(value: torch.Tensor, rho_dtype: torch.dtype) -> torch.Tensor | None:
+    """rho of ``rho_dtype`` back from a floating cast of it (a state dict that went through a torch optimizer),
+    or None where no such cast gives ``value``: a dtype that does not hold every ``rho_dtype`` value, or values
+    that are not whole numbers in its range."""
+    if value.dtype not in EXACT_CASTS.get(rho_dtype, ()):
+        return None
+    info = torch.iinfo(rho_dtype)
+    if not bool(torch.all((value == value.round()) & (value >= info.min) & (value <= info.max))):
+        return None
+    return value.to(rho_dtype)
+
+
 def half_ulp(x: torch.Tensor, param_dtype: torch.dtype) -> torch.Tensor:
     """Half the spacing of ``param_dtype`` at each fp32 value ``x`` (exactly representable), away from zero;
     at an infinite or NaN ``x`` that of the largest binade, so that ``merge`` leaves such a parameter as it
