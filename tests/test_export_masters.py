@@ -141,6 +141,44 @@ def test_frozen_and_tied_parameters_keep_the_mapping(tmp_path, frozen, params):
     assert_masters_equal(opt, model, _export(tmp_path / "ck.pt", tmp_path))
 
 
+@pytest.mark.parametrize("saved", ["dcp", "dcp-to-torch", "torch", "memory"])
+def test_a_frozen_copy_of_a_weight_is_exported_as_itself(tmp_path, saved):
+    """A frozen bf16 copy of a trained weight (a reference model, a teacher) with the same bits, early in
+    training (steps small enough that rho moves and the bf16 values do not): no optimizer state and the same
+    values are what a tied weight looks like too. Where the checkpoint says which weights are one tensor (the
+    ties checkpoint.save records, kept by convert; one storage in a torch file or in memory), the copy is
+    exported as itself and the tied head still gets the embedding's master (the copy got the trained weight's
+    master)."""
+    model = _model(torch.bfloat16, tie=True)
+    model.ref = torch.nn.Linear(8, 8).bfloat16().requires_grad_(False)
+    model.ref.load_state_dict(model.layers[0].state_dict())
+    # (named: a state keyed by index alone could not tell the copy's place, and is refused)
+    opt = flashdist.FlashAdamW([(n, p) for n, p in model.named_parameters() if p.requires_grad], lr=1e-6)
+    for _ in range(2):
+        ids = torch.randint(0, 16, (4, 6), generator=torch.Generator().manual_seed(0))
+        torch.nn.functional.cross_entropy(model(ids).flatten(0, 1).float(), ids.flatten()).backward()
+        opt.step()
+        opt.zero_grad()
+    assert torch.equal(model.ref.weight, model.layers[0].weight)  # the bits a tie would have
+    assert bool(opt.state[model.layers[0].weight]["rho"].any())
+    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    if saved == "memory":
+        exported = master_weights(state)
+    elif saved == "torch":
+        torch.save(state, tmp_path / "ck.pt")
+        exported = _export(tmp_path / "ck.pt", tmp_path)
+    else:
+        checkpoint.save(tmp_path / "ck", model, opt)
+        src = tmp_path / "ck"
+        if saved == "dcp-to-torch":  # (each name its own tensor in the file: the record tells)
+            assert run_cli("convert", src, tmp_path / "ck.pt", "--to", "torch")[0] == 0
+            src = tmp_path / "ck.pt"
+        exported = _export(src, tmp_path)
+    assert_masters_equal(opt, model, exported)
+    assert torch.equal(exported["ref.weight"], model.ref.weight.float())
+    assert not torch.equal(exported["ref.weight"], opt.master_weight(model.layers[0].weight))
+
+
 def test_unprovable_orders_are_refused(tmp_path):
     model = _model(torch.bfloat16)
     # a norm weight frozen and left out: which of the same-shaped vectors the optimizer holds, shapes cannot tell

@@ -27,7 +27,7 @@ from ..quant.moment import MomentLayout, QuantizedMoment
 from .dcp_files import SafeFileSystemReader
 from .errors import CheckpointError
 from .files import printable, reason, shown
-from .names import owners
+from .names import TIED, owners
 from .output import Fetch, Spec, atomic_output, check_destination, write_dcp, write_safetensors, write_torch
 from .publish import resolve
 from .sources import (KINDS, Fetcher, MemorySource, Progress, Source, dcp_entries, detect, json_header, open_source,
@@ -377,8 +377,11 @@ def _master_plan(source: Source, dtype: torch.dtype = torch.float32) -> tuple[di
     keyed by FQN: their specs, and a function that reads one. Each state is attached to its weight by
     :func:`flashdist.checkpoint.names.owners` (state keyed by name, or by index through ``param_names`` or the
     model's order), which refuses a rho it cannot attach. A tied parameter (embedding = LM head) is saved under
-    each name but its optimizer state under one: a model entry that no param group lists, without rho,
-    bit-identical to a parameter with rho, is that parameter's alias and gets its master weight."""
+    each name but its optimizer state under one: a model entry that no param group lists, without rho, is that
+    parameter's alias and gets its master weight where the checkpoint says they are one tensor (the ties
+    :func:`flashdist.checkpoint.save` records, one storage in a torch file or in memory); where the format
+    cannot tell (another tool's DCP folder, safetensors), where its values are bit-identical to the
+    parameter's. A frozen copy of a weight in a checkpoint that tells is exported as itself."""
     if not any(route[0] == "model" and len(route) == 2 for route in source.specs):
         raise CheckpointError("flashdist: the checkpoint has no model weights ('model' entries)")
     found = owners(source.rest, source.specs, getattr(source, "model_order", None),
@@ -386,15 +389,22 @@ def _master_plan(source: Source, dtype: torch.dtype = torch.float32) -> tuple[di
     model, rho = found.model, found.rho
     listed = set(found.optim_names.values())
     alias: dict[str, str] = {}
+    extra = source.rest.get("extra") if isinstance(source.rest, dict) else None
+    recorded = extra.get(TIED) if isinstance(extra, dict) else None
+    ties = {a: b for a, b in recorded} if _pairs(recorded) else None
     for name, route in model.items():
         if name in rho or name in listed or source.specs[route][1] not in (torch.bfloat16, torch.float16):
             continue
         for other in rho:
-            if source.specs[model[other]] == source.specs[route]:
+            if source.specs[model[other]] != source.specs[route]:
+                continue
+            one = (ties.get(name) == other) if ties is not None else source.shared(route, model[other])
+            if one is None:  # nothing tells: bit-identical values are taken for one tensor
                 got = source.get([route, model[other]])
-                if torch.equal(got[route].view(torch.int16), got[model[other]].view(torch.int16)):
-                    alias[name] = other
-                    break
+                one = torch.equal(got[route].view(torch.int16), got[model[other]].view(torch.int16))
+            if one:
+                alias[name] = other
+                break
     specs = {}
     for name, route in model.items():
         shape, have = source.specs[route]
@@ -413,6 +423,11 @@ def _master_plan(source: Source, dtype: torch.dtype = torch.float32) -> tuple[di
         return value.to(dtype) if value.is_floating_point() else value
 
     return specs, fetch
+
+
+def _pairs(value) -> bool:
+    return isinstance(value, list) and all(isinstance(v, list) and len(v) == 2 and all(isinstance(n, str) for n in v)
+                                           for v in value)
 
 
 def _rho(value: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:

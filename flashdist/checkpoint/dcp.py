@@ -39,6 +39,7 @@ from ..optim.base import FlashOptimizer
 from .dcp_files import SafeFileSystemReader, SafeLoadPlanner, TiedWriter, shard_writer, verify_shard
 from .errors import CheckpointError, CheckpointWriteError, error_summary, write_failure
 from .files import reason
+from .names import TIED, model_ties
 from .publish import Claim, resolve, temp_folder
 
 # this module's public names, with those that moved to dcp_files, errors and publish (their old import path)
@@ -57,7 +58,7 @@ def _rank() -> int:
 def _state(model, optimizer, extra, optimizer_format: str | None = None) -> dict:
     return {"model": get_model_state_dict(model),
             "optim": optimizer_state_dict(model, optimizer, format=optimizer_format),
-            "extra": extra if extra is not None else {}}
+            "extra": {**(extra if extra is not None else {}), TIED: model_ties(model)}}
 
 
 def optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
@@ -284,6 +285,7 @@ def _load(path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
         rank, text = next((r, f) for r, f in enumerate(failures) if f)
         raise CheckpointError(f"{text} (on rank {rank}); this rank's model was not changed")
     set_model_state_dict(model, state["model"])
+    state["extra"].pop(TIED, None)  # (flashdist's record, for an export)
     return state["extra"]
 
 

@@ -34,6 +34,24 @@ _FIX = ("build the optimizer from model.named_parameters() (torch >= 2.6 saves p
         "flashdist.checkpoint.save (state keyed by name)")
 
 
+TIED = "flashdist_tied"
+"""Key of a checkpoint's ``extra`` that :func:`flashdist.checkpoint.save` writes: the model's tied weights, as
+``[name, the name the optimizer state is under]`` pairs (empty: none), which an export gives the master of the
+weight they are tied to; a weight it does not list is its own, whatever its values."""
+
+
+def model_ties(model) -> list[list[str]]:
+    """The ``TIED`` pairs of ``model``: each name of a parameter after its first, with its first."""
+    first: dict[int, str] = {}
+    ties = []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            ties.append([name, first[id(p)]])
+        else:
+            first[id(p)] = name
+    return ties
+
+
 ORDER_UNKNOWN = "flashdist_model_order_unknown"
 """Key of a checkpoint's ``extra``: why its model entries are not in the model's parameter order (a folder whose
 weight files sort their keys, read without the model), kept by ``read`` and ``convert`` so that a later export

@@ -347,6 +347,16 @@ class Source:
     def get(self, routes: list[tuple]) -> dict[tuple, torch.Tensor]:
         raise NotImplementedError
 
+    def shared(self, a: tuple, b: tuple) -> bool | None:
+        """Whether the tensors at routes ``a`` and ``b`` are one tensor saved under two names (a tied weight),
+        or None where the format does not tell (it stores every name's tensor apart)."""
+        return None
+
+
+def _one_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.storage_offset() ==
+            b.storage_offset() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype)
+
 
 class MemorySource(Source):
     """A checkpoint already in memory (a nested dict of tensors) as a :class:`Source`."""
@@ -357,6 +367,9 @@ class MemorySource(Source):
 
     def get(self, routes):
         return {r: self.tensors[r] for r in routes}
+
+    def shared(self, a, b):
+        return _one_tensor(self.tensors[a], self.tensors[b])
 
 
 _TITAN_OTHERS = ("optimizer", "lr_scheduler", "dataloader", "train_state")
@@ -470,6 +483,10 @@ class _TorchSource(Source):
     def get(self, routes):
         state = self._load()
         return {r: value_at(state, r).clone() for r in routes}
+
+    def shared(self, a, b):  # torch.save keeps one storage for a tensor saved under two names
+        state = self._load()
+        return _one_tensor(value_at(state, a), value_at(state, b))
 
 
 class _SafetensorsSource(Source):
