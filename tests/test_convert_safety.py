@@ -96,6 +96,32 @@ def test_export_command_gives_every_alias_the_master(tied, tmp_path):
     assert all(torch.equal(half[k], expected[k].bfloat16()) for k in expected)
 
 
+CRAFTED_CODES = {
+    "int32-codes": lambda e: e.update(exp_avg_codes=e["exp_avg_codes"].to(torch.int32)),
+    "codes-of-another-shape": lambda e: e.update(exp_avg_codes=e["exp_avg_codes"][:4].contiguous()),
+    "scales-1x1": lambda e: e.update(exp_avg_scales=e["exp_avg_scales"][:1, :1].contiguous()),
+    "fp32-scales": lambda e: e.update(exp_avg_scales=e["exp_avg_scales"].float()),
+    "nan-scales": lambda e: e["exp_avg_scales"].fill_(float("nan")),
+    "negative-scales": lambda e: e["exp_avg_sq_scales"].neg_(),
+}
+
+
+@pytest.mark.parametrize("craft", CRAFTED_CODES.values(), ids=CRAFTED_CODES.keys())
+def test_codes_and_scales_flashdist_does_not_write_are_refused_by_a_format_switch(tied, tmp_path, craft):
+    """Compressed -> portable dequantizes the codes with their scales: codes of another dtype or shape, scales of
+    another dtype or shape (broadcast), NaN or negative scales (NaN moments) are refused in one line naming the
+    parameter, nothing written, where they had failed with a broadcasting error or converted without a word."""
+    path, _, _ = tied
+    assert _cli("convert", path, tmp_path / "ck.pt", "--to", "torch", "--format", "compressed")[0] == 0
+    state = torch.load(tmp_path / "ck.pt", weights_only=True)
+    craft(state["optim"]["state"]["mid.weight"])
+    torch.save(state, tmp_path / "crafted.pt")
+    out = tmp_path / "out.pt"
+    _one_line_failure(*_cli("convert", tmp_path / "crafted.pt", out, "--to", "torch", "--format", "portable"),
+                      "'mid.weight'", "damaged or crafted")
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["ck.pt", "crafted.pt"]
+
+
 # ----- 6: destinations -------------------------------------------------------------------------------------
 
 

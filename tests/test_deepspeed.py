@@ -175,7 +175,7 @@ def test_config_from_a_json_file(tmp_path):
 BAD_CONFIGS = {
     "unknown-type": (dict(optimizer={"type": "FlashLamb"}), "does not have.*FlashAdam, FlashAdamW"),
     "unknown-flashdist-type": (dict(optimizer={"type": "flashdist.Sophia"}), "does not have"),
-    "bad-lr": (dict(optimizer={"type": "FlashAdamW", "params": {"lr": -1.0}}), r"lr must be in"),
+    "bad-lr": (dict(optimizer={"type": "FlashAdamW", "params": {"lr": -1.0}}), r"lr must be >= 0.0, got -1.0"),
     "bad-betas": (dict(optimizer={"type": "FlashAdamW", "params": {"betas": [0.9]}}), "betas must be a pair"),
     "bad-bits": (dict(optimizer={"type": "FlashAdamW", "params": {"master_weight_bits": 16}}),
                  "master_weight_bits must be"),

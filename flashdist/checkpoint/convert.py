@@ -99,7 +99,7 @@ def reformat(optim: dict, fmt: str, progress: Progress = quiet) -> dict:
     out_state = {}
     for i, (name, entry) in enumerate(state.items()):
         progress("optimizer state", i, len(state))
-        out_state[name] = _reformat_entry(entry, groups.get(name, {}), fmt)
+        out_state[name] = _reformat_entry(entry, groups.get(name, {}), fmt, name)
     progress("optimizer state", len(state), len(state))
     return {"state": out_state, "param_groups": _reformat_groups(optim.get("param_groups", []), fmt)}
 
@@ -113,14 +113,16 @@ def _reformat_groups(groups: list, fmt: str) -> list:
     return [dict(g, flashdist_format=fmt, flashdist_version=FORMAT_VERSION) for g in groups]
 
 
-def _reformat_entry(entry: dict, group: dict, fmt: str) -> dict:
-    """One parameter's optimizer state in format ``fmt``. Works on meta tensors too (the output's shapes)."""
+def _reformat_entry(entry: dict, group: dict, fmt: str, param="?") -> dict:
+    """One parameter's optimizer state (of ``param``, named in errors) in format ``fmt``. Works on meta tensors
+    too (the output's shapes)."""
     companded, flat = group.get("companded", True), group.get("flat_layout", False)
     entry = dict(entry)
     moments = sorted({name for name, part in map(QuantizedMoment.split_key, entry) if part == "codes"} |
                      {k for k in entry if k in ("exp_avg", "exp_avg_sq", "momentum_buffer")})
     for m in moments:
         if fmt == "portable" and QuantizedMoment.held_in(entry, m):
+            _check_codes(entry, m, flat is True, param)
             moment = QuantizedMoment.from_state(entry, m, flat=flat, companded=companded, pop=True)
             pieces = _pieces(moment.codes, moment.layout)
             if len(pieces) == 1:
@@ -140,6 +142,28 @@ def _reformat_entry(entry: dict, group: dict, fmt: str) -> dict:
             del entry[m]
             QuantizedMoment.cat(pieces).store(entry)
     return entry
+
+
+def _check_codes(entry: dict, m: str, flat: bool, param) -> None:
+    """Refuse (one line naming the parameter) codes and scales that flashdist does not write: codes of another
+    dtype, scales of another dtype or shape than the codes' layout gives, scales that are not finite and
+    non-negative (a damaged or crafted checkpoint: they dequantized to NaN, or were broadcast, without a word)."""
+    codes_key, scales_key = QuantizedMoment.keys(m)
+    codes, scales = entry.get(codes_key), entry.get(scales_key)
+    where = f"flashdist: optimizer state {str(param)[:80]!r}"
+    if not isinstance(codes, torch.Tensor) or not isinstance(scales, torch.Tensor):
+        raise CheckpointError(f"{where} has '{codes_key}' without its tensor pair '{scales_key}'")
+    layout = MomentLayout.of(tuple(codes.shape), flat)
+    want = (layout.rows, layout.groups_per_row) if layout is not None else None
+    if codes.dtype != QuantizedMoment.code_dtype(m) or scales.dtype != torch.bfloat16 or tuple(scales.shape) != want:
+        raise CheckpointError(f"{where}: '{codes_key}' {str(codes.dtype).removeprefix('torch.')} "
+                              f"{tuple(codes.shape)} with '{scales_key}' {str(scales.dtype).removeprefix('torch.')} "
+                              f"{tuple(scales.shape)} are not codes and scales flashdist writes (expected "
+                              f"{str(QuantizedMoment.code_dtype(m)).removeprefix('torch.')} codes with bfloat16 "
+                              f"scales of shape {want}); the checkpoint is damaged or crafted")
+    if scales.device.type != "meta" and not bool(torch.all(torch.isfinite(scales) & (scales >= 0))):
+        raise CheckpointError(f"{where}: '{scales_key}' holds values that are not finite and non-negative; the "
+                              "checkpoint is damaged or crafted")
 
 
 _VALUES_PER_PIECE = 2**20  # a large moment is (de)quantized in pieces of whole rows: the float temporaries stay small
@@ -179,7 +203,7 @@ def _reformat_plan(source: Source, fmt: str):
             continue
         meta = {k: torch.empty(specs[r][0], dtype=specs[r][1], device="meta") for k, r in inputs[name].items()}
         new_state[name] = {k: v for k, v in optim["state"][name].items() if k not in inputs[name]}
-        for k, t in _reformat_entry(meta, groups.get(name, {}), fmt).items():
+        for k, t in _reformat_entry(meta, groups.get(name, {}), fmt, name).items():
             new_state[name][k] = None
             out_specs[("optim", "state", name, k)] = (tuple(t.shape), t.dtype)
             if k not in inputs[name] or specs[inputs[name][k]] != out_specs[("optim", "state", name, k)]:
@@ -193,7 +217,7 @@ def _reformat_plan(source: Source, fmt: str):
         name, moment = what
         routes = {k: r for k, r in inputs[name].items() if QuantizedMoment.split_key(k)[0] == moment}
         got = source.get(list(routes.values()))
-        entry = _reformat_entry({k: got[r] for k, r in routes.items()}, groups.get(name, {}), fmt)
+        entry = _reformat_entry({k: got[r] for k, r in routes.items()}, groups.get(name, {}), fmt, name)
         return {("optim", "state", name, k): v for k, v in entry.items()}
 
     return rest, out_specs, derived, compute
