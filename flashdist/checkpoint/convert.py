@@ -407,7 +407,11 @@ def _master_plan(source: Source, dtype: torch.dtype = torch.float32) -> tuple[di
     cannot tell (another tool's DCP folder, safetensors), where its values are bit-identical to the
     parameter's. A frozen copy of a weight in a checkpoint that tells is exported as itself."""
     if not any(route[0] == "model" and len(route) == 2 for route in source.specs):
-        raise CheckpointError("flashdist: the checkpoint has no model weights ('model' entries)")
+        tops = sorted({str(r[0]) for r in source.specs} | (set(map(str, source.rest)) if isinstance(source.rest, dict)
+                                                             else set()))
+        raise CheckpointError(f"flashdist: the checkpoint has no model weights under the key flashdist reads ('model'; "
+                              f"it has: {shown(tops, 120) if tops else 'nothing'}): save the model and optimizer with "
+                              "flashdist.checkpoint.save, or convert it to that layout first")
     found = owners(source.rest, source.specs, getattr(source, "model_order", None),
                    getattr(source, "order_unknown", None))
     model, rho = found.model, found.rho
