@@ -103,6 +103,19 @@ def test_never_stepped_and_no_grad_params(tmp_path):
     _equal(_snapshot(model, opt), _snapshot(model2, opt2))
 
 
+def test_extra_cannot_hold_the_key_of_flashdists_record_of_ties(tmp_path):
+    """checkpoint.save records the model's tied weights in extra under "flashdist_tied" (an export reads it, load
+    does not return it): a user's entry of that name is refused in one line before anything is written, where
+    it was replaced on save and dropped on load."""
+    model = _model()
+    opt = FlashAdamW(model.parameters(), lr=1e-2)
+    with pytest.raises(ValueError, match="extra holds the key 'flashdist_tied'"):
+        checkpoint.save(tmp_path / "ck", model, opt, extra={"flashdist_tied": "mine"})
+    assert not (tmp_path / "ck").exists()
+    checkpoint.save(tmp_path / "ck", model, opt, extra={"step": 3})
+    assert checkpoint.load(tmp_path / "ck", model, opt) == {"step": 3}
+
+
 def test_second_save_replaces_first(tmp_path):
     model = _model()
     opt = FlashAdamW(model.parameters(), lr=1e-2)
@@ -330,6 +343,7 @@ def test_optimizer_state_of_another_dtype_is_refused_not_cast(tmp_path, how):
         checkpoint.load(path, model2, opt2)
     entry = "rho (int16 vs int8)" if how == "32-bit masters" else "exp_avg_codes (int32 vs int8)"
     assert "\n" not in str(refused.value) and f"optim.state.0.weight.{entry}" in str(refused.value)
+    assert ("master_weight_bits=32, as its rho says" in str(refused.value)) == (how == "32-bit masters")
     _equal(before, _snapshot(model2, opt2))
     if how == "32-bit masters":
         model3 = _model(seed=5)

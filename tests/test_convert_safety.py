@@ -275,7 +275,7 @@ def test_torch_round_trip_keeps_plain_data_as_it_was(tied, tmp_path):
     assert a["optim"]["param_groups"] == b["optim"]["param_groups"]
     assert isinstance(b["optim"]["param_groups"][0]["betas"], tuple)
     # the user's extra, and the ties checkpoint.save recorded (export reads them)
-    assert b["extra"] == {"dtype": torch.bfloat16, "flashdist_tied": [["head.weight", "emb.weight"]]}, b["extra"]
+    assert b["extra"] == {"dtype": torch.bfloat16, "flashdist_tied": [["emb.weight", "head.weight"]]}, b["extra"]
     flat_a, _ = S.flat_tensors(a)
     flat_b, _ = S.flat_tensors(b)
     assert flat_a.keys() == flat_b.keys() and all(torch.equal(flat_a[k], flat_b[k]) for k in flat_a)

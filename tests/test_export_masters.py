@@ -90,7 +90,7 @@ def test_torch_save_of_the_state_dicts_exports_the_masters(tmp_path, dtype, name
     assert "24-bit" in inspect(tmp_path / "ck.pt")["masters"]
 
 
-@pytest.mark.parametrize("cast", ["bf16", "fp32", "fp32-unrecorded", "int32"])
+@pytest.mark.parametrize("cast", ["bf16", "fp32", "fp32-unrecorded", "int32", "bf16-of-32-bit"])
 def test_rho_cast_by_a_torch_optimizer_exports_the_masters_or_is_refused(tmp_path, cast):
     """A state dict that went through a torch optimizer's load_state_dict (which casts rho to the parameter's
     dtype; FlashAdamW -> torch.optim.AdamW -> torch.save) exports the masters its rho holds, read back as
@@ -99,10 +99,13 @@ def test_rho_cast_by_a_torch_optimizer_exports_the_masters_or_is_refused(tmp_pat
     (export had failed on any of them with a bare dtype name)."""
     model = _model(torch.bfloat16)
     opt = _train(model, model.parameters())
+    if cast == "bf16-of-32-bit":  # (int16 rho of small values: a bf16 cast holds them, the bits must say int16)
+        opt.param_groups[0]["master_weight_bits"] = 32
     sd = opt.state_dict()
     for entry in sd["state"].values():
         if "rho" in entry:
-            entry["rho"] = entry["rho"].to({"bf16": torch.bfloat16, "int32": torch.int32}.get(cast, torch.float32))
+            entry["rho"] = entry["rho"].to({"int32": torch.int32}.get(cast, torch.bfloat16 if cast.startswith("bf16")
+                                                                       else torch.float32))
     if cast == "fp32-unrecorded":
         del sd["param_groups"][0]["master_weight_bits"]
     torch.save({"model": model.state_dict(), "optim": sd}, tmp_path / "ck.pt")
@@ -112,8 +115,9 @@ def test_rho_cast_by_a_torch_optimizer_exports_the_masters_or_is_refused(tmp_pat
         assert f"24-bit) for 8 of 8 weights; state named by model order; rho held as {held}" in \
             inspect(tmp_path / "ck.pt")["masters"]
     else:
-        _refused(tmp_path / "ck.pt", tmp_path, "records no master_weight_bits" if cast == "fp32-unrecorded"
-                 else "is int32: not a dtype flashdist writes rho in")
+        _refused(tmp_path / "ck.pt", tmp_path, {"fp32-unrecorded": "records no master_weight_bits",
+                                                "int32": "is int32: not a dtype flashdist writes rho in",
+                                                "bf16-of-32-bit": "does not hold every int16 value"}[cast])
 
 
 def test_dcp_checkpoint_exports_the_masters(tmp_path):
@@ -141,14 +145,14 @@ def test_frozen_and_tied_parameters_keep_the_mapping(tmp_path, frozen, params):
     assert_masters_equal(opt, model, _export(tmp_path / "ck.pt", tmp_path))
 
 
-@pytest.mark.parametrize("saved", ["dcp", "dcp-to-torch", "torch", "memory"])
+@pytest.mark.parametrize("saved", ["dcp", "dcp-to-torch", "compiled"])
 def test_a_frozen_copy_of_a_weight_is_exported_as_itself(tmp_path, saved):
     """A frozen bf16 copy of a trained weight (a reference model, a teacher) with the same bits, early in
     training (steps small enough that rho moves and the bf16 values do not): no optimizer state and the same
     values are what a tied weight looks like too. Where the checkpoint says which weights are one tensor (the
-    ties checkpoint.save records, kept by convert; one storage in a torch file or in memory), the copy is
-    exported as itself and the tied head still gets the embedding's master (the copy got the trained weight's
-    master)."""
+    ties checkpoint.save records, kept by convert, under the names the checkpoint keeps: a compiled model's
+    too), the copy is exported as itself and the tied head still gets the embedding's master (the copy got the
+    trained weight's master)."""
     model = _model(torch.bfloat16, tie=True)
     model.ref = torch.nn.Linear(8, 8).bfloat16().requires_grad_(False)
     model.ref.load_state_dict(model.layers[0].state_dict())
@@ -161,22 +165,34 @@ def test_a_frozen_copy_of_a_weight_is_exported_as_itself(tmp_path, saved):
         opt.zero_grad()
     assert torch.equal(model.ref.weight, model.layers[0].weight)  # the bits a tie would have
     assert bool(opt.state[model.layers[0].weight]["rho"].any())
-    state = {"model": model.state_dict(), "optim": opt.state_dict()}
-    if saved == "memory":
-        exported = master_weights(state)
-    elif saved == "torch":
-        torch.save(state, tmp_path / "ck.pt")
-        exported = _export(tmp_path / "ck.pt", tmp_path)
-    else:
-        checkpoint.save(tmp_path / "ck", model, opt)
-        src = tmp_path / "ck"
-        if saved == "dcp-to-torch":  # (each name its own tensor in the file: the record tells)
-            assert run_cli("convert", src, tmp_path / "ck.pt", "--to", "torch")[0] == 0
-            src = tmp_path / "ck.pt"
-        exported = _export(src, tmp_path)
+    # (compiled: named_parameters() says _orig_mod.head.weight, the checkpoint head.weight)
+    checkpoint.save(tmp_path / "ck", torch.compile(model) if saved == "compiled" else model, opt)
+    src = tmp_path / "ck"
+    if saved == "dcp-to-torch":  # (each name its own tensor in the file: the record tells)
+        assert run_cli("convert", src, tmp_path / "ck.pt", "--to", "torch")[0] == 0
+        src = tmp_path / "ck.pt"
+    exported = _export(src, tmp_path)
     assert_masters_equal(opt, model, exported)
     assert torch.equal(exported["ref.weight"], model.ref.weight.float())
     assert not torch.equal(exported["ref.weight"], opt.master_weight(model.layers[0].weight))
+
+
+@pytest.mark.parametrize("saved", ["torch", "torch-copied", "memory-copied"])
+def test_tied_weights_saved_without_a_record_get_the_master(tmp_path, saved):
+    """A torch file or an in-memory state dict of a tied model: one storage under both names, or each name its
+    own copy (a state moved to the CPU, cloned): both names get the master, where nothing records the tie."""
+    model = _model(torch.bfloat16, tie=True)
+    opt = _train(model, model.named_parameters())
+    weights = model.state_dict()
+    if saved.endswith("copied"):
+        weights = {k: v.clone() for k, v in weights.items()}
+    state = {"model": weights, "optim": opt.state_dict()}
+    if saved == "memory-copied":
+        exported = master_weights(state)
+    else:
+        torch.save(state, tmp_path / "ck.pt")
+        exported = _export(tmp_path / "ck.pt", tmp_path)
+    assert_masters_equal(opt, model, exported)
 
 
 def test_unprovable_orders_are_refused(tmp_path):

@@ -412,7 +412,7 @@ def test_launch_config_refuses_bad_values(field, value):
 @pytest.mark.parametrize("field, value", [("groups", 24), ("groups", 0), ("groups", 1 << 16), ("warps", 3),
                                           ("warps", 64), ("blocks", 0), ("blocks", True), ("blocks", 1 << 31),
                                           ("prefetch", 1), ("max_registers", 0), ("tile_cols", 48),
-                                          ("tile_cols", 1024)])
+                                          ("tile_cols", 1024), ("tile_cols", 1)])
 def test_kernel_launch_refuses_bad_values(field, value):
     from flashdist.kernels.triton import KernelLaunch
 

@@ -27,7 +27,7 @@ from ..quant.moment import MomentLayout, QuantizedMoment
 from .dcp_files import SafeFileSystemReader
 from .errors import CheckpointError
 from .files import printable, reason, shown
-from .names import TIED, owners
+from .names import TIED, is_ties, owners
 from .output import Fetch, Spec, atomic_output, check_destination, write_dcp, write_safetensors, write_torch
 from .publish import resolve
 from .sources import (KINDS, Fetcher, MemorySource, Progress, Source, dcp_entries, detect, json_header, open_source,
@@ -403,9 +403,9 @@ def _master_plan(source: Source, dtype: torch.dtype = torch.float32) -> tuple[di
     model's order), which refuses a rho it cannot attach. A tied parameter (embedding = LM head) is saved under
     each name but its optimizer state under one: a model entry that no param group lists, without rho, is that
     parameter's alias and gets its master weight where the checkpoint says they are one tensor (the ties
-    :func:`flashdist.checkpoint.save` records, one storage in a torch file or in memory); where the format
-    cannot tell (another tool's DCP folder, safetensors), where its values are bit-identical to the
-    parameter's. A frozen copy of a weight in a checkpoint that tells is exported as itself."""
+    :func:`flashdist.checkpoint.save` records: a frozen copy of a weight is then exported as itself); else where
+    they are one storage (a torch file, a state in memory) or, where nothing tells (another tool's DCP folder,
+    safetensors, a state whose tensors were copied to the CPU), where its values are bit-identical."""
     if not any(route[0] == "model" and len(route) == 2 for route in source.specs):
         tops = sorted({str(r[0]) for r in source.specs} | (set(map(str, source.rest)) if isinstance(source.rest, dict)
                                                              else set()))
@@ -419,14 +419,15 @@ def _master_plan(source: Source, dtype: torch.dtype = torch.float32) -> tuple[di
     alias: dict[str, str] = {}
     extra = source.rest.get("extra") if isinstance(source.rest, dict) else None
     recorded = extra.get(TIED) if isinstance(extra, dict) else None
-    ties = {a: b for a, b in recorded} if _pairs(recorded) else None
+    tie_of = {n: i for i, names in enumerate(recorded) for n in names} if is_ties(recorded) else None
     for name, route in model.items():
         if name in rho or name in listed or source.specs[route][1] not in (torch.bfloat16, torch.float16):
             continue
         for other in rho:
             if source.specs[model[other]] != source.specs[route]:
                 continue
-            one = (ties.get(name) == other) if ties is not None else source.shared(route, model[other])
+            one = (tie_of.get(name, -1) == tie_of.get(other)) if tie_of is not None else \
+                source.shared(route, model[other])
             if one is None:  # nothing tells: bit-identical values are taken for one tensor
                 got = source.get([route, model[other]])
                 one = torch.equal(got[route].view(torch.int16), got[model[other]].view(torch.int16))
@@ -451,11 +452,6 @@ def _master_plan(source: Source, dtype: torch.dtype = torch.float32) -> tuple[di
         return value.to(dtype) if value.is_floating_point() else value
 
     return specs, fetch
-
-
-def _pairs(value) -> bool:
-    return isinstance(value, list) and all(isinstance(v, list) and len(v) == 2 and all(isinstance(n, str) for n in v)
-                                           for v in value)
 
 
 def _rho(value: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:

@@ -39,7 +39,7 @@ from ..optim.base import FlashOptimizer
 from .dcp_files import SafeFileSystemReader, SafeLoadPlanner, TiedWriter, shard_writer, verify_shard
 from .errors import CheckpointError, CheckpointWriteError, error_summary, write_failure
 from .files import reason
-from .names import TIED, model_ties
+from .names import TIED, is_ties, state_dict_ties
 from .publish import Claim, resolve, temp_folder
 
 # this module's public names, with those that moved to dcp_files, errors and publish (their old import path)
@@ -56,9 +56,10 @@ def _rank() -> int:
 
 
 def _state(model, optimizer, extra, optimizer_format: str | None = None) -> dict:
-    return {"model": get_model_state_dict(model),
+    model_state = get_model_state_dict(model)
+    return {"model": model_state,
             "optim": optimizer_state_dict(model, optimizer, format=optimizer_format),
-            "extra": {**(extra if extra is not None else {}), TIED: model_ties(model)}}
+            "extra": {**(extra if extra is not None else {}), TIED: state_dict_ties(model_state)}}
 
 
 def optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
@@ -85,6 +86,9 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     :class:`CheckpointError` before a byte is written. A failure while writing raises
     :class:`CheckpointWriteError` on every rank, naming the path and the cause."""
     path = Path(path)
+    if isinstance(extra, dict) and TIED in extra:
+        raise ValueError(f"flashdist: checkpoint.save's extra holds the key {TIED!r}, which flashdist keeps its record "
+                         "of the model's tied weights under: give that entry another name")
     claim, message = None, None
     if _rank() == 0:
         try:
@@ -182,9 +186,9 @@ def _flat_shapes(state: dict) -> dict[str, tuple]:
     return {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in flat.items()}
 
 
-def _other_state_dtypes(state: dict, metadata) -> list[str]:
+def _other_state_dtypes(state: dict, metadata) -> list[tuple[str, torch.dtype, torch.dtype]]:
     """The optimizer state entries (not the step counts) whose saved dtype is not the live tensor's, as
-    ``key (saved vs live)``."""
+    ``(key, saved dtype, live dtype)``."""
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict  # noqa: PLC0415
 
     flat, _ = flatten_state_dict({"optim": state["optim"]})
@@ -194,8 +198,12 @@ def _other_state_dtypes(state: dict, metadata) -> list[str]:
         dtype = getattr(getattr(saved, "properties", None), "dtype", None)
         if (key.startswith("optim.state.") and not key.endswith(".step") and isinstance(live, torch.Tensor)
                 and dtype is not None and dtype != live.dtype):
-            out.append(f"{key} ({str(dtype).removeprefix('torch.')} vs {str(live.dtype).removeprefix('torch.')})")
-    return sorted(out)
+            out.append((key, dtype, live.dtype))
+    return sorted(out, key=lambda entry: entry[0])
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _clone(state):
@@ -248,10 +256,14 @@ def _load(path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
     # (an int16 rho or int32 codes, from a damaged or crafted file) would wrap without a word
     cast = _other_state_dtypes(state, metadata) if isinstance(optimizer, FlashOptimizer) else []
     if cast:
+        rho_bits = {{torch.int8: 24, torch.int16: 32}.get(saved) for key, saved, _ in cast if key.endswith(".rho")}
+        setting = (f"master_weight_bits={rho_bits.pop()}, as its rho says"
+                   if all(key.endswith(".rho") for key, _, _ in cast) and len(rho_bits) == 1 and None not in rho_bits
+                   else "the settings it was saved with (master_weight_bits, the parameters' dtype)")
+        shown_cast = [f"{key} ({_name(saved)} vs {_name(live)})" for key, saved, live in cast[:8]]
         raise CheckpointError(f"flashdist: checkpoint {where} holds optimizer state of another dtype than this "
-                              f"optimizer keeps: {', '.join(cast[:8])}{' ...' if len(cast) > 8 else ''}: build "
-                              "the optimizer with the settings it was saved with (master_weight_bits, the "
-                              "parameters' dtype); where they are the same, the checkpoint is damaged or crafted")
+                              f"optimizer keeps: {', '.join(shown_cast)}{' ...' if len(cast) > 8 else ''}: build "
+                              f"the optimizer with {setting}; where it was, the checkpoint is damaged or crafted")
     if missing or unexpected or wrong:
         details = []
         if missing:
@@ -285,7 +297,8 @@ def _load(path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
         rank, text = next((r, f) for r, f in enumerate(failures) if f)
         raise CheckpointError(f"{text} (on rank {rank}); this rank's model was not changed")
     set_model_state_dict(model, state["model"])
-    state["extra"].pop(TIED, None)  # (flashdist's record, for an export)
+    if is_ties(state["extra"].get(TIED)):
+        del state["extra"][TIED]  # (flashdist's record, for an export)
     return state["extra"]
 
 

@@ -36,20 +36,29 @@ _FIX = ("build the optimizer from model.named_parameters() (torch >= 2.6 saves p
 
 TIED = "flashdist_tied"
 """Key of a checkpoint's ``extra`` that :func:`flashdist.checkpoint.save` writes: the model's tied weights, as
-``[name, the name the optimizer state is under]`` pairs (empty: none), which an export gives the master of the
-weight they are tied to; a weight it does not list is its own, whatever its values."""
+lists of the names one tensor is saved under (empty: none), which an export gives one master weight; a weight
+it does not list is its own, whatever its values. A user's ``extra`` cannot hold this key."""
 
 
-def model_ties(model) -> list[list[str]]:
-    """The ``TIED`` pairs of ``model``: each name of a parameter after its first, with its first."""
-    first: dict[int, str] = {}
-    ties = []
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in first:
-            ties.append([name, first[id(p)]])
-        else:
-            first[id(p)] = name
-    return ties
+def is_ties(value) -> bool:
+    """Whether ``value`` is a ``TIED`` record: lists of two or more names."""
+    return isinstance(value, list) and all(isinstance(v, list) and len(v) >= 2 and all(isinstance(n, str) for n in v)
+                                           for v in value)
+
+
+def state_dict_ties(model_state: dict) -> list[list[str]]:
+    """The ``TIED`` record of a model state dict (``get_model_state_dict``'s, whose names a checkpoint keeps):
+    the names whose tensors (a DTensor's local one) are one storage at one place."""
+    from .. import distributed as D  # noqa: PLC0415
+
+    by_place: dict[tuple, list[str]] = {}
+    for name, value in model_state.items():
+        if isinstance(value, torch.Tensor):
+            local = D.local(value)
+            place = (local.untyped_storage()._cdata, local.storage_offset(), tuple(local.shape), local.stride(),
+                     local.dtype)
+            by_place.setdefault(place, []).append(name)
+    return [names for names in by_place.values() if len(names) > 1]
 
 
 ORDER_UNKNOWN = "flashdist_model_order_unknown"
@@ -146,6 +155,11 @@ def _rho_read_as(dtype: torch.dtype, bits, key) -> torch.dtype:
     if dtype in (torch.int8, torch.int16):
         return dtype
     if dtype in SIXTEEN_BIT:
+        if bits == 32:
+            raise CheckpointError(f"flashdist: rho of optimizer state {str(key)[:80]!r} is "
+                                  f"{str(dtype).removeprefix('torch.')}, which does not hold every int16 value of "
+                                  "32-bit masters (a torch optimizer's load_state_dict casts rho to the parameter's "
+                                  "dtype): export the state dict flashdist saved")
         return torch.int8
     if dtype in (torch.float32, torch.float64) and bits in (24, 32):
         return torch.int8 if bits == 24 else torch.int16

@@ -348,14 +348,16 @@ class Source:
         raise NotImplementedError
 
     def shared(self, a: tuple, b: tuple) -> bool | None:
-        """Whether the tensors at routes ``a`` and ``b`` are one tensor saved under two names (a tied weight),
-        or None where the format does not tell (it stores every name's tensor apart)."""
+        """True where the tensors at routes ``a`` and ``b`` are one tensor saved under two names (a tied weight);
+        None where the checkpoint does not tell (a format that stores every name's tensor apart, or tensors
+        copied before they were saved, as a state moved to the CPU is)."""
         return None
 
 
-def _one_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.storage_offset() ==
-            b.storage_offset() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype)
+def _one_tensor(a: torch.Tensor, b: torch.Tensor) -> bool | None:
+    same = (a.untyped_storage()._cdata == b.untyped_storage()._cdata and a.storage_offset() == b.storage_offset()
+            and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype)
+    return True if same else None
 
 
 class MemorySource(Source):

@@ -92,7 +92,19 @@ def _load(path: Path):
     return value
 
 
-_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")  # transformers configs' names for it
+def _layer_count(config: dict) -> int:
+    """The layers a model config describes: every whole number under a key that names layers
+    (``num_hidden_layers``, ``n_layer``, ``decoder_layers``, ``num_decoder_layers``, ...), in its sub-configs
+    too; building the model costs time and memory in proportion."""
+    total, stack = 0, [config]
+    while stack:
+        node = stack.pop()
+        for key, value in node.items():
+            if isinstance(value, dict):
+                stack.append(value)
+            elif "layer" in str(key).lower() and isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                total += value
+    return total
 
 
 def _json(path: Path):
@@ -202,14 +214,16 @@ class TrainerSource:
             import transformers
         except ImportError:
             return None, "transformers is not installed (it gives the model's parameter order)"
-        values = _json(inside(self.folder, "config.json"))
+        try:
+            values = _json(inside(self.folder, "config.json"))
+        except CheckpointError as e:  # (a link out, beyond the budget, not JSON: not read, the order unknown)
+            return None, str(e).removeprefix("flashdist: ")
         if not isinstance(values, dict) or not isinstance(values.get("model_type"), str):
             return None, "config.json names no model_type"
-        for config in (values, values.get("text_config")):
-            layers = [config.get(k) for k in _LAYER_KEYS] if isinstance(config, dict) else []
-            if any(isinstance(n, int) and n > weights for n in layers):
-                return None, f"config.json describes {max(n for n in layers if isinstance(n, int)):,} layers, " \
-                             f"more than the checkpoint's {weights:,} weights: not this checkpoint's model"
+        layers = _layer_count(values)
+        if layers > weights:
+            return None, (f"config.json describes {layers:,} layers, more than the checkpoint's {weights:,} weights: "
+                          "not this checkpoint's model")
         try:
             config = transformers.AutoConfig.for_model(values["model_type"],
                                                        **{k: v for k, v in values.items() if k != "model_type"})

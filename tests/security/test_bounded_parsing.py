@@ -574,10 +574,11 @@ def test_trainer_folder_json_is_read_within_the_budget(tmp_path, monkeypatch, in
         assert run_cli("inspect", folder)[0] in (0, 1) and "index.json" not in run_cli("inspect", folder)[2]
 
 
-def test_trainer_folder_config_of_a_million_layers_is_not_built(tmp_path):
+@pytest.mark.parametrize("where", ["num_hidden_layers", "decoder_layers", "vision_config"])
+def test_trainer_folder_config_of_a_million_layers_is_not_built(tmp_path, where):
     """A Trainer folder's config.json of a few hundred bytes naming a million layers (building its model on the
-    meta device would take minutes and gigabytes): not built, the order left unknown with the reason, in the
-    time and memory of the checkpoint itself."""
+    meta device would take minutes and gigabytes), under Llama's key, BART's decoder key or in a sub-config: not
+    built, the order left unknown with the reason, in the time and memory of the checkpoint itself."""
     import json
     import time
 
@@ -589,9 +590,11 @@ def test_trainer_folder_config_of_a_million_layers_is_not_built(tmp_path):
     folder.mkdir()
     save_file({"w": torch.zeros(2, dtype=torch.bfloat16)}, str(folder / "model.safetensors"))
     torch.save({"state": {}, "param_groups": [{"params": [0]}]}, folder / "optimizer.bin")
+    layers = {"num_hidden_layers": {"num_hidden_layers": 1_000_000}, "decoder_layers": {"decoder_layers": 1_000_000},
+              "vision_config": {"vision_config": {"num_hidden_layers": 1_000_000}}}[where]
     (folder / "config.json").write_text(json.dumps({
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1_000_000,
-        "hidden_size": 8, "intermediate_size": 8, "num_attention_heads": 1, "vocab_size": 8}))
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 8, "intermediate_size": 8,
+        "num_attention_heads": 1, "vocab_size": 8, **layers}))
     start = time.monotonic()
     rc, out, err = run_cli("inspect", folder)
     assert time.monotonic() - start < 60, "the model of the config was built"

@@ -48,16 +48,17 @@ class KernelLaunch:
     """Registers per thread (None: the compiler's choice)."""
     tile_cols: int = 32
     """``muon_apply_transposed`` only: a block is a tile of ``groups * 32 // tile_cols`` rows and ``tile_cols``
-    columns of the parameter (a power of two up to ``groups * 32``): the parameter's and rho's values are
-    consecutive along a tile's rows, the update's along its columns."""
+    columns of the parameter (a power of two from 2, the rho split's pairs of columns, to ``groups * 32``): the
+    parameter's and rho's values are consecutive along a tile's rows, the update's along its columns."""
 
     def __post_init__(self):
         # limits: a block of at most 2^20 values (Triton's largest), a program of at most 1,024 threads, and
         # block counts that stay int32 in the kernel
-        for name, most in (("groups", 1 << 15), ("warps", 32), ("tile_cols", None)):
+        for name, least, most in (("groups", 1, 1 << 15), ("warps", 1, 32), ("tile_cols", 2, None)):
             value, most = getattr(self, name), most or self.groups * 32
-            if not _power_of_two(value) or value > most:
-                raise ValueError(f"flashdist: KernelLaunch.{name} must be a power of two up to {most}, got {value!r}")
+            if not _power_of_two(value) or not least <= value <= most:
+                raise ValueError(f"flashdist: KernelLaunch.{name} must be a power of two from {least} to {most}, "
+                                 f"got {value!r}")
         if not isinstance(self.blocks, int) or isinstance(self.blocks, bool) or not 1 <= self.blocks <= 1 << 20:
             raise ValueError(f"flashdist: KernelLaunch.blocks must be an int from 1 to {1 << 20}, got {self.blocks!r}")
         if not isinstance(self.prefetch, bool):
