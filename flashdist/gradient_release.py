@@ -31,12 +31,12 @@ fused launch plan, cached for that fixed list of parameters), after which their 
   stepped together as soon as their gradient shards add up to ``bucket_mb`` MiB (default 64; 0 steps each
   group as soon as it is complete), a shard counted as its parameter's bytes over the ranks that split it,
   so that every rank steps the same groups together even where shards are uneven (FlashMuon's step
-  exchanges updates between the ranks, and they must take part in the same order). Each call costs host time on the thread that runs the backward pass,
-  which FSDP2 often keeps busy issuing kernels: fewer, larger calls leave the GPU waiting less, for at most
-  ``bucket_mb`` of gradient shards held a little longer. On CUDA the step is queued on a side stream of
-  flashdist's (one per device) that waits for
-  the stream FSDP2 runs the hooks on (the reduce-scatter stream: a step queued there would hold back the
-  following reduce-scatters and the all-gathers NCCL orders behind them); the caller's stream waits for
+  exchanges updates between the ranks, which must take part in the same order). Each call costs host time on
+  the thread that runs the backward pass, which FSDP2 often keeps busy issuing kernels: fewer, larger calls
+  leave the GPU waiting less, for at most ``bucket_mb`` of gradient shards held a little longer. On CUDA the
+  step is queued on a side stream of flashdist's (one per device) that waits for the stream FSDP2 runs the
+  hooks on (the reduce-scatter stream: a step queued there would hold back the following reduce-scatters and
+  the all-gathers NCCL orders behind them); the caller's stream waits for
   the side stream at the end of backward, so the next forward, ``optimizer.step()`` or a checkpoint sees
   the stepped parameters. A group in which some parameter got no gradient is complete when the next group's
   gradients arrive, or at the end of backward. The gradient shards of one group are views of one

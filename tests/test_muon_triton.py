@@ -191,4 +191,5 @@ def test_in_interpreter_process():
     if not _interpreter.HAS_TRITON:
         pytest.skip("triton is not installed")
     done = _interpreter.run_interpreted(__file__, "-k", "not test_in_interpreter_process")
-    assert done.returncode == 0 and f"{len(CASES) + 10} passed" in done.stdout, done.stdout[-6000:] + done.stderr[-3000:]
+    ran = len(CASES) + 10
+    assert done.returncode == 0 and f"{ran} passed" in done.stdout, done.stdout[-6000:] + done.stderr[-3000:]

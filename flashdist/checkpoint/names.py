@@ -166,8 +166,8 @@ def _rho_read_as(dtype: torch.dtype, bits, key) -> torch.dtype:
     why = ("its param group records no master_weight_bits (24 or 32) to read it by" if dtype.is_floating_point
            else "not a dtype flashdist writes rho in (int8, int16) nor a torch optimizer's cast of one; the file is "
                 "damaged or crafted")
-    raise CheckpointError(f"flashdist: rho of optimizer state {str(key)[:80]!r} is {str(dtype).removeprefix('torch.')}: "
-                          f"{why}")
+    dtype_name = str(dtype).removeprefix("torch.")
+    raise CheckpointError(f"flashdist: rho of optimizer state {str(key)[:80]!r} is {dtype_name}: {why}")
 
 
 def _hint(fields: dict[str, tuple], specs: dict[tuple, Spec], flat: bool) -> tuple[tuple | None, bool]:

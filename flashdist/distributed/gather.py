@@ -10,9 +10,9 @@ the owner assembles the whole matrix at the global indices each rank holds (the 
 (``torch.distributed.scatter``). The owners go round-robin over the mesh's ranks by the matrix's position
 in the list, the same on every rank, so the matmul work divides over the ranks. The collectives run over
 one process group over the mesh (a 1-D mesh's, or the world's for a mesh over every rank), or, for a mesh of
-several dims over some of the ranks (a pipeline stage's slice), in hops along the mesh dims (``_Route``). The owner computes on the
-exact whole matrix of a one-process run with the same (deterministic) function, so every rank ends with
-the one-process bits, at any world size and on any mesh.
+several dims over some of the ranks (a pipeline stage's slice), in hops along the mesh dims (``_Route``).
+The owner computes on the exact whole matrix of a one-process run with the same (deterministic) function,
+so every rank ends with the one-process bits, at any world size and on any mesh.
 
 A stack of matrices orthogonalized one by one (FlashMuon's ``flatten=False``, MoE experts) that is sharded
 along its stack dims only (FSDP2's ``Shard(0)`` of ``(experts, out, in)``, expert parallelism) is computed
@@ -203,7 +203,7 @@ class _Exchange:
         """The hops this rank takes part in, in order (gather: the last dim first; scatter: the reverse): a
         hop along dim ``d`` joins the ranks that share the owner's coordinates in the dims after ``d`` (they
         hold, or will hold, the parts of all those dims' coordinates). Yields (group, each coordinate's group
-        rank along d, the owner's coordinate along d, this rank's, parts a member holds after the hop)."""
+        rank along d, the owner's coordinate along d, this rank's, the parts each member sends or receives)."""
         route, owner = self.route, self.route.coordinates[self.owner]
         dims = range(len(route.shape) - 1, -1, -1) if reverse else range(len(route.shape))
         for d in dims:

@@ -1,7 +1,8 @@
 """FlashMuon's sharding promise: each matrix is orthogonalized whole on one owner rank, so a step under FSDP2
 (1, 2, 3 ranks, uneven and empty shards), HSDP on a (2, 2) mesh, HSDP on pipeline stages' slices of a mesh,
-and FSDP2 x tensor parallelism on (2, 2) and (1, 4) meshes is bit-identical to one process: parameters, master weights, rho, momentum codes and scales, and the AdamW groups' state. A DCP
-checkpoint saved on 2 ranks resumes on 3 (and the other way) in both state-dict formats, bit for bit."""
+and FSDP2 x tensor parallelism on (2, 2) and (1, 4) meshes is bit-identical to one process: parameters, master
+weights, rho, momentum codes and scales, and the AdamW groups' state. A DCP checkpoint saved on 2 ranks resumes
+on 3 (and the other way) in both state-dict formats, bit for bit."""
 
 from __future__ import annotations
 
