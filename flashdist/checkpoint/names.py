@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ..quant import rho as R
 from .errors import CheckpointError
 from .output import Spec
 
@@ -151,23 +152,23 @@ def owners(rest, specs: dict[tuple, Spec], model_order: list[str] | None = None,
 
 def _rho_read_as(dtype: torch.dtype, bits, key) -> torch.dtype:
     """The rho dtype a saved rho of ``dtype`` holds: its own (int8, int16), or for a torch optimizer's floating
-    cast of it the one its group's ``master_weight_bits`` names (a 16-bit cast holds only int8's values)."""
-    if dtype in (torch.int8, torch.int16):
+    cast of it the one its group's ``master_weight_bits`` names (unrecorded: int8, where the cast is 16-bit),
+    where that cast holds every value of it (``quant.rho.EXACT_CASTS``)."""
+    if dtype in R.RHO_STEPS:
         return dtype
-    if dtype in SIXTEEN_BIT:
-        if bits == 32:
-            raise CheckpointError(f"flashdist: rho of optimizer state {str(key)[:80]!r} is "
-                                  f"{str(dtype).removeprefix('torch.')}, which does not hold every int16 value of "
-                                  "32-bit masters (a torch optimizer's load_state_dict casts rho to the parameter's "
-                                  "dtype): export the state dict flashdist saved")
-        return torch.int8
-    if dtype in (torch.float32, torch.float64) and bits in (24, 32):
-        return torch.int8 if bits == 24 else torch.int16
-    why = ("its param group records no master_weight_bits (24 or 32) to read it by" if dtype.is_floating_point
-           else "not a dtype flashdist writes rho in (int8, int16) nor a torch optimizer's cast of one; the file is "
-                "damaged or crafted")
-    dtype_name = str(dtype).removeprefix("torch.")
-    raise CheckpointError(f"flashdist: rho of optimizer state {str(key)[:80]!r} is {dtype_name}: {why}")
+    where, dtype_name = f"flashdist: rho of optimizer state {str(key)[:80]!r}", str(dtype).removeprefix("torch.")
+    if not dtype.is_floating_point:
+        raise CheckpointError(f"{where} is {dtype_name}: not a dtype flashdist writes rho in (int8, int16) nor a "
+                              "torch optimizer's cast of one; the file is damaged or crafted")
+    rho = R.RHO_DTYPES.get(bits, torch.int8 if dtype in SIXTEEN_BIT else None)
+    if rho is None:
+        raise CheckpointError(f"{where} is {dtype_name}: its param group records no master_weight_bits (24 or 32) "
+                              "to read it by")
+    if dtype not in R.EXACT_CASTS[rho]:
+        raise CheckpointError(f"{where} is {dtype_name}, which does not hold every {str(rho).removeprefix('torch.')} "
+                              f"value of {bits}-bit masters (a torch optimizer's load_state_dict casts rho to the "
+                              "parameter's dtype): export the state dict flashdist saved")
+    return rho
 
 
 def _hint(fields: dict[str, tuple], specs: dict[tuple, Spec], flat: bool) -> tuple[tuple | None, bool]:
