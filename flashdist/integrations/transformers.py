@@ -9,7 +9,7 @@ Names: ``flash_adamw``, ``flash_adam``, ``flash_sgd``, ``flash_sgdw``, ``flash_l
 :data:`OPTIMIZERS`). ``flash_muon`` builds its param groups from the model (``flashdist.muon_param_groups``:
 matrices take Muon, embeddings, the output head, norms and biases AdamW with ``adam_beta1/2`` and
 ``adam_epsilon``), in place of the Trainer's decay / no-decay groups, with ``weight_decay`` split as those
-are (none for biases and norm weights).
+are (the Trainer's ``get_decay_parameter_names``: none for biases and norm weights).
 The Trainer's arguments map as for its own optimizers: ``learning_rate`` -> ``lr``, ``adam_beta1/2`` ->
 ``betas`` (Adam and Lion), ``adam_epsilon`` -> ``eps`` (Adam), ``weight_decay`` per param group (the Trainer's
 decay / no-decay groups). ``optim_args`` is the Trainer's ``"key=value,key=value"`` string; each key is a keyword
@@ -183,19 +183,21 @@ def optimizer_cls_and_kwargs(name: str, args=None, optim_args: str | dict | None
 
         groups = muon_param_groups(model, adamw_lr=group_args.get("adamw_lr"))
         decay = kwargs.get("weight_decay", getattr(args, "weight_decay", None))  # (optim_args win)
-        if decay is not None:  # the Trainer's decay / no-decay split: none for biases and norm weights (1-d)
-            split = []
-            for group in groups:
-                if group["use_muon"]:
-                    split.append({**group, "weight_decay": decay})
-                    continue
-                matrices = [(n, p) for n, p in group["params"] if p.ndim > 1]  # embeddings, the head
-                vectors = [(n, p) for n, p in group["params"] if p.ndim <= 1]
-                split += [{**group, "params": matrices, "weight_decay": decay}] if matrices else []
-                split += [{**group, "params": vectors, "weight_decay": 0.0}] if vectors else []
-            groups = split
+        if decay is not None:  # the Trainer's decay / no-decay split, by its own rule
+            decayed = _trainer_decay_names(model)
+            groups = [{**group, "params": params, "weight_decay": decay if on else 0.0}
+                      for group in groups for on in (True, False)
+                      if (params := [(n, p) for n, p in group["params"] if (n in decayed) == on])]
         kwargs["params"] = groups  # the Trainer takes kwargs["params"] as the groups
     return cls, kwargs
+
+
+def _trainer_decay_names(model: torch.nn.Module) -> set[str]:
+    """The parameter names the Trainer gives weight decay: its ``get_decay_parameter_names`` (not biases, not
+    norm layers by type or name), a method that reads nothing of the Trainer it is bound to."""
+    from transformers import Trainer
+
+    return set(Trainer.get_decay_parameter_names(None, model))
 
 
 # ----- registration ------------------------------------------------------------------------------------

@@ -35,6 +35,13 @@ def test_flash_muon_groups_come_from_the_model(tmp_path):
         assert [g["weight_decay"] for g in groups] == [decay, decay, 0.0]
     groups = fd_hf.optimizer_cls_and_kwargs("flash_muon", args, "weight_decay=0.2", model=model)[1]["params"]
     assert [g["weight_decay"] for g in groups] == [0.2, 0.2, 0.0]  # optim_args win
+    # a learned scale vector that is neither a bias nor a norm weight decays, as in the Trainer's own groups
+    model.model.gate = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    groups = fd_hf.optimizer_cls_and_kwargs("flash_muon", args, model=model)[1]["params"]
+    decayed = {n for g in groups if g["weight_decay"] for n, _ in g["params"]}
+    assert "model.gate" in decayed and "model.norm.weight" not in decayed
+    assert decayed == set(transformers.Trainer.get_decay_parameter_names(None, model))
+    del model.model.gate
     # the AdamW groups' own learning rate (muon_param_groups' adamw_lr), checked as the lr it becomes
     cls, kwargs = fd_hf.optimizer_cls_and_kwargs("flash_muon", args, "adamw_lr=3e-4", model=model)
     assert [g.get("lr") for g in kwargs["params"]] == [None, 3e-4, 3e-4] and kwargs["lr"] == args.learning_rate
