@@ -182,6 +182,9 @@ def plan(*, model: str | Shape | None = None, params: float | None = None, gpus:
     n = float(params if params is not None else shape.params())
     if gradient_release and mode in ("zero1", "zero2", "zero3"):
         raise ValueError(f"flashdist: gradient release runs under FSDP2 (mode fsdp2, hsdp or tp), not {mode}")
+    if optimizer == "muon" and mode in ("zero1", "zero2", "zero3"):
+        raise ValueError(f"flashdist: FlashMuon does not run under DeepSpeed ZeRO ({mode}: its flat partitions hold "
+                         "no whole matrices for Newton-Schulz); plan it with mode fsdp2, hsdp or tp")
     tp = gpus if mode == "tp" else 1
     activations_per_seq = shape.activation_bytes(seq, recomputed) / tp if shape else 0.0
     buffers = shape.buffer_bytes() / tp if shape else 0.0

@@ -113,3 +113,5 @@ def test_cli_prints_the_parts_and_refuses_bad_input(tmp_path):
     assert rc == 1 and "unknown model 'gpt-9'" in err
     rc, _, err = run_cli("plan", "8b", "--mode", "zero3", "--gradient-release")
     assert rc == 1 and "gradient release runs under FSDP2" in err
+    rc, _, err = run_cli("plan", "8b", "--optimizer", "muon", "--mode", "zero1")
+    assert rc == 1 and "FlashMuon does not run under DeepSpeed ZeRO (zero1" in err

@@ -286,6 +286,30 @@ def test_muon_param_groups_leave_heads_tables_and_vectors_to_adamw():
         assert [n for g in muon_param_groups(other) if g["use_muon"] for n, _ in g["params"]] == want
 
 
+def test_muon_param_groups_leave_biases_and_tables_by_name_and_see_through_parameterless_siblings():
+    """A parameter whose own name says bias, or whose name says embed, takes AdamW whatever its shape (GPT-OSS's
+    stacked expert biases, Swin's relative position table, a (h, w, d) position table, a patch embedding, LoRA's
+    factors of an embedding); a wrapper's children without
+    parameters (a LightningModule's loss function beside its model) do not hide the model's head."""
+    model = torch.nn.Module()
+    model.proj = torch.nn.Linear(8, 8)
+    model.experts = torch.nn.Module()
+    model.experts.gate_up_proj = torch.nn.Parameter(torch.zeros(4, 8, 16))
+    model.experts.gate_up_proj_bias = torch.nn.Parameter(torch.zeros(4, 16))
+    model.relative_position_bias_table = torch.nn.Parameter(torch.zeros(49, 2))
+    model.pos_embed = torch.nn.Parameter(torch.zeros(4, 4, 8))
+    model.patch_embed = torch.nn.Conv2d(3, 8, 2)  # the input layer
+    model.embed_tokens = torch.nn.Module()  # LoRA's factors of an embedding
+    model.embed_tokens.lora_embedding_A = torch.nn.ParameterDict({"default": torch.zeros(2, 10)})
+    model.classifier = torch.nn.Linear(8, 3)
+    muon = [n for g in muon_param_groups(model) if g["use_muon"] for n, _ in g["params"]]
+    assert muon == ["proj.weight", "experts.gate_up_proj"]
+    lit = torch.nn.Module()  # a LightningModule: self.model, self.loss_fn
+    lit.model, lit.loss_fn = model, torch.nn.CrossEntropyLoss()
+    assert [n for g in muon_param_groups(lit) if g["use_muon"] for n, _ in g["params"]] == [
+        "model." + name for name in muon]
+
+
 def test_muon_param_groups_choose_the_view_of_conv_and_stacked_weights():
     """A convolution's weight is one matrix (flatten=True); another weight of more than 2 dims (MoE experts)
     a stack of matrices (flatten=False); 2-D matrices keep the group without the key."""
@@ -353,6 +377,34 @@ def test_refusals(monkeypatch):
     with pytest.raises(ValueError, match=r"\['params'\]\[1\] \(shape \(8,\).*fewer than 2 dims"):
         opt.step()
     assert torch.equal(matrix, before[0]) and all(torch.equal(v, before[1][k]) for k, v in opt.state[matrix].items())
+    # the AdamW defaults are checked at construction, by their names, though no AdamW group exists yet
+    for kwargs, match in (({"adamw_betas": (1.0, 0.9)}, r"adamw_betas\[0\] must be in \[0.0, 1.0\)"),
+                          ({"adamw_betas": (0.9,)}, "adamw_betas must be a pair"),
+                          ({"adamw_eps": float("nan")}, "adamw_eps must be")):
+        with pytest.raises(ValueError, match=match):
+            FlashMuon([matrix], **kwargs)
+
+
+def test_a_parameter_moved_between_muon_and_adamw_groups_is_refused_before_any_change():
+    """A matrix moved from a Muon group into an AdamW one after its first step keeps a momentum buffer that the
+    AdamW update would read as no state (its step count would set AdamW's bias correction): refused at the
+    step, naming it, whichever of the group's parameters holds it; del optimizer.state[p] starts it anew."""
+    torch.manual_seed(0)
+    a, b = torch.nn.Parameter(torch.randn(4, 8)), torch.nn.Parameter(torch.randn(8))
+    opt = FlashMuon([{"params": [a]}, {"params": [b], "use_muon": False}], lr=0.01, master_weight_bits=None)
+    for p in (a, b):
+        p.grad = torch.randn_like(p)
+    opt.step()
+    opt.param_groups[0]["params"].remove(a)
+    opt.param_groups[1]["params"].append(a)
+    before = a.detach().clone(), b.detach().clone()
+    with pytest.raises(ValueError, match=r"param_groups\[1\]\['params'\]\[1\] .* use_muon=False but its state "
+                       "was made by the Muon update"):
+        opt.step()
+    assert torch.equal(a, before[0]) and torch.equal(b, before[1])
+    del opt.state[a]
+    opt.step()
+    assert "exp_avg_codes" in opt.state[a] and float(opt.state[a]["step"]) == 1
 
 
 def test_memory():

@@ -156,6 +156,57 @@ def test_disjoint_views_of_one_storage_are_fine():
     assert len(opt.state_dict()["state"]) == 2
 
 
+def test_unnamed_positions_name_their_group_and_mixed_names_are_refused():
+    w, b = _model()[0].weight, _model()[0].bias
+    with pytest.raises(ValueError, match=r"param_groups\[1\]\['params'\]\[0\] .* \(also as "
+                       r"param_groups\[0\]\['params'\]\[0\]\)"):
+        FlashAdamW([{"params": [w]}, {"params": [w]}])
+    with pytest.raises(ValueError, match=r"param_groups\[0\]'s params mix \(name, parameter\) pairs and bare tensors "
+                       r"\(entry 1 is a bare Parameter\)"):
+        FlashAdamW([("w", w), b])
+    with pytest.raises(ValueError, match=r"\['params'\]\[0\] is a tuple that is not a \(name, parameter\) pair"):
+        FlashAdamW([(w, "w")])
+
+
+@pytest.mark.parametrize("cls", [FlashAdamW, FlashLion, FlashSGD], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("key", ["maximize", "amsgrad", "differentiable"])
+def test_torch_options_no_update_implements_are_refused_not_ignored(cls, key):
+    """A group copied from a torch optimizer's config may set maximize / amsgrad / differentiable: no flashdist
+    update reads them, so a group that sets one true is refused (at construction, and at the step when set on a
+    live group), where it would have descended silently; False, as torch's state dicts hold them, is fine."""
+    model = _model()
+    with pytest.raises(ValueError, match=f"sets {key}=True, which {cls.__name__} does not implement"):
+        cls([{"params": list(model.parameters()), key: True}])
+    opt = cls([{"params": list(model.parameters()), key: False}])
+    _step(model, opt)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.param_groups[0][key] = True
+    model(torch.randn(2, 32, dtype=torch.bfloat16)).float().sum().backward()
+    with pytest.raises(ValueError, match=key):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+@pytest.mark.parametrize("cls", [FlashAdamW, FlashSGD], ids=lambda c: c.__name__)
+def test_a_strided_gradient_where_the_step_reads_flat_storage_is_refused_before_any_group_steps(cls):
+    """backend="cpu" (the fused CPU step, no fallback) reads gradients as flat storage, as the Triton kernels
+    do: a gradient that is not contiguous, in the second group, is refused in one line before the first group
+    steps (its weights, state and step count unchanged); made contiguous, the step runs once."""
+    model = _model()
+    opt = cls([{"params": [model[0].weight]}, {"params": [model[1].weight], "lr": 1e-3}], backend="cpu")
+    model[0].weight.grad = torch.randn_like(model[0].weight)
+    model[1].weight.grad = torch.randn(model[1].weight.shape[::-1]).bfloat16().t()
+    before = model[0].weight.detach().clone()
+    with pytest.raises(ValueError, match=r"param_groups\[1\]\['params'\]\[0\] .* has a gradient that is not "
+                       r"contiguous .* backend 'cpu' reads flat storage") as refused:
+        opt.step()
+    assert "\n" not in str(refused.value) and torch.equal(model[0].weight.detach(), before)
+    assert float(opt.state[model[0].weight].get("step", 0)) == 0
+    model[1].weight.grad = model[1].weight.grad.contiguous()
+    opt.step()
+    assert float(opt.state[model[0].weight]["step"]) == 1
+
+
 # ----- the same tensor twice, and scalars that overflow fp32 ----------------------------------------------
 
 

@@ -131,6 +131,8 @@ class FlashOptimizersContainer(OptimizersContainer):
             else:
                 FlashOptimizersContainer._resolve_optimizer_factory(pg.optimizer_name)
         groups, patterns = OptimizersContainer._build_param_groups(model, param_group_configs, impl_kwargs)
+        if "FlashMuon" in groups:
+            _vectors_to_adamw(groups["FlashMuon"], patterns["FlashMuon"])
         for name, name_groups in groups.items():
             if name in FLASH_OPTIMIZERS:
                 for group in name_groups:
@@ -151,6 +153,26 @@ class FlashOptimizersContainer(OptimizersContainer):
             else:
                 init_optim_state(optim)
                 load_flat_optim_state_dict(optim, state_dict)
+
+
+def _vectors_to_adamw(groups: list[dict], patterns: list[str]) -> None:
+    """Move the parameters that a FlashMuon Muon group's pattern matched but that are no matrix (fewer than two
+    dims larger than 1: a model's own 1-d parameters no name pattern foresaw, as gpt_oss's attention sinks)
+    into the first AdamW group (``use_muon=False``) of the config, as :func:`flashdist.muon_param_groups` would
+    group them; a Muon group left empty goes. Without an AdamW group they stay, and FlashMuon refuses them."""
+    adamw = next((g for g in groups if g.get("use_muon") is False), None)
+    if adamw is None:
+        return
+    for group in [g for g in groups if g.get("use_muon") is not False]:  # (a copy: groups loses its empty ones)
+        vectors = [i for i, p in enumerate(group["params"]) if sum(d > 1 for d in p.shape) < 2]
+        for i in vectors:
+            adamw["params"].append(group["params"][i])
+            adamw["param_names"].append(group["param_names"][i])
+        group["params"] = [p for i, p in enumerate(group["params"]) if i not in vectors]
+        group["param_names"] = [n for i, n in enumerate(group["param_names"]) if i not in vectors]
+        if not group["params"]:
+            at = next(i for i, g in enumerate(groups) if g is group)
+            del groups[at], patterns[at]
 
 
 def unflatten_state_dict(optim: torch.optim.Optimizer, flat: dict[str, Any]) -> dict[str, Any]:
@@ -291,7 +313,9 @@ def flash_muon(lr: float = 0.02, *, adamw_lr: float = 8e-4,
     (``use_muon=False``, ``adamw_lr``, betas (0.9, 0.95), weight decay 0.1); every other parameter, the
     matrices, takes Muon's (momentum 0.95, Nesterov, weight decay 0.1), with ``flatten=False``: a weight of
     more than 2 dims there (the ``(experts, out, in)`` weights of torchtitan's ``GroupedExperts``) is a stack of
-    matrices, each orthogonalized on its own. ``kwargs`` are further options of the Muon group."""
+    matrices, each orthogonalized on its own; a parameter the Muon group's pattern matches that is no matrix
+    (fewer than two dims larger than 1, as gpt_oss's attention sinks) takes the AdamW group's update. ``kwargs``
+    are further options of the Muon group."""
     return FlashOptimizersContainer.Config(
         state_dict_format=state_dict_format, backend=backend, param_groups=[
             ParamGroupConfig(pattern=NON_MUON_PATTERN, optimizer_name="FlashMuon", optimizer_kwargs={

@@ -141,7 +141,8 @@ def optimizer_cls_and_kwargs(name: str, args=None, optim_args: str | dict | None
     name (:data:`OPTIMIZERS`) and the TrainingArguments, mapped as ``optim=`` maps them (module docstring).
     ``optim_args`` defaults to ``args.optim_args``. Works on any Transformers whose Trainer takes
     ``optimizer_cls_and_kwargs``; ``register()`` is not needed for it. ``flash_muon`` needs ``model``: its
-    param groups (``kwargs["params"]``, which the Trainer uses in place of its own) come from it.
+    param groups (``kwargs["params"]``, which the Trainer takes out of the dict and uses in place of its own)
+    come from it, so a pair serves one Trainer: call this again for the next.
 
         Trainer(model, args, optimizer_cls_and_kwargs=fd_hf.optimizer_cls_and_kwargs("flash_adamw", args))"""
     name = str(getattr(name, "value", name))  # TrainingArguments hold an OptimizerNames member
@@ -182,12 +183,13 @@ def optimizer_cls_and_kwargs(name: str, args=None, optim_args: str | dict | None
         from ..optim.muon import muon_param_groups
 
         groups = muon_param_groups(model, adamw_lr=group_args.get("adamw_lr"))
-        decay = kwargs.get("weight_decay", getattr(args, "weight_decay", None))  # (optim_args win)
-        if decay is not None:  # the Trainer's decay / no-decay split, by its own rule
-            decayed = _trainer_decay_names(model)
-            groups = [{**group, "params": params, "weight_decay": decay if on else 0.0}
-                      for group in groups for on in (True, False)
-                      if (params := [(n, p) for n, p in group["params"] if (n in decayed) == on])]
+        # the Trainer's decay / no-decay split, by its own rule (optim_args win; without args, FlashMuon's default)
+        decay = kwargs.get("weight_decay", getattr(args, "weight_decay",
+                                                   inspect.signature(cls).parameters["weight_decay"].default))
+        decayed = _trainer_decay_names(model)
+        groups = [{**group, "params": params, "weight_decay": decay if on else 0.0}
+                  for group in groups for on in (True, False)
+                  if (params := [(n, p) for n, p in group["params"] if (n in decayed) == on])]
         kwargs["params"] = groups  # the Trainer takes kwargs["params"] as the groups
     return cls, kwargs
 

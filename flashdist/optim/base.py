@@ -32,6 +32,10 @@ from .precision import PrecisionWarning  # noqa: F401,E402
 _GRAD = operator.attrgetter("grad")
 _GENERATIONS = itertools.count()
 _LAYOUT = operator.attrgetter("layout")
+_CONTIGUOUS = torch.Tensor.is_contiguous
+UNIMPLEMENTED_OPTIONS = ("maximize", "amsgrad", "differentiable")
+"""torch.optim param-group options that change the update and no flashdist optimizer implements: refused where
+a group sets them true (``check_group``)."""
 
 
 _EAGER_STEP = ("flashdist: the optimizer step runs eagerly (it is one fused launch per param group already); "
@@ -128,8 +132,18 @@ class FlashOptimizer(StateLifecycle, OutsideWrites, StateIO, torch.optim.Optimiz
         about to be set) that this optimizer would refuse, or the layout option changed on a live group
         since its state was made; return None when all is well. ``step()`` runs it on every group; call
         it before stepping through :meth:`step_parameters`. Changes nothing."""
+        self._check_unimplemented(group)
         self._check_hyperparameters(group)
         self._check_layout_unchanged(group)
+
+    def _check_unimplemented(self, group: dict) -> None:
+        """Refuse a torch.optim option that changes the update, set on (as torch's optimizers take it in a
+        param group, e.g. a group copied from an AdamW config), which no flashdist update implements: it would
+        be kept in the group and never read."""
+        for key in UNIMPLEMENTED_OPTIONS:
+            if group.get(key):
+                raise ValueError(f"flashdist: a param group sets {key}={group[key]!r}, which {type(self).__name__} "
+                                 f"does not implement (its update would ignore it): remove it from the group")
 
     def layout_options(self, group: dict) -> LayoutOptions:
         """The layout options the state of ``group`` (one of ``param_groups``) is made with: fixed from the
@@ -174,17 +188,28 @@ class FlashOptimizer(StateLifecycle, OutsideWrites, StateIO, torch.optim.Optimiz
         param_group = {**param_group, "params": entries}
         candidate = dict(param_group)
         params = entries
-        if params and isinstance(params[0], tuple):  # named parameters
+        named = [isinstance(p, tuple) for p in params]
+        if any(named) and not all(named):
+            raise ValueError(f"flashdist: param_groups[{len(self.param_groups)}]'s params mix (name, parameter) "
+                             f"pairs and bare tensors (entry {named.index(not named[0])} is "
+                             f"{'a bare ' + type(params[named.index(False)]).__name__ if named[0] else 'a pair'}): "
+                             "give all with names (model.named_parameters()) or none")
+        if params and named[0]:  # named parameters
+            if not all(len(p) == 2 and isinstance(p[0], str) for p in params):
+                bad = next(i for i, p in enumerate(params) if not (len(p) == 2 and isinstance(p[0], str)))
+                raise ValueError(f"flashdist: param_groups[{len(self.param_groups)}]['params'][{bad}] is a tuple "
+                                 "that is not a (name, parameter) pair: give model.named_parameters() or tensors")
             candidate["param_names"] = [n for n, _ in params]
             params = [p for _, p in params]
         for k, v in self.defaults.items():
             candidate.setdefault(k, v)
+        self._check_unimplemented(candidate)
         self._check_hyperparameters(candidate)
         layout = LayoutOptions.from_group(candidate)
         for i, p in enumerate(params):
-            check_param(candidate, i, p)
+            check_param(candidate, i, p, [*self.param_groups, candidate])
         check_overlaps([(g, i, q) for g in self.param_groups for i, q in enumerate(g["params"])]
-                             + [(candidate, i, p) for i, p in enumerate(params)])
+                       + [(candidate, i, p) for i, p in enumerate(params)], [*self.param_groups, candidate])
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         if len(group["params"]) != len(params):
@@ -250,13 +275,15 @@ class FlashOptimizer(StateLifecycle, OutsideWrites, StateIO, torch.optim.Optimiz
         grads, per group.
 
         Cheap by design (it runs every step): torch itself refuses a gradient of another shape, so only the
-        layout (sparse) and, for DTensor parameters, the gradient's placements are checked."""
+        layout (sparse), contiguity where the step reads flat storage and, for DTensor parameters, the gradient's
+        placements are checked."""
         active = []
         for index, group in enumerate(self.param_groups):
             try:
                 self.check_group(group)
             except ValueError as error:
-                if len(self.param_groups) == 1 or not str(error).startswith("flashdist: "):
+                if (len(self.param_groups) == 1 or not str(error).startswith("flashdist: ")
+                        or str(error).startswith("flashdist: param_groups[")):  # (it names the group already)
                     raise
                 raise ValueError(f"flashdist: param_groups[{index}]: {str(error)[len('flashdist: '):]}") from None
             params = group["params"]
@@ -275,13 +302,27 @@ class FlashOptimizer(StateLifecycle, OutsideWrites, StateIO, torch.optim.Optimiz
                     problem = D.grad_layout_problem(p, p.grad) if D.is_dtensor(p) else None
                     if problem:
                         raise RuntimeError(f"flashdist: {self._name(group, p)} {problem}")
+                flat = all(D.local(g).is_contiguous() for g in grads)
+            else:
+                flat = all(map(_CONTIGUOUS, grads))
+            if not flat and with_grad and self._reads_flat_storage(D.local(with_grad[0]).device):
+                p = next(p for p in with_grad if not D.local(p.grad).is_contiguous())
+                raise ValueError(f"flashdist: {self._name(group, p)} has a gradient that is not contiguous (strides "
+                                 f"{D.local(p.grad).stride()}) and backend {self.backend!r} reads flat storage: make "
+                                 "it contiguous (p.grad = p.grad.contiguous()), or use backend='reference'")
             active.append((with_grad, grads))
         return active
 
-    @staticmethod
-    def _name(group: dict, p: torch.Tensor) -> str:
+    def _reads_flat_storage(self, device: torch.device) -> bool:
+        """Whether this optimizer's step on ``device`` reads gradients as flat storage (the Triton kernels, and
+        the fused CPU step where ``backend="cpu"`` allows no fallback to the reference)."""
+        from ..functional.backend import resolve_backend
+
+        return self.backend == "cpu" or resolve_backend(self.backend, device) == "triton"
+
+    def _name(self, group: dict, p: torch.Tensor) -> str:
         index = next(i for i, q in enumerate(group["params"]) if q is p)
-        return param_name(group, index, p)
+        return param_name(group, index, p, self.param_groups)
 
     def _skipped_counter(self, device: torch.device) -> torch.Tensor:
         if self.skipped is None or self.skipped.device != device:

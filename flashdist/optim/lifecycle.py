@@ -92,9 +92,10 @@ class StateLifecycle:
         new = [(group, i, p) for group in self.param_groups for i, p in enumerate(group["params"])
                if id(p) not in seen]
         for group, i, p in new:
-            check_param(group, i, p)
+            check_param(group, i, p, self.param_groups)
             self._check_not_flat_partition(group, i, p)
-        check_overlaps([(g, i, q) for g in self.param_groups for i, q in enumerate(g["params"])])  # (twice, too)
+        check_overlaps([(g, i, q) for g in self.param_groups for i, q in enumerate(g["params"])],
+                       self.param_groups)  # (twice, too)
         # a group dict put into param_groups directly is validated here, before anything changes
         layouts = {id(g): self._layouts.get(id(g)) or LayoutOptions.from_group(g) for g in self.param_groups}
         live = {id(p) for group in self.param_groups for p in group["params"]}
@@ -120,12 +121,12 @@ class StateLifecycle:
         if (p.ndim != 1 or group.get("flat_layout", False) or not group["quantize_states"]
                 or isinstance(p, torch.nn.Parameter) or D.is_dtensor(p)):
             return
-        raise ValueError(f"flashdist: {param_name(group, index, p)}, a plain 1-d tensor, was put into a param group "
-                         "built for row-aligned 8-bit moments (as DeepSpeed ZeRO does with its flat partitions), "
-                         "where its moments would stay fp32: build the optimizer with flat_layout=True, or name it "
-                         "in the DeepSpeed config (\"type\": \"FlashAdamW\") and call "
-                         "flashdist.integrations.deepspeed.initialize (or register() before Accelerate or the "
-                         "Trainer starts DeepSpeed)")
+        name = param_name(group, index, p, self.param_groups)
+        raise ValueError(f"flashdist: {name}, a plain 1-d tensor, was put into a param group built for row-aligned "
+                         "8-bit moments (as DeepSpeed ZeRO does with its flat partitions), where its moments would "
+                         "stay fp32: build the optimizer with flat_layout=True, or name it in the DeepSpeed config "
+                         "(\"type\": \"FlashAdamW\") and call flashdist.integrations.deepspeed.initialize (or "
+                         "register() before Accelerate or the Trainer starts DeepSpeed)")
 
     def _ensure_trainable_state(self) -> None:
         """State for every parameter that requires a gradient (one unfrozen since the last step may have

@@ -22,6 +22,15 @@ ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 HEAD_NAMES = ("lm_head", "output", "head", "classifier", "score")  # output layers muon_param_groups leaves to AdamW
 
 
+def _check_adamw(betas, eps) -> None:
+    """The AdamW groups' ``adamw_betas`` and ``adamw_eps``, as FlashAdamW checks its betas and eps."""
+    check_betas(betas, high_open=True, name="adamw_betas")
+    check_number("adamw_eps", eps, low=0.0)
+    if eps == 0:
+        raise ValueError("flashdist: adamw_eps must be > 0, got 0 (as FlashAdamW's eps: 8-bit second moments can "
+                         "be exactly 0)")
+
+
 class FlashMuon(FlashOptimizer):
     """Muon (Keller Jordan, 2024; ``torch.optim.Muon``) with 24-bit master weights and an 8-bit companded
     momentum, for matrices; FlashAdamW's update for the other parameters of the same optimizer.
@@ -96,6 +105,7 @@ class FlashMuon(FlashOptimizer):
                  master_weight_bits: int | None = 24, quantize_states: bool = True, companded: bool = True,
                  backend: str = "auto", state_dict_format: str = "portable", capturable: bool = False,
                  graphed: bool = False):
+        _check_adamw(adamw_betas, adamw_eps)  # (checked here too: the AdamW groups may come later)
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
                         adjust_lr_fn=adjust_lr_fn, flatten=flatten, use_muon=True, adamw_betas=tuple(adamw_betas),
@@ -131,6 +141,18 @@ class FlashMuon(FlashOptimizer):
         self._owner_position = 0  # the round-robin position of the next sharded matrix's owner
         self._dims_checked: dict[int, tuple] = {}  # id(group) -> (flatten, its params) when their dims last passed
 
+    def _check_state_shapes(self, group: dict, params: list[torch.Tensor]) -> None:
+        """As the family's, and first: a parameter moved into a group of the other kind (``use_muon``) after its
+        state was made, whose state is the other update's (a momentum buffer, or Adam's moments and step)."""
+        for p in params:
+            state = self.state.get(p)
+            if state and any(key.startswith("momentum_buffer") for key in state) != group["use_muon"]:
+                raise ValueError(f"flashdist: {self._name(group, p)} is in a group with use_muon={group['use_muon']} "
+                                 f"but its state was made by the {'Muon' if group['use_muon'] is False else 'AdamW'} "
+                                 "update (moved between groups after a step?): give it back to its group, or del "
+                                 "optimizer.state[p] to start its state anew")
+        super()._check_state_shapes(group, params)
+
     def moments_of(self, group: dict) -> tuple[str, ...]:
         return self._moments if group["use_muon"] else ("exp_avg", "exp_avg_sq")
 
@@ -150,11 +172,7 @@ class FlashMuon(FlashOptimizer):
                 raise ValueError(f"flashdist: use_muon of a param group was {was_muon} when its state was made and "
                                  f"is now {use_muon}; it decides the state and is fixed: build a new optimizer")
         if not use_muon:
-            check_betas(group["adamw_betas"], high_open=True)
-            check_number("adamw_eps", group["adamw_eps"], low=0.0)
-            if group["adamw_eps"] == 0:
-                raise ValueError("flashdist: adamw_eps must be > 0, got 0 (as FlashAdamW's eps: 8-bit second "
-                                 "moments can be exactly 0)")
+            _check_adamw(group["adamw_betas"], group["adamw_eps"])
             return
         check_number("momentum", group["momentum"], low=0.0, high=1.0)
         check_number("eps", group["eps"], low=0.0)
@@ -184,11 +202,11 @@ class FlashMuon(FlashOptimizer):
             if not isinstance(p, torch.Tensor) or p.ndim == 2:
                 continue
             if p.ndim < 2:
-                raise ValueError(f"flashdist: {param_name(group, i, p)} is in a Muon param group but has fewer than "
-                                 "2 dims; put it in a group with use_muon=False (flashdist.muon_param_groups(model) "
-                                 "builds both groups)")
+                name = param_name(group, i, p, self.param_groups)
+                raise ValueError(f"flashdist: {name} is in a Muon param group but has fewer than 2 dims; put it in "
+                                 "a group with use_muon=False (flashdist.muon_param_groups(model) builds both groups)")
             if flatten is None:
-                raise ValueError(unchosen_view(param_name(group, i, p)))
+                raise ValueError(unchosen_view(param_name(group, i, p, self.param_groups)))
         if any(g is group for g in self.param_groups):  # (a live group; not a dict a load is checking)
             self._dims_checked[id(group)] = (flatten, list(params))
 
@@ -242,8 +260,12 @@ def muon_param_groups(model: torch.nn.Module, *, exclude=(), adamw_lr: float | N
     ``HEAD_NAMES``: ``lm_head``, ``output``, ``head``, ``classifier``, ``score``; a child of the model with
     everything inside it, as torchvision's ``classifier`` Sequential, a deeper one with its own parameters
     only, as BERT's ``layer.N.output`` holding a ``dense`` Linear; the model is the one inside its wrappers,
-    modules with one child and no parameters of their own: ``torch.compile``'s ``_orig_mod``, DDP's
-    ``module``, a LightningModule holding its network), parameters tied to either (the same tensor),
+    modules with one child that has parameters and none of their own: ``torch.compile``'s ``_orig_mod``, DDP's
+    ``module``, a LightningModule holding its network beside a loss function), parameters tied to either (the
+    same tensor), parameters whose own name (after the last dot) contains ``bias`` and those with ``embed`` in
+    their name below the wrappers, whatever their shape (GPT-OSS's stacked ``gate_up_proj_bias``, Swin's
+    ``relative_position_bias_table``, a ``pos_embed``, a ViT's ``patch_embed`` convolution: the input layer,
+    LoRA's ``lora_embedding_A/B``),
     parameters with fewer than two dims larger than 1 (vectors in another shape, e.g. a ``(1, 1, d)`` class
     token) or with leading dims of 1 only (a ``(1, n, d)`` position table: one matrix, no stack), and
     ``exclude`` (full names, a tied parameter's other names included; a name that matches no parameter is
@@ -258,7 +280,9 @@ def muon_param_groups(model: torch.nn.Module, *, exclude=(), adamw_lr: float | N
     # the model inside its wrappers (torch.compile's _orig_mod, DDP's module, a LightningModule's model: a module
     # with one child and no parameters of its own), whose children are the model's own
     chain, module = [""], model
-    while len(children := list(module.named_children())) == 1 and next(module.parameters(False), None) is None:
+    # (children without parameters do not count: a LightningModule's loss function or metrics beside its model)
+    while (len(children := [(n, c) for n, c in module.named_children() if next(c.parameters(), None) is not None])
+           == 1 and next(module.parameters(False), None) is None):
         name, child = children[0]
         if name in HEAD_NAMES or isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)):
             break  # (a model that is only its head; a container of one layer, as a one-layer encoder's)
@@ -292,7 +316,11 @@ def muon_param_groups(model: torch.nn.Module, *, exclude=(), adamw_lr: float | N
             continue
         excluded = callable(exclude) and exclude(name, p)
         table = p.ndim > 2 and all(d == 1 for d in p.shape[:-2])  # a (1, n, d) position table: no stack
-        if sum(d > 1 for d in p.shape) < 2 or table or id(p) in leave or excluded:
+        # a bias by its own name, an embedding (or a layer of one, as LoRA's factors, or a patch embedding) by
+        # any name on its path below the wrappers, whatever its shape
+        lower = name.removeprefix(root + ".").lower() if root else name.lower()
+        named = "bias" in lower.rsplit(".", 1)[-1] or "embed" in lower
+        if sum(d > 1 for d in p.shape) < 2 or table or named or id(p) in leave or excluded:
             other.append((name, p))
         else:
             (muon if p.ndim == 2 else convs if id(p) in conv else stacks).append((name, p))

@@ -14,20 +14,24 @@ from ..quant import codes as Q
 SUPPORTED_PARAM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def param_name(group: dict, index: int, p: torch.Tensor) -> str:
-    """The parameter's name when the optimizer was given ``named_parameters()``, else its position."""
+def param_name(group: dict, index: int, p: torch.Tensor, groups: list[dict] | None = None) -> str:
+    """The parameter's name when the optimizer was given ``named_parameters()``, else its position, with the
+    group's index in ``groups`` (the optimizer's ``param_groups``; ``[...]`` for a group not among them)."""
     names = group.get("param_names")
     named = names and index < len(names)  # (a parameter appended to a named group's list has no name)
-    where = f"'{names[index]}'" if named else f"param_groups[...]['params'][{index}]"
+    at = "..." if groups is None else next((i for i, g in enumerate(groups) if g is group), "...")
+    where = f"'{names[index]}'" if named else f"param_groups[{at}]['params'][{index}]"
     return f"{where} (shape {tuple(p.shape)}, {p.dtype})"
 
 
-def check_param(group: dict, index: int, p: torch.Tensor) -> None:
+def check_param(group: dict, index: int, p: torch.Tensor, groups: list[dict] | None = None) -> None:
     """Refuse, naming it, a parameter the optimizer cannot step: not a tensor, an unsupported dtype, sparse,
-    not contiguous, or a DTensor whose placements would cut quantization groups."""
+    not contiguous, or a DTensor whose placements would cut quantization groups. ``groups``: as for
+    :func:`param_name` (a group being added: the optimizer's groups and it)."""
     if not isinstance(p, torch.Tensor):
-        raise TypeError(f"flashdist: param_groups[...]['params'][{index}] is a {type(p).__name__}, not a tensor")
-    name = param_name(group, index, p)
+        at = "..." if groups is None else next((i for i, g in enumerate(groups) if g is group), "...")
+        raise TypeError(f"flashdist: param_groups[{at}]['params'][{index}] is a {type(p).__name__}, not a tensor")
+    name = param_name(group, index, p, groups)
     if p.dtype not in SUPPORTED_PARAM_DTYPES:
         raise TypeError(f"flashdist: {name} has dtype {p.dtype}; flashdist optimizers take bfloat16, "
                         "float16 or float32 parameters (cast the model, e.g. model.to(torch.bfloat16))")
@@ -43,7 +47,7 @@ def check_param(group: dict, index: int, p: torch.Tensor) -> None:
                          "leave flat_layout=False")
 
 
-def check_overlaps(params: list[tuple[dict, int, torch.Tensor]]) -> None:
+def check_overlaps(params: list[tuple[dict, int, torch.Tensor]], groups: list[dict] | None = None) -> None:
     """Refuse a tensor given twice (in one group or in two) and two parameters whose memory overlaps (views
     of one storage): each would be stepped, so the shared values would be updated twice per step. torch.optim
     refuses the same tensor in two groups and only warns about it twice in one group (a future error there);
@@ -53,9 +57,9 @@ def check_overlaps(params: list[tuple[dict, int, torch.Tensor]]) -> None:
         seen = first.setdefault(id(p), (group, index))
         if seen[0] is not group or seen[1] != index:
             where = "twice in one param group" if seen[0] is group else "in two param groups"
-            raise ValueError(f"flashdist: {param_name(group, index, p)} is given {where} (also as "
-                             f"{param_name(seen[0], seen[1], p).split(' (')[0]}); it would be stepped twice per "
-                             "step: pass each parameter once")
+            also = param_name(seen[0], seen[1], p, groups).split(" (")[0]
+            raise ValueError(f"flashdist: {param_name(group, index, p, groups)} is given {where} (also as {also}); it "
+                             "would be stepped twice per step: pass each parameter once")
     spans = []
     for group, index, p in params:
         lp = D.local(p)
@@ -67,7 +71,7 @@ def check_overlaps(params: list[tuple[dict, int, torch.Tensor]]) -> None:
     spans.sort(key=lambda s: (s[0], s[1]))  # an overlap, if any, shows between neighbours in this order
     for (sa, _, end_a, pa, ga, ia), (sb, start_b, _, pb, gb, ib) in zip(spans, spans[1:]):
         if sa == sb and start_b < end_a and pa is not pb:
-            name_a, name_b = param_name(ga, ia, pa), param_name(gb, ib, pb)
+            name_a, name_b = param_name(ga, ia, pa, groups), param_name(gb, ib, pb, groups)
             raise ValueError(f"flashdist: parameters {name_a} and {name_b} overlap in memory (views of one "
                              "storage), so the shared values would be stepped twice; pass each tensor once")
 
@@ -117,9 +121,9 @@ def check_step_scalars(group: dict, *, step_size_of_beta1: bool) -> None:
             check_fp32_product("lr", lr / (1.0 - beta1), "the first step's step size lr / (1 - betas[0])")
 
 
-def check_betas(betas: Any, *, high_open: bool) -> None:
-    """A pair of numbers in [0, 1) (``high_open``: Adam) or [0, 1] (Lion)."""
+def check_betas(betas: Any, *, high_open: bool, name: str = "betas") -> None:
+    """A pair of numbers in [0, 1) (``high_open``: Adam) or [0, 1] (Lion); errors name ``name``."""
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise ValueError(f"flashdist: betas must be a pair of numbers, got {betas!r}")
-    check_number("betas[0]", betas[0], low=0.0, high=1.0, high_open=high_open)
-    check_number("betas[1]", betas[1], low=0.0, high=1.0, high_open=high_open)
+        raise ValueError(f"flashdist: {name} must be a pair of numbers, got {betas!r}")
+    check_number(f"{name}[0]", betas[0], low=0.0, high=1.0, high_open=high_open)
+    check_number(f"{name}[1]", betas[1], low=0.0, high=1.0, high_open=high_open)

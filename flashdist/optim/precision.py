@@ -44,27 +44,27 @@ def fp32_group_warning(optimizer: str, params, group: dict) -> str | None:
     params = [p for p in params if p.requires_grad]
     if not params or any(p.dtype != torch.float32 for p in params):
         return None
-    if "peft" in sys.modules:  # (imported by the user: never imported here)
-        return peft_fp32_warning(optimizer, len(params))
-    return (f"flashdist: {optimizer} got fp32 parameters ({len(params)} in a group); they are their own "
-            "master weights: fp32 gradients, no 8-bit rho split. If the model computes in bf16 (autocast, "
-            "Trainer bf16=True, FSDP2/Accelerate mixed precision), cast it to bf16 before building the optimizer "
-            "(model.to(torch.bfloat16)) to keep bf16 weights with 24-bit masters: see docs/integrations.md. For "
-            "deliberate fp32 training pass master_weight_bits=None (it only affects bf16/fp16 parameters) to "
-            "silence this.")
+    cast = ("If the model computes in bf16 (autocast, Trainer bf16=True, FSDP2/Accelerate mixed precision), cast "
+            "it to bf16 before building the optimizer (model.to(torch.bfloat16)) to keep bf16 weights with 24-bit "
+            "masters: see docs/integrations.md.")
+    if "peft" in sys.modules:  # (imported by the user, or by a library such as the Trainer: never imported here)
+        cast = peft_fp32_advice() + " Otherwise: " + cast[0].lower() + cast[1:]
+    return (f"flashdist: {optimizer} got fp32 parameters ({len(params)} in a group); they are their own master "
+            f"weights: fp32 gradients, no 8-bit rho split. {cast} For deliberate fp32 training pass "
+            "master_weight_bits=None (it only affects bf16/fp16 parameters; Trainer: "
+            "optim_args='master_weight_bits=none') to silence this.")
 
 
-def peft_fp32_warning(optimizer: str, count: int) -> str:
-    """The fp32-group warning where PEFT is loaded: its adapters are fp32 by design (``autocast_adapter_dtype``)
-    and PEFT upcasts them again whenever it loads them (``load_adapter``, which a Trainer resume calls), so a
-    bf16 cast would not survive a resume. Keeping them fp32 costs little: adapters are a small part of the
-    model, and an fp32 adapter is its own exact master."""
-    return (f"flashdist: {optimizer} got fp32 parameters ({count} in a group; PEFT is loaded, so likely its "
-            "adapters, which PEFT keeps in fp32); they are their own master weights: no 8-bit rho split, which "
-            "adapters, a small part of the model, hardly need. Keep them fp32: PEFT upcasts adapters again "
-            "whenever it loads them (a Trainer resume calls load_adapter), so a bf16 cast does not survive a "
-            "resume. Pass master_weight_bits=None (Trainer: optim_args='master_weight_bits=none') to silence "
-            "this: see docs/integrations.md#peft-lora-through-the-trainer.")
+def peft_fp32_advice() -> str:
+    """The advice for PEFT adapters, given where PEFT is loaded (the optimizer cannot tell adapters from a model
+    trained in full, and the Trainer imports PEFT whenever it is installed): its adapters are fp32 by design
+    (``autocast_adapter_dtype``) and PEFT upcasts them again whenever it loads them (``load_adapter``, which a
+    Trainer resume calls), so a bf16 cast would not survive a resume. Keeping them fp32 costs little:
+    adapters are a small part of the model, and an fp32 adapter is its own exact master."""
+    return ("If they are PEFT adapters (PEFT is loaded), keep them fp32: PEFT upcasts adapters again whenever it "
+            "loads them (a Trainer resume calls load_adapter), so a bf16 cast does not survive a resume, and "
+            "adapters, a small part of the model, hardly need the rho split (docs/integrations.md#peft-lora-"
+            "through-the-trainer).")
 
 
 def fsdp_low_precision_fp32(param_groups, model: torch.nn.Module) -> list[str]:
@@ -72,7 +72,7 @@ def fsdp_low_precision_fp32(param_groups, model: torch.nn.Module) -> list[str]:
     bf16 or fp16."""
     names = {id(p): n for n, p in model.named_parameters()}
     compute = D.fsdp_compute_dtypes(model)
-    return [names.get(id(p), param_name(g, i, p)) for g in param_groups for i, p in enumerate(g["params"])
+    return [names.get(id(p), param_name(g, i, p, param_groups)) for g in param_groups for i, p in enumerate(g["params"])
             if p.requires_grad and p.dtype == torch.float32
             and compute.get(id(p), torch.float32) in (torch.bfloat16, torch.float16)]
 

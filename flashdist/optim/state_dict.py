@@ -256,7 +256,8 @@ def load_state_dict(opt, sd: dict) -> None:
         for i, (pid, p) in enumerate(zip(sgroup["params"], group["params"])):
             if pid in saved:
                 opt.ensure_state(p, group)  # flat_layout groups create their state lazily
-                plan.extend((op, group) for op in _plan_param(opt, group, p, param_name(group, i, p), saved[pid],
+                name = param_name(group, i, p, opt.param_groups)
+                plan.extend((op, group) for op in _plan_param(opt, group, p, name, saved[pid],
                                                               _DTYPES[dtypes[i]] if dtypes else None))
             index += 1
     # The hyper-parameters the groups will have after the load (torch's load_state_dict takes the saved

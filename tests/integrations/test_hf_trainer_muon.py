@@ -35,6 +35,8 @@ def test_flash_muon_groups_come_from_the_model(tmp_path):
         assert [g["weight_decay"] for g in groups] == [decay, decay, 0.0]
     groups = fd_hf.optimizer_cls_and_kwargs("flash_muon", args, "weight_decay=0.2", model=model)[1]["params"]
     assert [g["weight_decay"] for g in groups] == [0.2, 0.2, 0.0]  # optim_args win
+    groups = fd_hf.optimizer_cls_and_kwargs("flash_muon", model=model)[1]["params"]  # no args: FlashMuon's 0.1
+    assert [g["weight_decay"] for g in groups] == [0.1, 0.1, 0.0]
     # a learned scale vector that is neither a bias nor a norm weight decays, as in the Trainer's own groups
     model.model.gate = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
     groups = fd_hf.optimizer_cls_and_kwargs("flash_muon", args, model=model)[1]["params"]

@@ -65,3 +65,22 @@ def test_flash_muon_helper_orthogonalizes_grouped_experts_one_by_one():
         own.step()
     assert [g.get("flatten") for g in muon.param_groups if g["use_muon"]] == [False]
     assert torch.equal(model.experts.w1_EFD.detach(), torch.stack([p.detach() for p in parts]))
+
+
+def test_flash_muon_helper_gives_unforeseen_vectors_the_adamw_update():
+    """A 1-d parameter that no name pattern foresaw (gpt_oss's attention sinks) and the Muon group's pattern
+    matched takes the AdamW group's update, as muon_param_groups would group it, instead of failing the build;
+    a config without an AdamW group still refuses it, naming it."""
+    from flashdist.integrations.torchtitan import flash_muon
+
+    model = torch.nn.Module()
+    model.wq = torch.nn.Linear(8, 8, bias=False)
+    model.norm = torch.nn.Parameter(torch.ones(8))
+    model.sinks = torch.nn.Parameter(torch.zeros(4))
+    (muon,) = list(flash_muon().build(model_parts=[model.bfloat16()]))
+    groups = [(g["use_muon"], g["param_names"]) for g in muon.param_groups]
+    assert groups == [(False, ["norm", "sinks"]), (True, ["wq.weight"])]
+    only_muon = FlashOptimizersContainer.Config(param_groups=[
+        ParamGroupConfig(pattern=r".*", optimizer_name="FlashMuon", optimizer_kwargs={"lr": 0.02})])
+    with pytest.raises(ValueError, match="norm.*fewer than 2 dims"):
+        only_muon.build(model_parts=[model])
