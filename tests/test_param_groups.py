@@ -168,6 +168,21 @@ def test_unnamed_positions_name_their_group_and_mixed_names_are_refused():
         FlashAdamW([(w, "w")])
 
 
+def test_a_loaded_state_dict_names_the_parameters_as_torch_loads_names():
+    """torch's load_state_dict takes the saved param_names (a named optimizer's) over the live ones, and keeps
+    the live ones where the saved groups have none."""
+    model = _model()
+    named = FlashAdamW(model.named_parameters())
+    _step(model, named)
+    for live, want in ((list(model.parameters()), [n for n, _ in model.named_parameters()]),
+                       ([(f"other{i}", p) for i, p in enumerate(model.parameters())], None)):
+        ours, theirs = FlashAdamW(live), torch.optim.AdamW(live)
+        ours.load_state_dict(named.state_dict())
+        theirs.load_state_dict(torch.optim.AdamW(model.named_parameters()).state_dict())
+        assert ours.param_groups[0].get("param_names") == theirs.param_groups[0].get("param_names")
+        assert want is None or ours.param_groups[0]["param_names"] == want
+
+
 @pytest.mark.parametrize("cls", [FlashAdamW, FlashLion, FlashSGD], ids=lambda c: c.__name__)
 @pytest.mark.parametrize("key", ["maximize", "amsgrad", "differentiable"])
 def test_torch_options_no_update_implements_are_refused_not_ignored(cls, key):
@@ -189,9 +204,10 @@ def test_torch_options_no_update_implements_are_refused_not_ignored(cls, key):
 
 @pytest.mark.parametrize("cls", [FlashAdamW, FlashSGD], ids=lambda c: c.__name__)
 def test_a_strided_gradient_where_the_step_reads_flat_storage_is_refused_before_any_group_steps(cls):
-    """backend="cpu" (the fused CPU step, no fallback) reads gradients as flat storage, as the Triton kernels
+    """backend="cpu" (the fused CPU step, no fallback) reads tensors as flat storage, as the Triton kernels
     do: a gradient that is not contiguous, in the second group, is refused in one line before the first group
-    steps (its weights, state and step count unchanged); made contiguous, the step runs once."""
+    steps (its weights, state and step count unchanged); made contiguous, the step runs once. The same for a
+    parameter whose storage became strided after construction."""
     model = _model()
     opt = cls([{"params": [model[0].weight]}, {"params": [model[1].weight], "lr": 1e-3}], backend="cpu")
     model[0].weight.grad = torch.randn_like(model[0].weight)
@@ -205,6 +221,12 @@ def test_a_strided_gradient_where_the_step_reads_flat_storage_is_refused_before_
     model[1].weight.grad = model[1].weight.grad.contiguous()
     opt.step()
     assert float(opt.state[model[0].weight]["step"]) == 1
+    # a parameter's storage made strided after construction (p.data replaced, as model.to(memory_format=...) does)
+    model[1].weight.data = model[1].weight.data.t().contiguous().t()
+    before = model[0].weight.detach().clone()
+    with pytest.raises(ValueError, match=r"param_groups\[1\]\['params'\]\[0\] .* has storage that is not contiguous"):
+        opt.step()
+    assert torch.equal(model[0].weight.detach(), before)
 
 
 # ----- the same tensor twice, and scalars that overflow fp32 ----------------------------------------------

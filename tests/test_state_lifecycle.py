@@ -425,6 +425,12 @@ def test_plain_1d_tensor_swapped_into_a_row_layout_group_is_refused():
     opt.param_groups[0]["params"] = [bias]
     opt.step()
     assert "exp_avg" in opt.state[bias] and bias.float().abs().sum() > 0
+    # FlashMuon has no flat layout to advise: it needs whole matrices, which ZeRO's partitions are not
+    muon = flashdist.FlashMuon([model.weight])
+    muon.param_groups[0]["params"] = [flat]
+    with pytest.raises(ValueError, match="plain 1-d tensor.*FlashMuon cannot run under DeepSpeed ZeRO") as refused:
+        muon.step()
+    assert "flat_layout=True" not in str(refused.value)
 
 
 # ----- weights written outside the optimizer -----------------------------------------------------------------

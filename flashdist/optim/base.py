@@ -66,6 +66,8 @@ class FlashOptimizer(StateLifecycle, OutsideWrites, StateIO, torch.optim.Optimiz
     keeps_step_count: bool = True
     """Whether the torch optimizer this one replaces keeps ``state["step"]`` (torch.optim.SGD does not): a
     state dict of that optimizer without a ``step`` then loads as one step taken."""
+    whole_matrices: bool = False
+    """Whether the update needs each matrix whole (FlashMuon's Newton-Schulz): no flat partitions (DeepSpeed ZeRO)."""
 
     def __init__(self, params, defaults: dict, *, backend: str = "auto", state_dict_format: str = "portable",
                  capturable: bool = False, graphed: bool = False):
@@ -302,14 +304,16 @@ class FlashOptimizer(StateLifecycle, OutsideWrites, StateIO, torch.optim.Optimiz
                     problem = D.grad_layout_problem(p, p.grad) if D.is_dtensor(p) else None
                     if problem:
                         raise RuntimeError(f"flashdist: {self._name(group, p)} {problem}")
-                flat = all(D.local(g).is_contiguous() for g in grads)
-            else:
-                flat = all(map(_CONTIGUOUS, grads))
+                flat = all(D.local(t).is_contiguous() for t in (*grads, *with_grad))
+            else:  # (a parameter too: p.data replaced after construction, e.g. model.to(memory_format=...))
+                flat = all(map(_CONTIGUOUS, grads)) and all(map(_CONTIGUOUS, with_grad))
             if not flat and with_grad and self._reads_flat_storage(D.local(with_grad[0]).device):
-                p = next(p for p in with_grad if not D.local(p.grad).is_contiguous())
-                raise ValueError(f"flashdist: {self._name(group, p)} has a gradient that is not contiguous (strides "
-                                 f"{D.local(p.grad).stride()}) and backend {self.backend!r} reads flat storage: make "
-                                 "it contiguous (p.grad = p.grad.contiguous()), or use backend='reference'")
+                p = next(p for p in with_grad if not D.local(p.grad).is_contiguous() or not D.local(p).is_contiguous())
+                what, t = ("a gradient", p.grad) if not D.local(p.grad).is_contiguous() else ("storage", p)
+                raise ValueError(f"flashdist: {self._name(group, p)} has {what} that is not contiguous (strides "
+                                 f"{D.local(t).stride()}) and backend {self.backend!r} reads flat storage: make it "
+                                 "contiguous (p.grad = p.grad.contiguous(), or the model's default memory format), "
+                                 "or use backend='reference'")
             active.append((with_grad, grads))
         return active
 

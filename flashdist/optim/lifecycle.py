@@ -122,11 +122,15 @@ class StateLifecycle:
                 or isinstance(p, torch.nn.Parameter) or D.is_dtensor(p)):
             return
         name = param_name(group, index, p, self.param_groups)
-        raise ValueError(f"flashdist: {name}, a plain 1-d tensor, was put into a param group built for row-aligned "
-                         "8-bit moments (as DeepSpeed ZeRO does with its flat partitions), where its moments would "
-                         "stay fp32: build the optimizer with flat_layout=True, or name it in the DeepSpeed config "
-                         "(\"type\": \"FlashAdamW\") and call flashdist.integrations.deepspeed.initialize (or "
-                         "register() before Accelerate or the Trainer starts DeepSpeed)")
+        where = (f"flashdist: {name}, a plain 1-d tensor, was put into a param group built for row-aligned 8-bit "
+                 "moments (as DeepSpeed ZeRO does with its flat partitions)")
+        if self.whole_matrices:
+            raise ValueError(f"{where}: {type(self).__name__} cannot run under DeepSpeed ZeRO (its flat partitions "
+                             "hold no whole matrices for Newton-Schulz); train it with FSDP2 or in one process")
+        raise ValueError(f"{where}, where its moments would stay fp32: build the optimizer with flat_layout=True, "
+                         "or name it in the DeepSpeed config (\"type\": \"FlashAdamW\") and call "
+                         "flashdist.integrations.deepspeed.initialize (or register() before Accelerate or the "
+                         "Trainer starts DeepSpeed)")
 
     def _ensure_trainable_state(self) -> None:
         """State for every parameter that requires a gradient (one unfrozen since the last step may have

@@ -95,6 +95,7 @@ class FlashMuon(FlashOptimizer):
 
     _moments = ("momentum_buffer",)
     keeps_step_count = False  # torch.optim.Muon keeps no step count
+    whole_matrices = True
     newer_group_options = ("flatten",)  # a checkpoint saved before these existed loads keeping the live value
 
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,

@@ -271,6 +271,9 @@ def load_state_dict(opt, sd: dict) -> None:
         for k, v in sgroup.items():
             if k not in _KEPT_GROUP_KEYS:
                 group[k] = v
+        names = sgroup.get("param_names")  # torch's rule: saved names replace the live ones, one per parameter
+        if isinstance(names, (list, tuple)) and len(names) == len(group["params"]):
+            group["param_names"] = list(names)
 
 
 def _apply(plan: list) -> None:
