@@ -304,6 +304,13 @@ def test_muon_param_groups_leave_biases_and_tables_by_name_and_see_through_param
     model.classifier = torch.nn.Linear(8, 3)
     muon = [n for g in muon_param_groups(model) if g["use_muon"] for n, _ in g["params"]]
     assert muon == ["proj.weight", "experts.gate_up_proj"]
+    tower = torch.nn.Module()  # layers deep inside a module named so (a retriever's encoder) are hidden layers
+    tower.doc_embedder = torch.nn.Module()
+    tower.doc_embedder.encoder = torch.nn.ModuleList([torch.nn.Module()])
+    tower.doc_embedder.encoder[0].attention = torch.nn.Linear(8, 8)
+    tower.proj = torch.nn.Linear(8, 8)
+    assert [n for g in muon_param_groups(tower) if g["use_muon"] for n, _ in g["params"]] == [
+        "doc_embedder.encoder.0.attention.weight", "proj.weight"]
     lit = torch.nn.Module()  # a LightningModule: self.model, self.loss_fn
     lit.model, lit.loss_fn = model, torch.nn.CrossEntropyLoss()
     assert [n for g in muon_param_groups(lit) if g["use_muon"] for n, _ in g["params"]] == [
@@ -402,6 +409,10 @@ def test_a_parameter_moved_between_muon_and_adamw_groups_is_refused_before_any_c
                        "was made by the Muon update"):
         opt.step()
     assert torch.equal(a, before[0]) and torch.equal(b, before[1])
+    opt.param_groups[1]["params"].insert(0, opt.param_groups[1]["params"].pop())  # first in its new group
+    with pytest.raises(ValueError, match=r"param_groups\[1\]\['params'\]\[0\] .* use_muon=False but its state "
+                       "was made by the Muon update"):
+        opt.step()
     del opt.state[a]
     opt.step()
     assert "exp_avg_codes" in opt.state[a] and float(opt.state[a]["step"]) == 1

@@ -168,19 +168,29 @@ def test_unnamed_positions_name_their_group_and_mixed_names_are_refused():
         FlashAdamW([(w, "w")])
 
 
-def test_a_loaded_state_dict_names_the_parameters_as_torch_loads_names():
-    """torch's load_state_dict takes the saved param_names (a named optimizer's) over the live ones, and keeps
-    the live ones where the saved groups have none."""
-    model = _model()
-    named = FlashAdamW(model.named_parameters())
-    _step(model, named)
-    for live, want in ((list(model.parameters()), [n for n, _ in model.named_parameters()]),
-                       ([(f"other{i}", p) for i, p in enumerate(model.parameters())], None)):
-        ours, theirs = FlashAdamW(live), torch.optim.AdamW(live)
-        ours.load_state_dict(named.state_dict())
-        theirs.load_state_dict(torch.optim.AdamW(model.named_parameters()).state_dict())
-        assert ours.param_groups[0].get("param_names") == theirs.param_groups[0].get("param_names")
-        assert want is None or ours.param_groups[0]["param_names"] == want
+def test_a_state_dict_naming_the_same_parameters_grouped_otherwise_is_refused_not_mixed():
+    """Saved and live groups that both name their parameters, with the same names in another grouping or
+    order (groups built by an earlier rule), would load by position into the wrong parameters (silently where
+    the shapes agree) or fail with a misleading count: refused in one line naming a parameter and both places,
+    nothing changed. Names that differ (another wrapping) load by position and the live names stay."""
+    torch.manual_seed(0)
+    a, b, c = (torch.nn.Parameter(torch.randn(8, 32).bfloat16()) for _ in range(3))
+    saved = FlashAdamW([{"params": [("a", a), ("b", b)]}, {"params": [("c", c)]}])
+    for p in (a, b, c):
+        p.grad = torch.randn_like(p)
+    saved.step()
+    sd = saved.state_dict()
+    for groups, where in (([{"params": [("b", b), ("a", a)]}, {"params": [("c", c)]}], r"\[0\]\['params'\]\[0\]"),
+                          ([{"params": [("a", a)]}, {"params": [("b", b), ("c", c)]}], r"\[1\]\['params'\]\[0\]")):
+        live = FlashAdamW(groups)
+        with pytest.raises(ValueError, match=r"grouped or ordered otherwise.*'b' is param_groups\[0\]\['params'\]"
+                           rf"\[1\] there and param_groups{where} here"):
+            live.load_state_dict(sd)
+        assert len(live.state) == 0
+    other = FlashAdamW([{"params": [("x.a", a), ("x.b", b)]}, {"params": [("x.c", c)]}])
+    other.load_state_dict(sd)
+    assert other.param_groups[0]["param_names"] == ["x.a", "x.b"] and torch.equal(
+        other.state[b]["exp_avg_codes"], saved.state[b]["exp_avg_codes"])
 
 
 @pytest.mark.parametrize("cls", [FlashAdamW, FlashLion, FlashSGD], ids=lambda c: c.__name__)

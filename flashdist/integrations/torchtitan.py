@@ -156,15 +156,15 @@ class FlashOptimizersContainer(OptimizersContainer):
 
 
 def _vectors_to_adamw(groups: list[dict], patterns: list[str]) -> None:
-    """Move the parameters that a FlashMuon Muon group's pattern matched but that are no matrix (fewer than two
-    dims larger than 1: a model's own 1-d parameters no name pattern foresaw, as gpt_oss's attention sinks)
-    into the first AdamW group (``use_muon=False``) of the config, as :func:`flashdist.muon_param_groups` would
-    group them; a Muon group left empty goes. Without an AdamW group they stay, and FlashMuon refuses them."""
+    """Move the parameters of fewer than two dims that a FlashMuon Muon group's pattern matched (which FlashMuon
+    refuses there: a model's own vectors no name pattern foresaw, as gpt_oss's attention sinks) into the first
+    AdamW group (``use_muon=False``) of the config; a Muon group left empty goes. Without an AdamW group they
+    stay, and FlashMuon refuses them."""
     adamw = next((g for g in groups if g.get("use_muon") is False), None)
     if adamw is None:
         return
     for group in [g for g in groups if g.get("use_muon") is not False]:  # (a copy: groups loses its empty ones)
-        vectors = [i for i, p in enumerate(group["params"]) if sum(d > 1 for d in p.shape) < 2]
+        vectors = [i for i, p in enumerate(group["params"]) if p.ndim < 2]  # ((1, d) weights: Muon's, as before)
         for i in vectors:
             adamw["params"].append(group["params"][i])
             adamw["param_names"].append(group["param_names"][i])
@@ -313,8 +313,8 @@ def flash_muon(lr: float = 0.02, *, adamw_lr: float = 8e-4,
     (``use_muon=False``, ``adamw_lr``, betas (0.9, 0.95), weight decay 0.1); every other parameter, the
     matrices, takes Muon's (momentum 0.95, Nesterov, weight decay 0.1), with ``flatten=False``: a weight of
     more than 2 dims there (the ``(experts, out, in)`` weights of torchtitan's ``GroupedExperts``) is a stack of
-    matrices, each orthogonalized on its own; a parameter the Muon group's pattern matches that is no matrix
-    (fewer than two dims larger than 1, as gpt_oss's attention sinks) takes the AdamW group's update. ``kwargs``
+    matrices, each orthogonalized on its own; a parameter the Muon group's pattern matches that has fewer than
+    two dims (gpt_oss's attention sinks) takes the AdamW group's update. ``kwargs``
     are further options of the Muon group."""
     return FlashOptimizersContainer.Config(
         state_dict_format=state_dict_format, backend=backend, param_groups=[

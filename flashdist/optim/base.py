@@ -13,6 +13,7 @@ from collections import defaultdict
 import torch
 
 from .. import distributed as D
+from .._compat import HAS_TRITON
 from ..quant import rho as R
 from .layout import LAYOUT_OPTIONS, LayoutOptions
 from .lifecycle import StateLifecycle, _synced_entry
@@ -304,25 +305,29 @@ class FlashOptimizer(StateLifecycle, OutsideWrites, StateIO, torch.optim.Optimiz
                     problem = D.grad_layout_problem(p, p.grad) if D.is_dtensor(p) else None
                     if problem:
                         raise RuntimeError(f"flashdist: {self._name(group, p)} {problem}")
-                flat = all(D.local(t).is_contiguous() for t in (*grads, *with_grad))
-            else:  # (a parameter too: p.data replaced after construction, e.g. model.to(memory_format=...))
-                flat = all(map(_CONTIGUOUS, grads)) and all(map(_CONTIGUOUS, with_grad))
-            if not flat and with_grad and self._reads_flat_storage(D.local(with_grad[0]).device):
-                p = next(p for p in with_grad if not D.local(p.grad).is_contiguous() or not D.local(p).is_contiguous())
-                what, t = ("a gradient", p.grad) if not D.local(p.grad).is_contiguous() else ("storage", p)
-                raise ValueError(f"flashdist: {self._name(group, p)} has {what} that is not contiguous (strides "
-                                 f"{D.local(t).stride()}) and backend {self.backend!r} reads flat storage: make it "
-                                 "contiguous (p.grad = p.grad.contiguous(), or the model's default memory format), "
-                                 "or use backend='reference'")
+            if with_grad and self._reads_flat_storage(D.local(with_grad[0]).device):
+                # the gradients and the parameters (p.data replaced after construction, e.g. by
+                # model.to(memory_format=...)): C-level maps, per-tensor Python only where one is off
+                local = (lambda ts: map(D.local, ts)) if id(group) in self._dtensor_groups else iter
+                if not (all(map(_CONTIGUOUS, local(with_grad))) and all(map(_CONTIGUOUS, local(grads)))):
+                    self._refuse_strided(group, with_grad)
             active.append((with_grad, grads))
         return active
 
     def _reads_flat_storage(self, device: torch.device) -> bool:
-        """Whether this optimizer's step on ``device`` reads gradients as flat storage (the Triton kernels, and
-        the fused CPU step where ``backend="cpu"`` allows no fallback to the reference)."""
-        from ..functional.backend import resolve_backend
+        """Whether this optimizer's step on ``device`` reads parameters and gradients as flat storage (the
+        Triton kernels, and the fused CPU step where ``backend="cpu"`` allows no fallback to the reference)."""
+        return self.backend in ("cpu", "triton") or (self.backend == "auto" and device.type == "cuda" and HAS_TRITON)
 
-        return self.backend == "cpu" or resolve_backend(self.backend, device) == "triton"
+    def _refuse_strided(self, group: dict, params: list[torch.Tensor]) -> None:
+        """The one-line refusal of a parameter (first) or gradient that is not contiguous."""
+        for p in params:
+            for what, t, fix in (("storage", p, "make the parameter contiguous (the model's default memory format)"),
+                                 ("a gradient", p.grad, "make it contiguous (p.grad = p.grad.contiguous())")):
+                if not D.local(t).is_contiguous():
+                    raise ValueError(f"flashdist: {self._name(group, p)} has {what} that is not contiguous (strides "
+                                     f"{D.local(t).stride()}) and backend {self.backend!r} reads flat storage: "
+                                     f"{fix}, or use backend='reference'")
 
     def _name(self, group: dict, p: torch.Tensor) -> str:
         index = next(i for i, q in enumerate(group["params"]) if q is p)

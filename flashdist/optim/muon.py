@@ -169,7 +169,9 @@ class FlashMuon(FlashOptimizer):
         state = next((self.state[p] for p in group["params"] if p in self.state), None)
         if state:
             was_muon = any(key.startswith("momentum_buffer") for key in state)
-            if was_muon != use_muon:
+            if was_muon != use_muon and not any(  # (else a parameter moved in: the step names it)
+                    any(key.startswith("momentum_buffer") for key in self.state[p]) == use_muon
+                    for p in group["params"] if self.state.get(p)):
                 raise ValueError(f"flashdist: use_muon of a param group was {was_muon} when its state was made and "
                                  f"is now {use_muon}; it decides the state and is fixed: build a new optimizer")
         if not use_muon:
@@ -264,9 +266,10 @@ def muon_param_groups(model: torch.nn.Module, *, exclude=(), adamw_lr: float | N
     modules with one child that has parameters and none of their own: ``torch.compile``'s ``_orig_mod``, DDP's
     ``module``, a LightningModule holding its network beside a loss function), parameters tied to either (the
     same tensor), parameters whose own name (after the last dot) contains ``bias`` and those with ``embed`` in
-    their name below the wrappers, whatever their shape (GPT-OSS's stacked ``gate_up_proj_bias``, Swin's
-    ``relative_position_bias_table``, a ``pos_embed``, a ViT's ``patch_embed`` convolution: the input layer,
-    LoRA's ``lora_embedding_A/B``),
+    their own name, their module's or that module's parent's, whatever their shape (GPT-OSS's stacked
+    ``gate_up_proj_bias``, Swin's ``relative_position_bias_table``, a ``pos_embed``, a ViT's ``patch_embed``
+    convolution: the input layer, LoRA's ``lora_embedding_A/B``; not the layers deep inside a module named so,
+    as a retriever's ``doc_embedder`` encoder),
     parameters with fewer than two dims larger than 1 (vectors in another shape, e.g. a ``(1, 1, d)`` class
     token) or with leading dims of 1 only (a ``(1, n, d)`` position table: one matrix, no stack), and
     ``exclude`` (full names, a tied parameter's other names included; a name that matches no parameter is
@@ -317,10 +320,11 @@ def muon_param_groups(model: torch.nn.Module, *, exclude=(), adamw_lr: float | N
             continue
         excluded = callable(exclude) and exclude(name, p)
         table = p.ndim > 2 and all(d == 1 for d in p.shape[:-2])  # a (1, n, d) position table: no stack
-        # a bias by its own name, an embedding (or a layer of one, as LoRA's factors, or a patch embedding) by
-        # any name on its path below the wrappers, whatever its shape
-        lower = name.removeprefix(root + ".").lower() if root else name.lower()
-        named = "bias" in lower.rsplit(".", 1)[-1] or "embed" in lower
+        # a bias by its own name, an embedding (or a layer of one, as LoRA's factors, or a patch embedding) by its
+        # own name, its module's or that module's parent's (not deeper: an encoder inside a "doc_embedder" is
+        # hidden layers), whatever its shape
+        path = name.lower().split(".")
+        named = "bias" in path[-1] or any("embed" in part for part in path[-3:])
         if sum(d > 1 for d in p.shape) < 2 or table or named or id(p) in leave or excluded:
             other.append((name, p))
         else:

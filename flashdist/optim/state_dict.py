@@ -222,11 +222,30 @@ def _plan_param(opt, group, p, name, saved: dict, saved_dtype: torch.dtype | Non
     return ops
 
 
+def _grouped_otherwise(live: list[dict], saved: list[dict]) -> str | None:
+    """Where the saved groups and the live ones both name their parameters (``param_names``), the same names
+    grouped or ordered otherwise, which a load by position would mix (or refuse with a misleading count): what
+    to say, or None."""
+    names = [[list(g.get("param_names") or ()) for g in groups] for groups in (live, saved)]
+    flat = [[n for group in side for n in group] for side in names]
+    if names[0] == names[1] or not all(flat) or sorted(flat[0]) != sorted(flat[1]):
+        return None
+    where = {n: (gi, i) for gi, group in enumerate(names[1]) for i, n in enumerate(group)}
+    name, here = next((n, (gi, i)) for gi, group in enumerate(names[0]) for i, n in enumerate(group)
+                      if where[n] != (gi, i))
+    return (f"the state dict holds this optimizer's parameters grouped or ordered otherwise (by param_names): "
+            f"'{name}' is param_groups[{where[name][0]}]['params'][{where[name][1]}] there and "
+            f"param_groups[{here[0]}]['params'][{here[1]}] here (groups built by an earlier muon_param_groups? "
+            "docs/method.md says which rules changed when); build the groups as the checkpoint's param_names say")
+
+
 def load_state_dict(opt, sd: dict) -> None:
     """Load ``sd`` (portable, compressed or torch.optim.AdamW's) into ``opt``; all checks run first."""
     _check(isinstance(sd, dict) and isinstance(sd.get("param_groups"), list) and isinstance(sd.get("state"), dict),
            "load_state_dict expects a dict with 'state' and 'param_groups'")
     groups, saved = sd["param_groups"], sd["state"]
+    regrouped = _grouped_otherwise(opt.param_groups, groups)
+    _check(regrouped is None, regrouped)
     _check(len(groups) == len(opt.param_groups),
            f"the state dict has {len(groups)} param groups, this optimizer has {len(opt.param_groups)}")
     plan = []
@@ -271,9 +290,6 @@ def load_state_dict(opt, sd: dict) -> None:
         for k, v in sgroup.items():
             if k not in _KEPT_GROUP_KEYS:
                 group[k] = v
-        names = sgroup.get("param_names")  # torch's rule: saved names replace the live ones, one per parameter
-        if isinstance(names, (list, tuple)) and len(names) == len(group["params"]):
-            group["param_names"] = list(names)
 
 
 def _apply(plan: list) -> None:
