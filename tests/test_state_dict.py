@@ -327,3 +327,25 @@ def test_a_dcp_checkpoint_of_bf16_state_into_fp32_parameters_is_refused_in_one_l
         fresh = FlashAdamW(fp32.parameters(), lr=1e-2)
     with pytest.raises(checkpoint.CheckpointError, match="has rho, this optimizer keeps no rho"):
         checkpoint.load(tmp_path / "ck", fp32, fresh)
+
+
+def test_a_flattened_state_dict_into_an_optimizer_without_state_says_what_to_do():
+    """torch rebuilds a flattened optimizer state dict from the keys of the live state: into an optimizer with
+    no state yet (state is made at the first step) every parameter's state arrives empty. The load says so and
+    what to do, and after optimizer.state_dict() (which makes the state) the same dict loads exactly."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    models = [torch.nn.Linear(32, 16).bfloat16() for _ in range(2)]
+    opts = [FlashAdamW(m.parameters(), state_dict_format="compressed") for m in models]
+    models[0](torch.randn(4, 32, dtype=torch.bfloat16)).float().sum().backward()
+    opts[0].step()
+    sd = get_optimizer_state_dict(models[0], opts[0], options=flat)
+    with pytest.raises(ValueError, match=r"is empty: with flatten_optimizer_state_dict=True.*optimizer.state_dict\(\) "
+                       "first"):
+        set_optimizer_state_dict(models[1], opts[1], sd, options=flat)
+    opts[1].state_dict()
+    set_optimizer_state_dict(models[1], opts[1], sd, options=flat)
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        assert all(torch.equal(v, opts[1].state[q][k]) for k, v in opts[0].state[p].items())

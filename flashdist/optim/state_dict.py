@@ -149,6 +149,10 @@ def _plan_param(opt, group, p, name, saved: dict, saved_dtype: torch.dtype | Non
     if "step" not in saved and not opt.keeps_step_count and keys & portable_keys:
         # torch.optim.SGD keeps no step count; a saved momentum buffer means at least one step was taken
         saved = {**saved, "step": 1.0}
+    _check(bool(saved), f"state of {name} is empty: with flatten_optimizer_state_dict=True torch rebuilds each "
+                        "parameter's state from the keys of the live state, and this optimizer has none yet; call "
+                        "optimizer.state_dict() first (it makes the state, as get_optimizer_state_dict does), or "
+                        "load without flatten_optimizer_state_dict")
     _check("step" in saved, f"state of {name} has no 'step'")
     if keys & compressed_keys:
         _check(quantized, f"state of {name} is compressed (codes and scales) but this optimizer keeps its "
