@@ -13,12 +13,11 @@ from collections import defaultdict
 import torch
 
 from .. import distributed as D
-from .._compat import HAS_TRITON
 from ..quant import rho as R
 from .layout import LAYOUT_OPTIONS, LayoutOptions
 from .lifecycle import StateLifecycle, _synced_entry
 from .outside_writes import OutsideWrites
-from .params import check_overlaps, check_param, param_name
+from .params import check_flat_storage, check_names, check_overlaps, check_param, check_unimplemented, param_name
 from .plan import Bucket, StepPlan, refuse_while_capturing, versions
 from .precision import (caller_stacklevel, fp32_group_warning, fsdp_low_precision_fp32, fsdp_warning,
                         warn_precision)
@@ -33,10 +32,6 @@ from .precision import PrecisionWarning  # noqa: F401,E402
 _GRAD = operator.attrgetter("grad")
 _GENERATIONS = itertools.count()
 _LAYOUT = operator.attrgetter("layout")
-_CONTIGUOUS = torch.Tensor.is_contiguous
-UNIMPLEMENTED_OPTIONS = ("maximize", "amsgrad", "differentiable")
-"""torch.optim param-group options that change the update and no flashdist optimizer implements: refused where
-a group sets them true (``check_group``)."""
 
 
 _EAGER_STEP = ("flashdist: the optimizer step runs eagerly (it is one fused launch per param group already); "
@@ -67,8 +62,7 @@ class FlashOptimizer(StateLifecycle, OutsideWrites, StateIO, torch.optim.Optimiz
     keeps_step_count: bool = True
     """Whether the torch optimizer this one replaces keeps ``state["step"]`` (torch.optim.SGD does not): a
     state dict of that optimizer without a ``step`` then loads as one step taken."""
-    whole_matrices: bool = False
-    """Whether the update needs each matrix whole (FlashMuon's Newton-Schulz): no flat partitions (DeepSpeed ZeRO)."""
+    whole_matrices: bool = False  # the update needs each matrix whole (FlashMuon): no flat partitions (ZeRO)
 
     def __init__(self, params, defaults: dict, *, backend: str = "auto", state_dict_format: str = "portable",
                  capturable: bool = False, graphed: bool = False):
@@ -135,18 +129,9 @@ class FlashOptimizer(StateLifecycle, OutsideWrites, StateIO, torch.optim.Optimiz
         about to be set) that this optimizer would refuse, or the layout option changed on a live group
         since its state was made; return None when all is well. ``step()`` runs it on every group; call
         it before stepping through :meth:`step_parameters`. Changes nothing."""
-        self._check_unimplemented(group)
+        check_unimplemented(group, type(self).__name__)
         self._check_hyperparameters(group)
         self._check_layout_unchanged(group)
-
-    def _check_unimplemented(self, group: dict) -> None:
-        """Refuse a torch.optim option that changes the update, set on (as torch's optimizers take it in a
-        param group, e.g. a group copied from an AdamW config), which no flashdist update implements: it would
-        be kept in the group and never read."""
-        for key in UNIMPLEMENTED_OPTIONS:
-            if group.get(key):
-                raise ValueError(f"flashdist: a param group sets {key}={group[key]!r}, which {type(self).__name__} "
-                                 f"does not implement (its update would ignore it): remove it from the group")
 
     def layout_options(self, group: dict) -> LayoutOptions:
         """The layout options the state of ``group`` (one of ``param_groups``) is made with: fixed from the
@@ -191,22 +176,12 @@ class FlashOptimizer(StateLifecycle, OutsideWrites, StateIO, torch.optim.Optimiz
         param_group = {**param_group, "params": entries}
         candidate = dict(param_group)
         params = entries
-        named = [isinstance(p, tuple) for p in params]
-        if any(named) and not all(named):
-            raise ValueError(f"flashdist: param_groups[{len(self.param_groups)}]'s params mix (name, parameter) "
-                             f"pairs and bare tensors (entry {named.index(not named[0])} is "
-                             f"{'a bare ' + type(params[named.index(False)]).__name__ if named[0] else 'a pair'}): "
-                             "give all with names (model.named_parameters()) or none")
-        if params and named[0]:  # named parameters
-            if not all(len(p) == 2 and isinstance(p[0], str) for p in params):
-                bad = next(i for i, p in enumerate(params) if not (len(p) == 2 and isinstance(p[0], str)))
-                raise ValueError(f"flashdist: param_groups[{len(self.param_groups)}]['params'][{bad}] is a tuple "
-                                 "that is not a (name, parameter) pair: give model.named_parameters() or tensors")
+        if check_names(params, len(self.param_groups)):  # named parameters
             candidate["param_names"] = [n for n, _ in params]
             params = [p for _, p in params]
         for k, v in self.defaults.items():
             candidate.setdefault(k, v)
-        self._check_unimplemented(candidate)
+        check_unimplemented(candidate, type(self).__name__)
         self._check_hyperparameters(candidate)
         layout = LayoutOptions.from_group(candidate)
         for i, p in enumerate(params):
@@ -285,10 +260,10 @@ class FlashOptimizer(StateLifecycle, OutsideWrites, StateIO, torch.optim.Optimiz
             try:
                 self.check_group(group)
             except ValueError as error:
-                if (len(self.param_groups) == 1 or not str(error).startswith("flashdist: ")
-                        or str(error).startswith("flashdist: param_groups[")):  # (it names the group already)
+                said = str(error)  # (re-raised as it is: one group, not ours, or it names the group already)
+                if len(self.param_groups) == 1 or not said.startswith("flashdist: ") or "param_groups[" in said:
                     raise
-                raise ValueError(f"flashdist: param_groups[{index}]: {str(error)[len('flashdist: '):]}") from None
+                raise ValueError(f"flashdist: param_groups[{index}]: {said[len('flashdist: '):]}") from None
             params = group["params"]
             grads = list(map(_GRAD, params))
             if all(map(operator.is_not, grads, itertools.repeat(None))):
@@ -305,29 +280,10 @@ class FlashOptimizer(StateLifecycle, OutsideWrites, StateIO, torch.optim.Optimiz
                     problem = D.grad_layout_problem(p, p.grad) if D.is_dtensor(p) else None
                     if problem:
                         raise RuntimeError(f"flashdist: {self._name(group, p)} {problem}")
-            if with_grad and self._reads_flat_storage(D.local(with_grad[0]).device):
-                # the gradients and the parameters (p.data replaced after construction, e.g. by
-                # model.to(memory_format=...)): C-level maps, per-tensor Python only where one is off
-                local = (lambda ts: map(D.local, ts)) if id(group) in self._dtensor_groups else iter
-                if not (all(map(_CONTIGUOUS, local(with_grad))) and all(map(_CONTIGUOUS, local(grads)))):
-                    self._refuse_strided(group, with_grad)
+            check_flat_storage(group, with_grad, grads, self.backend, id(group) in self._dtensor_groups,
+                               self._name)
             active.append((with_grad, grads))
         return active
-
-    def _reads_flat_storage(self, device: torch.device) -> bool:
-        """Whether this optimizer's step on ``device`` reads parameters and gradients as flat storage (the
-        Triton kernels, and the fused CPU step where ``backend="cpu"`` allows no fallback to the reference)."""
-        return self.backend in ("cpu", "triton") or (self.backend == "auto" and device.type == "cuda" and HAS_TRITON)
-
-    def _refuse_strided(self, group: dict, params: list[torch.Tensor]) -> None:
-        """The one-line refusal of a parameter (first) or gradient that is not contiguous."""
-        for p in params:
-            for what, t, fix in (("storage", p, "make the parameter contiguous (the model's default memory format)"),
-                                 ("a gradient", p.grad, "make it contiguous (p.grad = p.grad.contiguous())")):
-                if not D.local(t).is_contiguous():
-                    raise ValueError(f"flashdist: {self._name(group, p)} has {what} that is not contiguous (strides "
-                                     f"{D.local(t).stride()}) and backend {self.backend!r} reads flat storage: "
-                                     f"{fix}, or use backend='reference'")
 
     def _name(self, group: dict, p: torch.Tensor) -> str:
         index = next(i for i, q in enumerate(group["params"]) if q is p)

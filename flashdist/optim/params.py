@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from .. import distributed as D
+from .._compat import HAS_TRITON
 from ..quant import codes as Q
 
 SUPPORTED_PARAM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -127,3 +128,57 @@ def check_betas(betas: Any, *, high_open: bool, name: str = "betas") -> None:
         raise ValueError(f"flashdist: {name} must be a pair of numbers, got {betas!r}")
     check_number(f"{name}[0]", betas[0], low=0.0, high=1.0, high_open=high_open)
     check_number(f"{name}[1]", betas[1], low=0.0, high=1.0, high_open=high_open)
+
+
+UNIMPLEMENTED_OPTIONS = ("maximize", "amsgrad", "differentiable")
+"""torch.optim param-group options that change the update and no flashdist optimizer implements."""
+
+
+def check_unimplemented(group: dict, optimizer: str) -> None:
+    """Refuse a torch.optim option that changes the update, set true (as torch's optimizers take it in a param
+    group, e.g. a group copied from an AdamW config), which no flashdist update implements: it would be kept in
+    the group and never read."""
+    for key in UNIMPLEMENTED_OPTIONS:
+        if group.get(key):
+            raise ValueError(f"flashdist: a param group sets {key}={group[key]!r}, which {optimizer} does not "
+                             "implement (its update would ignore it): remove it from the group")
+
+
+def check_names(params: list, index: int) -> bool:
+    """Whether the entries of ``param_groups[index]['params']`` are ``(name, parameter)`` pairs (True) or
+    tensors (False); a mix, or a tuple that is no such pair, is refused in one line."""
+    named = [isinstance(p, tuple) for p in params]
+    if any(named) and not all(named):
+        other = named.index(not named[0])
+        raise ValueError(f"flashdist: param_groups[{index}]'s params mix (name, parameter) pairs and bare tensors "
+                         f"(entry {other} is {'a bare ' + type(params[other]).__name__ if named[0] else 'a pair'}): "
+                         "give all with names (model.named_parameters()) or none")
+    bad = next((i for i, p in enumerate(params) if named[i] and not (len(p) == 2 and isinstance(p[0], str))), None)
+    if bad is not None:
+        raise ValueError(f"flashdist: param_groups[{index}]['params'][{bad}] is a tuple that is not a (name, "
+                         "parameter) pair: give model.named_parameters() or tensors")
+    return bool(params) and named[0]
+
+
+def check_flat_storage(group: dict, params: list[torch.Tensor], grads: list[torch.Tensor], backend: str,
+                       dtensors: bool, name) -> None:
+    """Where the step reads flat storage (the Triton kernels; the fused CPU step where ``backend="cpu"`` allows
+    no fallback to the reference), refuse in one line the first parameter (``p.data`` replaced after
+    construction, as ``model.to(memory_format=...)`` does) or gradient that is not contiguous, before anything
+    changes; ``name(group, p)`` names it. C-level maps, per-tensor Python only where one is off."""
+    if not params or not (backend in ("cpu", "triton") or (
+            backend == "auto" and D.local(params[0]).device.type == "cuda" and HAS_TRITON)):
+        return
+    local = (lambda ts: map(D.local, ts)) if dtensors else iter
+    if all(map(_CONTIGUOUS, local(params))) and all(map(_CONTIGUOUS, local(grads))):
+        return
+    for p in params:
+        for what, t, fix in (("storage", p, "make the parameter contiguous (the model's default memory format)"),
+                             ("a gradient", p.grad, "make it contiguous (p.grad = p.grad.contiguous())")):
+            if not D.local(t).is_contiguous():
+                raise ValueError(f"flashdist: {name(group, p)} has {what} that is not contiguous (strides "
+                                 f"{D.local(t).stride()}) and backend {backend!r} reads flat storage: {fix}, or "
+                                 "use backend='reference'")
+
+
+_CONTIGUOUS = torch.Tensor.is_contiguous
