@@ -230,9 +230,12 @@ def _grouped_otherwise(live: list[dict], saved: list[dict]) -> str | None:
     """Where the saved groups and the live ones both name their parameters (``param_names``), the same names
     grouped or ordered otherwise, which a load by position would mix (or refuse with a misleading count): what
     to say, or None."""
-    names = [[list(g.get("param_names") or ()) for g in groups] for groups in (live, saved)]
+    names = [[g.get("param_names") or [] for g in groups if isinstance(g, dict)] for groups in (live, saved)]
+    if not all(isinstance(group, list) for side in names for group in side):
+        return None  # (a file's own business: the checks that follow refuse what is malformed)
     flat = [[n for group in side for n in group] for side in names]
-    if names[0] == names[1] or not all(flat) or sorted(flat[0]) != sorted(flat[1]):
+    if (names[0] == names[1] or not all(flat) or not all(isinstance(n, str) for n in flat[1])
+            or sorted(flat[0]) != sorted(flat[1])):
         return None
     where = {n: (gi, i) for gi, group in enumerate(names[1]) for i, n in enumerate(group)}
     name, here = next((n, (gi, i)) for gi, group in enumerate(names[0]) for i, n in enumerate(group)
