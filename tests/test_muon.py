@@ -159,6 +159,33 @@ def test_flatten_false_orthogonalizes_each_matrix_of_a_stack(adjust_lr_fn):
         assert not torch.equal(stack.detach(), w)
 
 
+@pytest.mark.parametrize("adjust_lr_fn", [None, "match_rms_adamw"])
+def test_transposed_stack_steps_as_the_linear_weights_it_stands_for(adjust_lr_fn):
+    """transposed=True: a (experts, in, out) stack (Hugging Face's is_transposed experts) steps as the
+    nn.Linear (out, in) weights it stands for, each the transpose of its matrix: the orthogonalization is
+    orientation-free and adjust_lr_fn reads the Linear's rows and columns (without the key, "original" reads
+    the stored ones: another learning rate for a matrix that is not square)."""
+    gen = torch.Generator().manual_seed(8)
+    w = torch.randn(3, 16, 40, generator=gen).bfloat16()  # (experts, in, out): Linear(16, 40) each
+    stack = torch.nn.Parameter(w.clone())
+    linears = [torch.nn.Parameter(m.t().contiguous()) for m in w]  # (out, in)
+    a = FlashMuon([{"params": [stack], "flatten": False, "transposed": True}], lr=0.02, adjust_lr_fn=adjust_lr_fn,
+                  quantize_states=False)
+    b = FlashMuon(linears, lr=0.02, adjust_lr_fn=adjust_lr_fn, quantize_states=False)
+    plain = torch.nn.Parameter(w.clone())
+    c = FlashMuon([plain], lr=0.02, flatten=False, adjust_lr_fn=adjust_lr_fn, quantize_states=False)
+    for _ in range(3):
+        stack.grad = torch.randn(w.shape, generator=gen).bfloat16()
+        plain.grad = stack.grad.clone()
+        for linear, g in zip(linears, stack.grad):
+            linear.grad = g.t().contiguous()
+        a.step(), b.step(), c.step()
+    assert torch.equal(stack.detach(), torch.stack([p.detach().t() for p in linears]))
+    assert torch.equal(plain.detach(), stack.detach()) == (adjust_lr_fn == "match_rms_adamw")
+    with pytest.raises(ValueError, match="transposed must be True or False, got 1"):
+        FlashMuon([{"params": [stack], "flatten": False, "transposed": 1}])
+
+
 def test_muon_param_groups_stack_hugging_face_fused_experts():
     """Hugging Face's MoE models hold their experts as fused (experts, out, in) weights: muon_param_groups puts
     them in a flatten=False group (each expert's matrix orthogonalized on its own), and a training step runs."""
@@ -178,6 +205,19 @@ def test_muon_param_groups_stack_hugging_face_fused_experts():
     model(input_ids=ids, labels=ids).loss.backward()
     opt.step()
     assert not torch.equal(experts.detach(), before)
+    # GPT-OSS stores its experts (experts, in, out) and says so (is_transposed): a group of their own that says
+    # it too, and the stacked expert biases take AdamW
+    config = transformers.GptOssConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                       num_attention_heads=2, num_key_value_heads=1, head_dim=8, vocab_size=64,
+                                       num_local_experts=4, num_experts_per_tok=2, layer_types=["full_attention"])
+    model = transformers.GptOssForCausalLM(config).bfloat16()
+    flipped = getattr(model.model.layers[0].mlp.experts, "is_transposed", False) is True
+    groups = muon_param_groups(model)
+    stacked = {n: g.get("transposed", False) for g in groups if g.get("flatten") is False for n, _ in g["params"]}
+    assert stacked == {"model.layers.0.mlp.experts.gate_up_proj": flipped, "model.layers.0.mlp.experts.down_proj":
+                       flipped}
+    assert all(not g["use_muon"] for g in groups for n, _ in g["params"] if n.endswith("_bias"))
+    FlashMuon(groups, lr=0.02)
 
 
 def test_a_weight_of_more_than_two_dims_needs_its_view_chosen():
@@ -612,9 +652,10 @@ def test_a_checkpoint_saved_before_flatten_existed_loads(tmp_path):
     model, opt = build()
     step(model, opt, 0)
     options = [g.pop("flatten") for g in opt.param_groups]  # as a checkpoint of an earlier flashdist
+    flipped = [g.pop("transposed") for g in opt.param_groups]  # (added later still)
     checkpoint.save(str(tmp_path / "ck"), model, opt)
-    for g, value in zip(opt.param_groups, options):
-        g["flatten"] = value
+    for g, value, t in zip(opt.param_groups, options, flipped):
+        g["flatten"], g["transposed"] = value, t
     again, resumed = build()
     groups = resumed.param_groups
     groups[:] = groups[1:] + groups[:1]  # listed in another order than saved: the options follow the parameters
@@ -622,6 +663,7 @@ def test_a_checkpoint_saved_before_flatten_existed_loads(tmp_path):
         checkpoint.load(str(tmp_path / "ck"), again, resumed)
     groups[:] = groups[-1:] + groups[:-1]
     assert [g["flatten"] for g in resumed.param_groups] == options == [None, False, None]
+    assert [g["transposed"] for g in resumed.param_groups] == flipped == [False, False, False]
     step(model, opt, 1)
     step(again, resumed, 1)
     for (name, p), q in zip(model.named_parameters(), again.parameters()):

@@ -64,6 +64,7 @@ def flash_muon(
     eps: float,
     adjust_lr_fn: str | None,
     flatten: bool | None = None,
+    transposed: bool = False,
     companded: bool = True,
     skipped: torch.Tensor | None = None,
     backend: str = "auto",
@@ -77,7 +78,8 @@ def flash_muon(
     ``momentum_scales`` is None), and the update ``U = lerp(g, buf, momentum)`` (Nesterov) or ``buf``.
     2: Newton-Schulz on each WHOLE matrix (``shapes[i]``, the parameter's global shape, viewed as
     ``matrix_shape(shapes[i], flatten)``: a parameter of more than 2 dims is one matrix with ``flatten=True``,
-    a stack of matrices orthogonalized one by one with ``flatten=False``, refused with None):
+    a stack of matrices orthogonalized one by one with ``flatten=False``, refused with None; ``transposed``:
+    each matrix is stored as ``(in, out)``, so ``adjust_lr_fn`` reads its rows and columns swapped):
     ``orthogonalize(indices, local updates, whole)`` returns each tensor's local part of ``whole(i, full
     update i)``; the default takes the local tensors to be whole (one process), and
     ``flashdist.distributed.gather.OwnerOrthogonalize`` gathers each to one owner rank and sends the result
@@ -116,7 +118,9 @@ def flash_muon(
     device_lr = lr if chosen == "triton" and on_device(lr, params[0].device) else None
     views = [matrix_shape(shape, flatten) for shape in shapes]  # (refuses an unchosen view before any change)
     stacked = [len(shape) > 2 and flatten is False for shape in shapes]  # stacks of matrices, one by one
-    ratios = [muon_lr_ratio(adjust_lr_fn, *view) for view in views]
+    # (transposed: matrices stored as (in, out), Hugging Face's is_transposed experts: the ratio an nn.Linear's
+    # (out, in) would get; the orthogonalization of a transpose is the transpose of its, bit for bit)
+    ratios = [muon_lr_ratio(adjust_lr_fn, *(view[::-1] if transposed else view)) for view in views]
     scalars = [MuonScalars.make(lr=0.0 if device_lr is not None else host_number(lr), weight_decay=weight_decay,
                                 momentum=momentum, nesterov=nesterov, lr_ratio=ratio) for ratio in ratios]
     if chosen == "triton":

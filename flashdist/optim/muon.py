@@ -70,6 +70,11 @@ class FlashMuon(FlashOptimizer):
             with its own learning-rate adjustment (MoE experts ``(experts, out, in)``); None (the default)
             refuses them in one line, since neither view is right for every weight and torch.optim.Muon
             takes 2-D parameters only. ``flashdist.muon_param_groups(model)`` sets it from the module.
+            A group key ``transposed`` (default False) says the group's matrices are stored as ``(in, out)``,
+            the transpose of ``nn.Linear``'s ``(out, in)`` (Hugging Face's fused experts marked
+            ``is_transposed``: GPT-OSS, Llama 4): ``adjust_lr_fn`` then reads each matrix's rows and columns
+            swapped, as for the ``nn.Linear`` weight it stands for (the orthogonalization does not depend on
+            it: Newton-Schulz of a transpose is the transpose of Newton-Schulz's, bit for bit).
         adamw_betas, adamw_eps: AdamW's betas and eps in ``use_muon=False`` groups ((0.9, 0.999), 1e-8).
         master_weight_bits, quantize_states, companded, state_dict_format: as :class:`flashdist.FlashAdamW`;
             the portable state dict holds fp32 ``momentum_buffer`` (torch.optim.Muon's name) plus ``rho`` and
@@ -96,7 +101,7 @@ class FlashMuon(FlashOptimizer):
     _moments = ("momentum_buffer",)
     keeps_step_count = False  # torch.optim.Muon keeps no step count
     whole_matrices = True
-    newer_group_options = ("flatten",)  # a checkpoint saved before these existed loads keeping the live value
+    newer_group_options = ("flatten", "transposed")  # a checkpoint saved before these existed keeps the live value
 
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
                  nesterov: bool = True, ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
@@ -109,7 +114,8 @@ class FlashMuon(FlashOptimizer):
         _check_adamw(adamw_betas, adamw_eps)  # (checked here too: the AdamW groups may come later)
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
-                        adjust_lr_fn=adjust_lr_fn, flatten=flatten, use_muon=True, adamw_betas=tuple(adamw_betas),
+                        adjust_lr_fn=adjust_lr_fn, flatten=flatten, transposed=False, use_muon=True,
+                        adamw_betas=tuple(adamw_betas),
                         adamw_eps=adamw_eps, master_weight_bits=master_weight_bits,
                         quantize_states=quantize_states, companded=companded, flat_layout=False)
         super().__init__(params, defaults, backend=backend, state_dict_format=state_dict_format,
@@ -193,6 +199,8 @@ class FlashMuon(FlashOptimizer):
         flatten = group.get("flatten")  # (a group loaded from a state dict saved before the key existed: None)
         if flatten is not None and not isinstance(flatten, bool):
             raise ValueError(f"flashdist: flatten must be None, True or False, got {flatten!r}")
+        if not isinstance(group.get("transposed", False), bool):
+            raise ValueError(f"flashdist: transposed must be True or False, got {group['transposed']!r}")
         # before anything changes, and again whenever the group's list or flatten changed since it last passed
         # (an identity compare per parameter, as the step plans make, not a Python loop each step)
         params = group["params"]
@@ -248,7 +256,8 @@ class FlashMuon(FlashOptimizer):
                    weight_decay=float(group["weight_decay"]), momentum=float(group["momentum"]),
                    nesterov=group["nesterov"], ns_coefficients=tuple(map(float, group["ns_coefficients"])),
                    ns_steps=group["ns_steps"], eps=float(group["eps"]), adjust_lr_fn=group["adjust_lr_fn"],
-                   flatten=group.get("flatten"), companded=group["companded"], skipped=skipped, backend=self.backend,
+                   flatten=group.get("flatten"), transposed=group.get("transposed", False),
+                   companded=group["companded"], skipped=skipped, backend=self.backend,
                    orthogonalize=orthogonalize, grad_cells=grad_cells)
 
 
@@ -278,9 +287,10 @@ def muon_param_groups(model: torch.nn.Module, *, exclude=(), adamw_lr: float | N
     otherwise). Muon parameters of more than 2 dims get a group with their ``flatten``: True for the weights of
     convolutions (``nn.Conv1d/2d/3d`` and the transposed ones: one matrix of ``(out, in * kernel)``), False for
     the others (stacked matrices such as the ``(experts, out, in)`` weights of MoE layers: each expert's matrix
-    orthogonalized on its own). Edit the returned dicts for anything else: ``use_muon`` and ``flatten`` are
-    group keys."""
-    leave, conv = set(), set()
+    orthogonalized on its own), in a group of their own with ``transposed``: True where the module says it
+    stores them ``(experts, in, out)`` (Hugging Face's ``is_transposed`` experts: GPT-OSS, Llama 4). Edit the
+    returned dicts for anything else: ``use_muon``, ``flatten`` and ``transposed`` are group keys."""
+    leave, conv, flipped = set(), set(), set()
     # the model inside its wrappers (torch.compile's _orig_mod, DDP's module, a LightningModule's model: a module
     # with one child and no parameters of its own), whose children are the model's own
     chain, module = [""], model
@@ -303,6 +313,8 @@ def muon_param_groups(model: torch.nn.Module, *, exclude=(), adamw_lr: float | N
             leave.update(id(p) for p in module.parameters(recurse="." not in own))
         if isinstance(module, torch.nn.modules.conv._ConvNd):
             conv.update(id(p) for p in module.parameters(recurse=False))
+        if getattr(module, "is_transposed", False) is True:  # Hugging Face's fused experts stored (E, in, out)
+            flipped.update(id(p) for p in module.parameters(recurse=False))
     if isinstance(exclude, str):
         raise ValueError(f"flashdist: muon_param_groups takes exclude as names (a list or tuple) or a callable, got "
                          f"the string {exclude!r}: pass [{exclude!r}]")
@@ -314,7 +326,7 @@ def muon_param_groups(model: torch.nn.Module, *, exclude=(), adamw_lr: float | N
             raise ValueError(f"flashdist: muon_param_groups got exclude names that are no parameter of the model: "
                              f"{unknown[:4]} (full names, as model.named_parameters() gives them)")
         leave.update(id(every[name]) for name in exclude)
-    muon, convs, stacks, other = [], [], [], []
+    muon, convs, stacks, flipped_stacks, other = [], [], [], [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
@@ -328,7 +340,8 @@ def muon_param_groups(model: torch.nn.Module, *, exclude=(), adamw_lr: float | N
         if sum(d > 1 for d in p.shape) < 2 or table or named or id(p) in leave or excluded:
             other.append((name, p))
         else:
-            (muon if p.ndim == 2 else convs if id(p) in conv else stacks).append((name, p))
+            (muon if p.ndim == 2 else convs if id(p) in conv else flipped_stacks if id(p) in flipped
+             else stacks).append((name, p))
     adamw = {"use_muon": False}
     if adamw_lr is not None:
         adamw["lr"] = adamw_lr
@@ -337,4 +350,6 @@ def muon_param_groups(model: torch.nn.Module, *, exclude=(), adamw_lr: float | N
     groups = [{"params": muon, "use_muon": True}] if muon else []
     groups += [{"params": convs, "use_muon": True, "flatten": True}] if convs else []
     groups += [{"params": stacks, "use_muon": True, "flatten": False}] if stacks else []
+    groups += ([{"params": flipped_stacks, "use_muon": True, "flatten": False, "transposed": True}]
+               if flipped_stacks else [])
     return groups + ([{"params": other, **adamw}] if other else [])
