@@ -187,6 +187,10 @@ def test_a_state_dict_naming_the_same_parameters_grouped_otherwise_is_refused_no
                            rf"\[1\] there and param_groups{where} here"):
             live.load_state_dict(sd)
         assert len(live.state) == 0
+    spare = {**sd, "param_groups": [*sd["param_groups"], {**sd["param_groups"][1], "params": [], "param_names": []}]}
+    with pytest.raises(ValueError, match="the state dict has 3 param groups, this optimizer has 2"):
+        FlashAdamW([{"params": [("a", a), ("b", b)]}, {"params": [("c", c)]}]).load_state_dict(spare)  # (only an
+        # empty group apart: the count says it)
     other = FlashAdamW([{"params": [("x.a", a), ("x.b", b)]}, {"params": [("x.c", c)]}])
     other.load_state_dict(sd)
     assert other.param_groups[0]["param_names"] == ["x.a", "x.b"] and torch.equal(

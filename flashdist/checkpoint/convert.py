@@ -351,7 +351,7 @@ def _masters_line(rest, specs, order, unknown, n_weights: int) -> str:
         return f"not attachable, export refuses: {str(e).removeprefix('flashdist: ')}"
     if not found.rho:
         return f"the saved weights (no rho in the optimizer state; {found.how})"
-    bits = sorted({{torch.int8: 24, torch.int16: 32}[dtype] for dtype in found.rho_dtype.values()})
+    bits = sorted({R.MASTER_WEIGHT_BITS_OF[dtype] for dtype in found.rho_dtype.values()})
     cast = sorted({str(specs[r][1]).removeprefix("torch.") for r in found.rho.values()} - {"int8", "int16"})
     return (f"param + rho ({'/'.join(map(str, bits))}-bit) for {len(found.rho)} of {n_weights} weights; "
             f"state named by {found.how}" + (f"; rho held as {'/'.join(cast)} (a torch optimizer's cast), read "

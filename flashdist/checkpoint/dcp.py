@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from ..quant import rho as R
 from ..quant.moment import QuantizedMoment
 from ..optim.base import FlashOptimizer
 
@@ -256,7 +257,7 @@ def _load(path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
     # (an int16 rho or int32 codes, from a damaged or crafted file) would wrap without a word
     cast = _other_state_dtypes(state, metadata) if isinstance(optimizer, FlashOptimizer) else []
     if cast:
-        rho_bits = {{torch.int8: 24, torch.int16: 32}.get(saved) for key, saved, _ in cast if key.endswith(".rho")}
+        rho_bits = {R.MASTER_WEIGHT_BITS_OF.get(saved) for key, saved, _ in cast if key.endswith(".rho")}
         setting = (f"master_weight_bits={rho_bits.pop()}, as its rho says"
                    if all(key.endswith(".rho") for key, _, _ in cast) and len(rho_bits) == 1 and None not in rho_bits
                    else "the settings it was saved with (master_weight_bits, the parameters' dtype)")

@@ -55,11 +55,13 @@ def state_dict_ties(model_state: dict) -> list[list[str]]:
     by_place: dict[tuple, list[str]] = {}
     for name, value in model_state.items():
         if isinstance(value, torch.Tensor):
-            local = D.local(value)
-            place = (local.untyped_storage()._cdata, local.storage_offset(), tuple(local.shape), local.stride(),
-                     local.dtype)
-            by_place.setdefault(place, []).append(name)
+            by_place.setdefault(storage_place(D.local(value)), []).append(name)
     return [names for names in by_place.values() if len(names) > 1]
+
+
+def storage_place(t: torch.Tensor) -> tuple:
+    """Where ``t``'s values are: equal for two tensors that are one tensor (a weight tied under two names)."""
+    return t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype
 
 
 ORDER_UNKNOWN = "flashdist_model_order_unknown"

@@ -41,6 +41,7 @@ from .dcp_files import SafeFileSystemReader, SafeLoadPlanner
 from .errors import CheckpointError, error_summary
 from .files import (check_nesting, check_routes, check_safetensors_file, check_torch_file, inside, open_regular,
                     reason)
+from .names import storage_place
 from .output import Spec
 from .publish import resolve
 
@@ -355,9 +356,7 @@ class Source:
 
 
 def _one_tensor(a: torch.Tensor, b: torch.Tensor) -> bool | None:
-    same = (a.untyped_storage()._cdata == b.untyped_storage()._cdata and a.storage_offset() == b.storage_offset()
-            and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype)
-    return True if same else None
+    return True if storage_place(a) == storage_place(b) else None
 
 
 class MemorySource(Source):

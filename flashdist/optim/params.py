@@ -20,9 +20,14 @@ def param_name(group: dict, index: int, p: torch.Tensor, groups: list[dict] | No
     group's index in ``groups`` (the optimizer's ``param_groups``; ``[...]`` for a group not among them)."""
     names = group.get("param_names")
     named = names and index < len(names)  # (a parameter appended to a named group's list has no name)
-    at = "..." if groups is None else next((i for i, g in enumerate(groups) if g is group), "...")
+    at = _group_index(group, groups)
     where = f"'{names[index]}'" if named else f"param_groups[{at}]['params'][{index}]"
     return f"{where} (shape {tuple(p.shape)}, {p.dtype})"
+
+
+def _group_index(group: dict, groups: list[dict] | None) -> int | str:
+    """``group``'s index in ``groups`` (by identity), or ``...`` where it is not there or there is no list."""
+    return "..." if groups is None else next((i for i, g in enumerate(groups) if g is group), "...")
 
 
 def check_param(group: dict, index: int, p: torch.Tensor, groups: list[dict] | None = None) -> None:
@@ -30,7 +35,7 @@ def check_param(group: dict, index: int, p: torch.Tensor, groups: list[dict] | N
     not contiguous, or a DTensor whose placements would cut quantization groups. ``groups``: as for
     :func:`param_name` (a group being added: the optimizer's groups and it)."""
     if not isinstance(p, torch.Tensor):
-        at = "..." if groups is None else next((i for i, g in enumerate(groups) if g is group), "...")
+        at = _group_index(group, groups)
         raise TypeError(f"flashdist: param_groups[{at}]['params'][{index}] is a {type(p).__name__}, not a tensor")
     name = param_name(group, index, p, groups)
     if p.dtype not in SUPPORTED_PARAM_DTYPES:

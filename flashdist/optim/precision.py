@@ -72,8 +72,8 @@ def fsdp_low_precision_fp32(param_groups, model: torch.nn.Module) -> list[str]:
     bf16 or fp16."""
     names = {id(p): n for n, p in model.named_parameters()}
     compute = D.fsdp_compute_dtypes(model)
-    return [names.get(id(p), param_name(g, i, p, param_groups)) for g in param_groups for i, p in enumerate(g["params"])
-            if p.requires_grad and p.dtype == torch.float32
+    return [names.get(id(p), param_name(g, i, p, param_groups))
+            for g in param_groups for i, p in enumerate(g["params"]) if p.requires_grad and p.dtype == torch.float32
             and compute.get(id(p), torch.float32) in (torch.bfloat16, torch.float16)]
 
 

@@ -238,8 +238,11 @@ def _grouped_otherwise(live: list[dict], saved: list[dict]) -> str | None:
             or sorted(flat[0]) != sorted(flat[1])):
         return None
     where = {n: (gi, i) for gi, group in enumerate(names[1]) for i, n in enumerate(group)}
-    name, here = next((n, (gi, i)) for gi, group in enumerate(names[0]) for i, n in enumerate(group)
-                      if where[n] != (gi, i))
+    moved = next(((n, (gi, i)) for gi, group in enumerate(names[0]) for i, n in enumerate(group)
+                  if where[n] != (gi, i)), None)
+    if moved is None:  # (only empty groups differ: the group count says it)
+        return None
+    name, here = moved
     return (f"the state dict holds this optimizer's parameters grouped or ordered otherwise (by param_names): "
             f"'{name}' is param_groups[{where[name][0]}]['params'][{where[name][1]}] there and "
             f"param_groups[{here[0]}]['params'][{here[1]}] here (groups built by an earlier muon_param_groups? "

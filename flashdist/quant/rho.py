@@ -38,6 +38,7 @@ import torch
 # format -> (number of explicit mantissa bits, smallest normal biased fp32 exponent of the format)
 _FORMATS = {torch.bfloat16: (7, 1), torch.float16: (10, 127 - 14)}
 RHO_DTYPES = {24: torch.int8, 32: torch.int16}
+MASTER_WEIGHT_BITS_OF = {dtype: bits for bits, dtype in RHO_DTYPES.items()}  # the masters a rho dtype makes
 RHO_STEPS = {torch.int8: 128.0, torch.int16: 32768.0}  # 2^(k-1): steps per h
 
 
